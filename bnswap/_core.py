@@ -1,0 +1,228 @@
+"""The one batch-norm core every bnswap layer uses.
+
+It reproduces ``torch.nn.modules.batchnorm._BatchNorm.forward`` + ``F.batch_norm``
+semantics exactly, but calls PyTorch's consolidated, backend-agnostic batch-norm ops
+(pytorch PR 116092) instead of the legacy ``aten::batch_norm`` stack:
+
+* ``aten::_batch_norm_with_update(Tensor input, Tensor? weight, Tensor? bias,
+  Tensor(a!) running_mean, Tensor(b!) running_var, float momentum, float eps)
+  -> (Tensor out, Tensor save_mean, Tensor save_invstd, Tensor reserve)``
+  when normalizing with batch statistics;
+* ``aten::_batch_norm_no_update(Tensor input, Tensor? weight, Tensor? bias,
+  Tensor? running_mean, Tensor? running_var, float momentum, float eps)
+  -> (Tensor, Tensor, Tensor, Tensor)`` when normalizing with running statistics.
+
+Their derivative is ``aten::batch_norm_backward``. Under ``torch.export`` /
+``torch.compile`` these become ``_batch_norm_with_update_functional`` /
+``_batch_norm_no_update`` + ``batch_norm_backward``, which pick cuDNN / MIOpen /
+native at run time, so a graph captured on CPU still runs cuDNN on CUDA (the legacy
+``_native_batch_norm_legit_functional`` + ``native_batch_norm_backward`` pair binds the
+native kernel: pytorch issue 111384).
+
+Facts about these ops on torch 2.13 that the core handles:
+
+* ``batch_norm_backward`` needs a weight tensor, and cuDNN is selected only when weight
+  and bias are both defined: layers without affine parameters pass constant ones /
+  zeros (never parameters, never in the state_dict).
+* ``_batch_norm_no_update`` with running stats None crashes the process and
+  ``_batch_norm_with_update`` with None stats raises: batch-statistics-only
+  normalization (``track_running_stats=False``) runs ``_batch_norm_with_update`` on
+  throw-away statistics.
+* The ops do not check for one value per channel in training (they write NaN into
+  running_var) nor channel counts before they run: all checks happen here, before any
+  kernel runs and before num_batches_tracked moves.
+* The ops take ``momentum`` as a float. ``momentum=None`` (cumulative moving average)
+  needs ``1 / num_batches_tracked``: eager code reads it as a Python float exactly as
+  stock does (bitwise-equal statistics); code being compiled or exported computes the
+  update with tensor maths so no graph break occurs (stock breaks there: pytorch issue
+  194504).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["module_batch_norm", "check_batch_norm_input"]
+
+_aten = torch.ops.aten
+
+# c10 ScalarType names, as torch's kernels print them in "not implemented for" errors.
+_C10_NAMES = {
+    torch.bool: "Bool",
+    torch.uint8: "Byte",
+    torch.int8: "Char",
+    torch.int16: "Short",
+    torch.int32: "Int",
+    torch.int64: "Long",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def check_batch_norm_input(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    use_batch_stats: bool,
+) -> None:
+    """Raise what stock ``F.batch_norm`` raises for ``input``, before any kernel runs.
+
+    Args:
+        input: (N, C, *) floating-point tensor.
+        weight, bias, running_mean, running_var: (C,) tensors or None, as they will be
+            passed to the kernel (running stats are None when not used).
+        use_batch_stats: True when the batch statistics are used (``F.batch_norm``'s
+            ``training`` argument).
+
+    Raises:
+        NotImplementedError: non-floating input (``"batch_norm" not implemented for
+            'Long'``, as torch's kernel dispatch says).
+        RuntimeError: ``"running_mean should contain C elements not K"`` (and the same
+            for running_var, weight, bias, in that order), as in ATen's
+            ``_batch_norm_impl_index``.
+        ValueError: ``"Expected more than 1 value per channel when training, got input
+            size ..."`` when batch statistics would come from one value per channel
+            (``F._verify_batch_size``); the raw op would write NaN into running_var.
+    """
+    # Order as in stock: F._verify_batch_size (Python) first, then aten::batch_norm's
+    # early return for empty input, its channel checks, and finally the kernel's dtype
+    # dispatch.
+    if use_batch_stats:
+        size = input.shape
+        values = size[0]
+        for s in size[2:]:
+            values *= s
+        if values == 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {size}"
+            )
+    if input.numel() == 0:
+        return  # stock returns early for empty input (see module_batch_norm)
+    num_features = input.shape[1]
+    for label, t in (
+        ("running_mean", running_mean),
+        ("running_var", running_var),
+        ("weight", weight),
+        ("bias", bias),
+    ):
+        if t is not None and t.numel() != num_features:
+            raise RuntimeError(f"{label} should contain {num_features} elements not {t.numel()}")
+    if not input.is_floating_point():
+        name = _C10_NAMES.get(input.dtype, str(input.dtype).removeprefix("torch."))
+        raise NotImplementedError(f'"batch_norm" not implemented for \'{name}\'')
+
+
+def _param_dtype(input: Tensor, *refs: Tensor | None) -> torch.dtype:
+    for r in refs:
+        if r is not None:
+            return r.dtype
+    return torch.float64 if input.dtype == torch.float64 else torch.float32
+
+
+def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
+    """Normalize ``input`` the way ``bn`` (a ``_BatchNorm``) would, on the consolidated ops.
+
+    Exactly ``_BatchNorm.forward`` semantics: batch statistics in training or when the
+    layer has no running statistics, running statistics otherwise; running_mean /
+    running_var updated (unbiased batch variance, momentum or cumulative average) and
+    num_batches_tracked incremented only in training with ``track_running_stats=True``.
+
+    Args:
+        bn: the layer (its ``training``, ``track_running_stats``, ``momentum``, ``eps``,
+            ``weight``, ``bias``, ``running_mean``, ``running_var``,
+            ``num_batches_tracked`` are read; the buffers are updated in place).
+        input: (N, C, *) tensor, float16 / bfloat16 / float32 / float64, any memory
+            format (channels_last is preserved). Rank checks are the caller's
+            (``bn._check_input_dim``).
+
+    Returns:
+        Tensor of the same shape, dtype and memory format as ``input``.
+
+    Raises:
+        See :func:`check_batch_norm_input`; all raised before any state changes.
+    """
+    training = bn.training
+    running_mean = bn.running_mean
+    running_var = bn.running_var
+    if (running_mean is None) != (running_var is None):
+        raise RuntimeError(
+            "running_mean and running_var must both be defined or both be None "
+            f"(got running_mean={'None' if running_mean is None else 'Tensor'}, "
+            f"running_var={'None' if running_var is None else 'Tensor'})"
+        )
+    # _BatchNorm.forward: batch statistics in training, or when there are no buffers.
+    use_batch_stats = training or running_mean is None
+    # _BatchNorm.forward passes the buffers only when not training or when tracking.
+    update = use_batch_stats and running_mean is not None and bn.track_running_stats
+    if use_batch_stats and not update:
+        running_mean = running_var = None
+    weight, bias = bn.weight, bn.bias
+    check_batch_norm_input(input, weight, bias, running_mean, running_var, use_batch_stats)
+
+    momentum = bn.momentum
+    factor = 0.0 if momentum is None else momentum
+    nbt = bn.num_batches_tracked
+    cumulative = False
+    if update and nbt is not None:
+        nbt.add_(1)
+        if momentum is None:
+            cumulative = True
+
+    if input.numel() == 0:
+        # aten::batch_norm's early return for empty input: no kernel, no statistics.
+        out = input.clone()
+        if weight is not None:
+            out = out * weight[0]
+        if bias is not None:
+            out = out + bias[0]
+        return out
+
+    num_features = input.shape[1]
+    pdtype = _param_dtype(input, weight, bias, running_mean)
+    if weight is None:
+        weight = torch.ones(num_features, dtype=pdtype, device=input.device)
+    if bias is None:
+        bias = torch.zeros(num_features, dtype=pdtype, device=input.device)
+
+    if not use_batch_stats:
+        return _aten._batch_norm_no_update(
+            input, weight, bias, running_mean, running_var, factor, bn.eps
+        )[0]
+    if not update:
+        # Batch statistics only: the op needs statistics to write to; these are dropped.
+        scratch_mean = torch.zeros(num_features, dtype=pdtype, device=input.device)
+        scratch_var = torch.ones(num_features, dtype=pdtype, device=input.device)
+        return _aten._batch_norm_with_update(
+            input, weight, bias, scratch_mean, scratch_var, 0.0, bn.eps
+        )[0]
+    if cumulative:
+        if not _is_compiling():
+            factor = 1.0 / float(nbt)  # as _BatchNorm.forward
+        else:
+            # Graph-friendly cumulative average: batch statistics via momentum=1 on
+            # scratch buffers, then running += (batch - running) / num_batches_tracked.
+            batch_mean = torch.zeros_like(running_mean)
+            batch_var = torch.zeros_like(running_var)
+            out = _aten._batch_norm_with_update(
+                input, weight, bias, batch_mean, batch_var, 1.0, bn.eps
+            )[0]
+            w = nbt.reciprocal().to(running_mean.dtype)
+            with torch.no_grad():
+                running_mean.lerp_(batch_mean, w)
+                running_var.lerp_(batch_var, w)
+            return out
+    return _aten._batch_norm_with_update(
+        input, weight, bias, running_mean, running_var, factor, bn.eps
+    )[0]

@@ -1,0 +1,153 @@
+"""``bnswap.convert`` / ``bnswap.revert``: swap BatchNorm layers in place, atomically.
+
+Layers are swapped by ``__class__`` assignment to a registered subclass of their own
+class, so the module object, its Parameter and buffer objects (an optimizer built
+before the swap keeps working), ``training`` flag, ``requires_grad``, device, dtype,
+forward / pre-forward / state-dict hooks, ``qconfig`` and parametrizations are all
+kept, and ``revert`` is the exact inverse.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from bnswap import registry
+from bnswap.plan import Plan, rows_from
+from bnswap.walker import Patterns, base_class, check_module, decide
+
+__all__ = ["convert", "revert"]
+
+logger = logging.getLogger("bnswap")
+
+
+def _set_base_class(module: nn.Module, new_base: type) -> Callable[[], None]:
+    """Make ``new_base`` the module's class (under torch's parametrization class, if
+    any); return the undo."""
+    old_cls = type(module)
+    if parametrize.is_parametrized(module):
+        # torch.nn.utils.parametrize injects a subclass ``Parametrized<Base>`` holding the
+        # properties; rebuild it on the new base so remove_parametrizations() restores it.
+        attrs = {k: v for k, v in vars(old_cls).items() if k not in ("__dict__", "__weakref__")}
+        new_cls = type(f"Parametrized{new_base.__name__}", (new_base,), attrs)
+    else:
+        new_cls = new_base
+    module.__class__ = new_cls
+
+    def undo() -> None:
+        module.__class__ = old_cls
+
+    return undo
+
+
+def _set_lazy_target(module: nn.Module, target: type) -> Callable[[], None]:
+    """An uninitialized LazyBatchNorm becomes ``target`` (not its stock class) when it
+    initializes (``LazyModuleMixin._infer_parameters`` reads ``cls_to_become``)."""
+    had = "cls_to_become" in vars(module)
+    old = vars(module).get("cls_to_become")
+    module.cls_to_become = target
+
+    def undo() -> None:
+        if had:
+            module.cls_to_become = old
+        else:
+            del module.cls_to_become
+
+    return undo
+
+
+def _swap_one(module: nn.Module, target: type, lazy: bool) -> Callable[[], None]:
+    return _set_lazy_target(module, target) if lazy else _set_base_class(module, target)
+
+
+def convert(
+    module: nn.Module,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+) -> nn.Module:
+    """Swap every BatchNorm layer of ``module`` for its bnswap counterpart, in place.
+
+    Recursive over ``module.named_modules()`` (the root included). Idempotent. Atomic:
+    if any layer cannot be converted, the model is left exactly as it was and the error
+    is raised. What is not swapped is reported (``bnswap.plan``; the same table is
+    logged by the ``bnswap`` logger at INFO): ``SyncBatchNorm`` (its own kernel),
+    subclasses that override ``forward`` with no registered adapter (pytorch issue
+    187298), unregistered subclasses, and anything excluded. An uninitialized
+    ``LazyBatchNorm*`` becomes the bnswap layer when it initializes.
+
+    Args:
+        module: any ``nn.Module``; a BatchNorm layer itself is converted too.
+        backend: ``"aten"``: layers on ``aten._batch_norm_with_update`` /
+            ``_batch_norm_no_update`` (pytorch PR 116092). ``"ort"``: the same layers,
+            then the model is wrapped in ONNX Runtime's ``ORTModule``, which runs them as
+            ``com.microsoft::BatchNormInternal`` (needs ``bnswap[ort-cpu]`` or
+            ``bnswap[ort]``; see :mod:`bnswap.ort`).
+        include, exclude: glob pattern(s) on qualified names (as in ``named_modules()``)
+            and/or classes. A pattern that matches no BatchNorm layer warns.
+
+    Returns:
+        ``module`` itself (layers are swapped by class assignment, never copied); with
+        ``backend="ort"``, the ``ORTModule`` wrapping it.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
+        ValueError: unknown ``backend``.
+        ImportError: ``backend="ort"`` without ONNX Runtime training installed.
+    """
+    check_module(module, "convert")
+    decisions = decide(module, backend, include, exclude)
+    table = rows_from(decisions, backend)
+    undos: list[Callable[[], None]] = []
+    try:
+        for d in decisions:
+            if d.action == "swap" and not d.already:
+                assert d.target is not None
+                undos.append(_swap_one(d.module, d.target, d.lazy))
+        if backend == "ort":
+            from bnswap import ort  # imported only when used
+
+            wrapped = ort.wrap(module)
+        else:
+            wrapped = module
+    except BaseException:
+        for undo in reversed(undos):
+            undo()
+        raise
+    _log(table)
+    return wrapped
+
+
+def _log(table: Plan) -> None:
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("%s", table)
+
+
+def revert(module: nn.Module) -> nn.Module:
+    """Undo :func:`convert`: every bnswap layer gets its original class back.
+
+    Same module objects, same Parameter and buffer objects, same flags and hooks;
+    uninitialized LazyBatchNorm layers become their stock class again when they
+    initialize. Layers of classes not in the registry are left alone.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+    """
+    check_module(module, "revert")
+    inner = getattr(module, "_bnswap_inner", None)  # set by bnswap.ort.wrap
+    target = inner if isinstance(inner, nn.Module) else module
+    for m in target.modules():
+        pending = vars(m).get("cls_to_become")
+        if isinstance(pending, type) and registry.source_of(pending) is not None:
+            del m.cls_to_become  # back to the class's own cls_to_become
+        source = registry.source_of(base_class(m))
+        if source is not None:
+            _set_base_class(m, source)
+    return module

@@ -1,0 +1,184 @@
+"""Decide, for every BatchNorm layer of a model, whether bnswap swaps it and why.
+
+Shared by :func:`bnswap.plan` (a dry run) and :func:`bnswap.convert` (which applies it).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
+
+from bnswap import registry
+from bnswap.layers import BNSwapLayer
+
+BACKENDS = ("aten", "ort")
+
+Pattern = str | type
+Patterns = Pattern | Iterable[Pattern] | None
+
+
+@dataclass
+class Decision:
+    """What happens to one BatchNorm layer.
+
+    ``action`` is ``"swap"`` (converted, or already converted) or ``"skip"``;
+    ``target`` the bnswap class (None when skipped); ``lazy`` True for an
+    uninitialized LazyBatchNorm that becomes ``target`` when it initializes.
+    """
+
+    name: str
+    module: nn.Module
+    source: type
+    action: str
+    reason: str
+    target: type | None = None
+    lazy: bool = False
+    already: bool = False
+
+
+def check_backend(backend: str) -> None:
+    """Raise ValueError naming the choices unless ``backend`` is 'aten' or 'ort'."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}"
+        )
+
+
+def check_module(module: object, fn: str) -> None:
+    """Raise TypeError unless ``module`` is an ``nn.Module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"bnswap.{fn}() expects a torch.nn.Module, got {type(module).__name__}")
+
+
+def _patterns(p: Patterns, arg: str) -> list[Pattern]:
+    if p is None:
+        return []
+    items = [p] if isinstance(p, (str, type)) else list(p)
+    for item in items:
+        if not isinstance(item, (str, type)):
+            raise TypeError(
+                f"{arg} takes glob patterns (str) on qualified module names and/or classes, "
+                f"got {item!r}"
+            )
+    return items
+
+
+def _matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
+    if isinstance(pattern, type):
+        return isinstance(module, pattern)
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def base_class(module: nn.Module) -> type:
+    """The module's class, seen through torch's parametrization wrapper class."""
+    cls = type(module)
+    if parametrize.is_parametrized(module):
+        cls = cls.__bases__[0]
+    return cls
+
+
+def _forward_overridden(cls: type) -> bool:
+    """True if ``cls`` defines a forward of its own below the torch BatchNorm classes."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch.nn.modules"):
+            return False
+        if "forward" in vars(klass):
+            return True
+    return False
+
+
+def _display(name: str) -> str:
+    return name or "(root)"
+
+
+def decide(
+    model: nn.Module, backend: str = "aten", include: Patterns = None, exclude: Patterns = None
+) -> list[Decision]:
+    """One :class:`Decision` per ``_BatchNorm`` in ``model.named_modules()`` order.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or a pattern is neither str nor class.
+        ValueError: unknown ``backend``.
+
+    Warns:
+        UserWarning: for each include/exclude pattern that matches no BatchNorm layer.
+    """
+    check_backend(backend)
+    inc = _patterns(include, "include")
+    exc = _patterns(exclude, "exclude")
+    used: set[int] = set()
+    out: list[Decision] = []
+    for name, m in model.named_modules(remove_duplicate=True):
+        if not isinstance(m, _BatchNorm):
+            continue
+        cls = base_class(m)
+        shown = _display(name)
+        hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)]
+        hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)]
+        used.update(("exc", i) for i in hit_exc)  # type: ignore[misc]
+        used.update(("inc", i) for i in hit_inc)  # type: ignore[misc]
+        if issubclass(cls, BNSwapLayer):
+            out.append(Decision(shown, m, registry.source_of(cls) or cls, "swap",
+                                "already a bnswap layer", cls, already=True))
+            continue
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            pending = getattr(m, "cls_to_become", None)
+            if isinstance(pending, type) and issubclass(pending, BNSwapLayer):
+                out.append(Decision(shown, m, cls, "swap",
+                                    f"{cls.__name__}: becomes bnswap.{pending.__name__} when it "
+                                    "initializes (already set)", pending, lazy=True, already=True))
+                continue
+        if hit_exc:
+            p = exc[hit_exc[0]]
+            out.append(Decision(shown, m, cls, "skip", f"excluded by {_pattern_str(p)}"))
+            continue
+        if inc and not hit_inc:
+            out.append(Decision(shown, m, cls, "skip", "not matched by include"))
+            continue
+        if isinstance(m, nn.SyncBatchNorm):
+            out.append(Decision(shown, m, cls, "skip",
+                                "SyncBatchNorm runs its own cross-process kernel; left as is"))
+            continue
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            become = getattr(m, "cls_to_become", None)
+            target = registry.lookup(become) if isinstance(become, type) else None
+            if target is None:
+                out.append(Decision(shown, m, cls, "skip",
+                                    f"uninitialized {cls.__name__} with no registered target"))
+            else:
+                out.append(Decision(shown, m, cls, "swap",
+                                    f"{cls.__name__}: becomes bnswap.{target.__name__} when it "
+                                    "initializes", target, lazy=True))
+            continue
+        target = registry.lookup(cls)
+        if target is not None:
+            out.append(Decision(shown, m, cls, "swap", "", target))
+        elif _forward_overridden(cls):
+            out.append(Decision(
+                shown, m, cls, "skip",
+                f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
+                f"187298); register an adapter with bnswap.register({cls.__name__}, ...)"))
+        else:
+            out.append(Decision(
+                shown, m, cls, "skip",
+                f"{cls.__name__} is not registered; use bnswap.register({cls.__name__}, ...)"))
+    for kind, pats in (("include", inc), ("exclude", exc)):
+        for i, p in enumerate(pats):
+            if (kind[:3], i) not in used:
+                warnings.warn(
+                    f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
+                    UserWarning,
+                    stacklevel=3,
+                )
+    return out
+
+
+def _pattern_str(p: Pattern) -> str:
+    return p.__name__ if isinstance(p, type) else repr(p)
