@@ -1,0 +1,51 @@
+# bnswap: one-command setup, main job and tests. Each target creates its virtual
+# environment on first use. torch is always installed FIRST and pinned, so pip never
+# resolves a newer (multi-GB CUDA) build.
+#   make demo   - set up .venv and train the MobileNetV2-style net on the digits data
+#   make test   - set up .venv and .venv-zoo and run the whole suite in both
+PYTHON ?= python3
+VENV ?= .venv
+ZOO ?= .venv-zoo
+TORCH ?= torch==2.13.0
+ZOO_TORCH ?= torch==2.14.1 torchvision==0.29.1
+PIP := -m pip install -q --disable-pip-version-check
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
+export BNSWAP_CACHE_DIR ?= $(CURDIR)/build/bnswap-cache
+export MPLBACKEND ?= Agg
+
+.PHONY: setup setup-zoo demo test test-main test-zoo bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python $(PIP) --upgrade pip
+	$(VENV)/bin/python $(PIP) $(TORCH)
+	$(VENV)/bin/python $(PIP) -e '.[lightning,ort-cpu,dev]'
+	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
+	touch $@
+
+$(ZOO)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(ZOO)
+	$(ZOO)/bin/python $(PIP) --upgrade pip
+	$(ZOO)/bin/python $(PIP) $(ZOO_TORCH)
+	$(ZOO)/bin/python $(PIP) -e '.[lightning,dev]' timm
+	touch $@
+
+setup: $(VENV)/.installed
+setup-zoo: $(ZOO)/.installed
+
+demo: setup
+	$(VENV)/bin/bnswap train --config configs/digits_mobilenetv2.yaml
+
+test-main: setup
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+test-zoo: setup-zoo
+	$(ZOO)/bin/python -m pytest -q -p no:cacheprovider tests
+
+test: test-main test-zoo
+
+bench: setup
+	$(VENV)/bin/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) $(ZOO) build
