@@ -151,7 +151,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
     # -- checkpointing: where in the epoch a mid-epoch checkpoint was taken ----------
     def state_dict(self) -> dict[str, Any]:
-        trainer = self._trainer
+        trainer = self.trainer
         if trainer is None or not trainer.training:
             return {}
         # Checkpoints are written after a batch was processed (on_train_batch_end) or at

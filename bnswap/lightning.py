@@ -230,6 +230,8 @@ class _BNSwapBase:
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         self._remove_hook()
+        if self.backend == "ort":
+            _import_ort()  # fail before anything changes
         self._root = pl_module
         self._pending = True
         self._swapped = {}
