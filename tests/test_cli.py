@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("lightning.pytorch")
@@ -19,6 +20,16 @@ pytest.importorskip("lightning.pytorch")
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "digits_mobilenetv2.yaml"
 STOCK = ROOT / "configs" / "digits_mobilenetv2_stock.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: the 2-core machines are shared, and oversubscribed OpenMP
+    threads spin (5x slower runs); results are bitwise the same either way here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny(tmp: Path) -> list[str]:
@@ -50,8 +61,9 @@ def test_configs_differ_only_by_the_callback():
 def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "bnswap.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, "train", "--config", str(CONFIG), *tiny(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     # the plan table (logged once, on rank zero), then the figures

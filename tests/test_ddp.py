@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).with_name("ddp_fit.py")
 
 
 def _run(variant: str, out: Path) -> list[dict]:
-    env = dict(os.environ)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, str(SCRIPT), variant, str(out)], env=env,

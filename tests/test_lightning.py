@@ -7,6 +7,7 @@ the consolidated ops run the same native kernels, so states must agree bit for b
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import warnings
@@ -27,6 +28,16 @@ from bnswap.lightning import BNSwap  # noqa: E402
 from bnswap.models import ConvNet4  # noqa: E402
 
 CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: the 2-core machines are shared, and oversubscribed OpenMP
+    threads spin (5x slower runs); results are bitwise the same either way here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def bn_layers(module: nn.Module) -> dict[str, nn.Module]:
@@ -512,7 +523,8 @@ def test_import_bnswap_does_not_import_lightning():
             "assert bnswap.BNSwap is BNSwap\n"
             "import lightning.pytorch as pl\n"
             "assert issubclass(BNSwap, pl.Callback)\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=env)
 
 
 def test_pytorch_lightning_trainer_works_with_BNSwapPL():
