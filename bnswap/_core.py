@@ -69,6 +69,21 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _stock_checks_eps() -> bool:
+    """Whether this torch's ``F.batch_norm`` rejects a non-positive eps in training
+    (newer releases raise ValueError; older ones run the kernel)."""
+    try:
+        with torch.no_grad():
+            torch.nn.functional.batch_norm(torch.ones(2, 1), None, None, training=True, eps=0.0)
+    except ValueError:
+        return True
+    return False
+
+
+# Probed once, at import, so compiled code sees a constant.
+_CHECK_EPS = _stock_checks_eps()
+
+
 def check_batch_norm_input(
     input: Tensor,
     weight: Tensor | None,
@@ -76,6 +91,7 @@ def check_batch_norm_input(
     running_mean: Tensor | None,
     running_var: Tensor | None,
     use_batch_stats: bool,
+    eps: float = 1e-5,
 ) -> None:
     """Raise what stock ``F.batch_norm`` raises for ``input``, before any kernel runs.
 
@@ -85,6 +101,7 @@ def check_batch_norm_input(
             passed to the kernel (running stats are None when not used).
         use_batch_stats: True when the batch statistics are used (``F.batch_norm``'s
             ``training`` argument).
+        eps: the layer's eps.
 
     Raises:
         NotImplementedError: non-floating input (``"batch_norm" not implemented for
@@ -95,6 +112,9 @@ def check_batch_norm_input(
         ValueError: ``"Expected more than 1 value per channel when training, got input
             size ..."`` when batch statistics would come from one value per channel
             (``F._verify_batch_size``); the raw op would write NaN into running_var.
+        ValueError: ``"batch_norm eps must be positive during training, but got ..."``
+            / ``"batch_norm eps must be non-negative, but got ..."``, where this torch's
+            ``F.batch_norm`` checks eps (after the value-per-channel check, as stock).
     """
     # Order as in stock: F._verify_batch_size (Python) first, then aten::batch_norm's
     # early return for empty input, its channel checks, and finally the kernel's dtype
@@ -108,6 +128,11 @@ def check_batch_norm_input(
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {size}"
             )
+    if _CHECK_EPS:
+        if use_batch_stats and eps <= 0.0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+        if eps < 0.0:
+            raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
     if input.numel() == 0:
         return  # stock returns early for empty input (see module_batch_norm)
     num_features = input.shape[1]
@@ -169,7 +194,9 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if use_batch_stats and not update:
         running_mean = running_var = None
     weight, bias = bn.weight, bn.bias
-    check_batch_norm_input(input, weight, bias, running_mean, running_var, use_batch_stats)
+    check_batch_norm_input(
+        input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
+    )
 
     momentum = bn.momentum
     factor = 0.0 if momentum is None else momentum

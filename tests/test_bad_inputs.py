@@ -1,0 +1,29 @@
+"""Bad inputs: what each gets from stock nn.BatchNorm and from bnswap (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests._helpers_reliab import outcome, pair, state_diff
+
+
+@pytest.mark.parametrize(
+    "eps,train,track",
+    [(0.0, True, True), (-1e-5, True, True), (-1.0, False, True), (0.0, False, False)],
+)
+def test_non_positive_eps_raises_as_stock(eps, train, track):
+    stock, swapped = pair(nn.BatchNorm2d(3, eps=eps, track_running_stats=track).train(train))
+    x = torch.randn(2, 3, 4, 4)
+    a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
+    assert a[0] == "err" and b == a, (a, b)
+    assert issubclass(a[1][0], ValueError) and "eps" in a[1][1]
+    # stock increments num_batches_tracked before F.batch_norm raises; bnswap raises first
+    assert state_diff(stock, swapped) == (["num_batches_tracked"] if train and track else [])
+
+
+def test_zero_eps_in_eval_runs_as_stock():
+    stock, swapped = pair(nn.BatchNorm2d(3, eps=0.0).eval())
+    x = torch.randn(2, 3, 4, 4)
+    assert torch.equal(stock(x), swapped(x))
