@@ -210,10 +210,11 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if input.numel() == 0:
         # aten::batch_norm's early return for empty input: no kernel, no statistics.
         out = input.clone()
+        # select(), as ATen does: the same IndexError message when C == 0.
         if weight is not None:
-            out = out * weight[0]
+            out = out * weight.select(0, 0)
         if bias is not None:
-            out = out + bias[0]
+            out = out + bias.select(0, 0)
         return out
 
     num_features = input.shape[1]

@@ -27,3 +27,11 @@ def test_zero_eps_in_eval_runs_as_stock():
     stock, swapped = pair(nn.BatchNorm2d(3, eps=0.0).eval())
     x = torch.randn(2, 3, 4, 4)
     assert torch.equal(stock(x), swapped(x))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_zero_channels_raise_stock_index_error(train):
+    stock, swapped = pair(nn.BatchNorm2d(0).train(train))
+    x = torch.randn(2, 0, 3, 3)
+    a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
+    assert a[0] == "err" and a[1][0] is IndexError and b == a, (a, b)
