@@ -107,8 +107,11 @@ def check_batch_norm_input(
         NotImplementedError: non-floating input (``"batch_norm" not implemented for
             'Long'``, as torch's kernel dispatch says).
         RuntimeError: ``"running_mean should contain C elements not K"`` (and the same
-            for running_var, weight, bias, in that order), as in ATen's
+            for running_var, weight, bias, in that order), or ``"running_mean must be
+            defined in evaluation mode"`` (same for running_var), as in ATen's
             ``_batch_norm_impl_index``.
+        ValueError: ``"running_mean and running_var must either both be None or neither
+            be None"`` when batch statistics are used with only one of them.
         ValueError: ``"Expected more than 1 value per channel when training, got input
             size ..."`` when batch statistics would come from one value per channel
             (``F._verify_batch_size``); the raw op would write NaN into running_var.
@@ -142,8 +145,17 @@ def check_batch_norm_input(
         ("weight", weight),
         ("bias", bias),
     ):
-        if t is not None and t.numel() != num_features:
-            raise RuntimeError(f"{label} should contain {num_features} elements not {t.numel()}")
+        if t is not None:
+            if t.numel() != num_features:
+                raise RuntimeError(
+                    f"{label} should contain {num_features} elements not {t.numel()}"
+                )
+        elif not use_batch_stats and label.startswith("running"):
+            raise RuntimeError(f"{label} must be defined in evaluation mode")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(
+            "running_mean and running_var must either both be None or neither be None"
+        )
     if not input.is_floating_point():
         name = _C10_NAMES.get(input.dtype, str(input.dtype).removeprefix("torch."))
         raise NotImplementedError(f'"batch_norm" not implemented for \'{name}\'')
@@ -187,18 +199,13 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     training = bn.training
     running_mean = bn.running_mean
     running_var = bn.running_var
-    if (running_mean is None) != (running_var is None):
-        raise RuntimeError(
-            "running_mean and running_var must both be defined or both be None "
-            f"(got running_mean={'None' if running_mean is None else 'Tensor'}, "
-            f"running_var={'None' if running_var is None else 'Tensor'})"
-        )
     # _BatchNorm.forward: batch statistics in training, or when there are no buffers.
-    use_batch_stats = training or running_mean is None
+    use_batch_stats = training or (running_mean is None and running_var is None)
     # _BatchNorm.forward passes the buffers only when not training or when tracking.
-    update = use_batch_stats and running_mean is not None and bn.track_running_stats
-    if use_batch_stats and not update:
+    if training and not bn.track_running_stats:
         running_mean = running_var = None
+    # Statistics are updated exactly when batch statistics are used and passed.
+    update = use_batch_stats and running_mean is not None
     weight, bias = bn.weight, bn.bias
     check_batch_norm_input(
         input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
@@ -208,7 +215,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     factor = 0.0 if momentum is None else momentum
     nbt = bn.num_batches_tracked
     cumulative = False
-    if update and nbt is not None:
+    if training and bn.track_running_stats and nbt is not None:  # as _BatchNorm.forward
         nbt.add_(1)
         if momentum is None:
             cumulative = True

@@ -35,3 +35,29 @@ def test_zero_channels_raise_stock_index_error(train):
     x = torch.randn(2, 0, 3, 3)
     a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
     assert a[0] == "err" and a[1][0] is IndexError and b == a, (a, b)
+
+
+@pytest.mark.parametrize("n", [2, 0])
+@pytest.mark.parametrize("track", [True, False])
+@pytest.mark.parametrize("missing", ["running_mean", "running_var", "both"])
+@pytest.mark.parametrize("train", [True, False])
+def test_statistics_set_to_none_behave_as_stock(train, missing, track, n):
+    # A layer whose statistics a user set to None (one or both): stock's
+    # _BatchNorm.forward decides on batch statistics only when both are None and
+    # ATen raises for one missing; bnswap follows it case by case.
+    layer = nn.BatchNorm2d(3, track_running_stats=track)
+    if not track:
+        layer.running_mean, layer.running_var = torch.rand(3), torch.rand(3) + 0.5
+    for name in (["running_mean", "running_var"] if missing == "both" else [missing]):
+        setattr(layer, name, None)
+    stock, swapped = pair(layer.train(train))
+    x = torch.randn(n, 3, 4, 4)
+    a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
+    assert a[0] == b[0], (a, b)
+    if a[0] == "err":
+        assert a[1] == b[1]
+        nbt_moved = train and track
+        assert state_diff(stock, swapped) == (["num_batches_tracked"] if nbt_moved else [])
+    else:
+        assert torch.equal(a[1], b[1])
+        assert state_diff(stock, swapped) == []
