@@ -127,3 +127,40 @@ def test_ao_fuse_modules_qat_matches_stock():
     assert state_diff(fs, fb) == []
 
 
+# --- torch.fx ---------------------------------------------------------------------------
+
+
+def test_fx_symbolic_trace_keeps_layers_as_leaves_like_stock():
+    stock, swapped = pair(_net())
+    gs, gb = torch.fx.symbolic_trace(stock), torch.fx.symbolic_trace(swapped)
+    ops = [(n.op, n.target) for n in gs.graph.nodes]
+    assert ops == [(n.op, n.target) for n in gb.graph.nodes]
+    assert ("call_module", "1") in ops
+    assert isinstance(gb.get_submodule("1"), bnswap.BatchNorm2d)
+    for train in (True, False, True):
+        gs.train(train), gb.train(train)
+        x = torch.randn(4, 3, 5, 5)
+        assert torch.equal(gs(x), gb(x))
+        assert state_diff(gs, gb) == []
+
+
+def test_fx_symbolic_trace_of_a_bare_layer_fails_as_stock():
+    a = outcome(lambda: torch.fx.symbolic_trace(nn.BatchNorm2d(3)))
+    b = outcome(lambda: torch.fx.symbolic_trace(bnswap.BatchNorm2d(3)))
+    assert a[0] == b[0] == "err" and a[1][0] is b[1][0]
+
+
+def test_fx_optimization_fuse_leaves_bnswap_layers_unfused():
+    # torch.fx.experimental.optimization.fuse matches exact types: it fuses stock
+    # conv-BN pairs but leaves bnswap layers in place (documented); the answer is the
+    # unfused model's, equal to stock's fused answer up to rounding.
+    from torch.fx.experimental.optimization import fuse
+
+    stock, swapped = pair(_net().eval())
+    fs, fb = fuse(copy.deepcopy(stock)), fuse(copy.deepcopy(swapped))
+    assert not any(isinstance(m, _BatchNorm) for m in fs.modules())
+    assert sum(isinstance(m, bnswap.BNSwapLayer) for m in fb.modules()) == 3
+    x = torch.randn(4, 3, 5, 5)
+    assert torch.equal(fb(x), stock(x))
+    torch.testing.assert_close(fb(x), fs(x), rtol=1e-4, atol=1e-5)
+    assert same_tensor(fb(x), swapped(x))
