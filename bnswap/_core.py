@@ -31,6 +31,9 @@ Facts about these ops on torch 2.13 that the core handles:
 * The ops do not check for one value per channel in training (they write NaN into
   running_var) nor channel counts before they run: all checks happen here, before any
   kernel runs and before num_batches_tracked moves.
+* functorch has no batching rule for the consolidated ops (``vmap`` of a training
+  layer fails): inside ``torch.func`` transforms the core calls ``F.batch_norm`` with
+  exactly stock's arguments.
 * The ops take ``momentum`` as a float. ``momentum=None`` (cumulative moving average)
   needs ``1 / num_batches_tracked``: eager code reads it as a Python float exactly as
   stock does (bitwise-equal statistics); code being compiled or exported computes the
@@ -219,6 +222,16 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         nbt.add_(1)
         if momentum is None:
             cumulative = True
+
+    if not _is_compiling() and torch._C._are_functorch_transforms_active():
+        # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
+        # rules for aten::batch_norm but none for the consolidated ops, so run exactly
+        # what stock runs (same results, same errors).
+        if cumulative:
+            factor = 1.0 / float(nbt)
+        return torch.nn.functional.batch_norm(
+            input, running_mean, running_var, weight, bias, use_batch_stats, factor, bn.eps
+        )
 
     if input.numel() == 0:
         # aten::batch_norm's early return for empty input: no kernel, no statistics.

@@ -45,6 +45,159 @@ def _bn_classes(model: nn.Module) -> list[type]:
     return [type(m) for m in model.modules() if isinstance(m, _BatchNorm)]
 
 
+# --- torch.optim.swa_utils.update_bn ---------------------------------------------------
+
+
+def test_update_bn_matches_stock():
+    from torch.optim.swa_utils import update_bn
+
+    g = torch.Generator().manual_seed(1)
+    loader = [(torch.randn(6, 3, 5, 5, generator=g), torch.zeros(6)) for _ in range(4)]
+    stock, swapped = pair(_net())
+    assert all(issubclass(c, bnswap.BNSwapLayer) for c in _bn_classes(swapped))
+    for m in (stock, swapped):
+        m.eval()
+        update_bn(loader, m)
+    # update_bn resets the statistics, uses the cumulative average (momentum=None)
+    # over the loader, then restores momentum and the training flag
+    assert state_diff(stock, swapped) == []
+    for a, b in zip(stock.modules(), swapped.modules()):
+        if isinstance(a, _BatchNorm):
+            assert a.momentum == b.momentum and a.training == b.training
+            assert int(b.num_batches_tracked) == len(loader)
+    assert not torch.equal(stock[1].running_mean, _net()[1].running_mean)  # it did move
+    x = loader[0][0]
+    assert torch.equal(stock.eval()(x), swapped.eval()(x))
+
+
+# --- torch.func ------------------------------------------------------------------------
+
+
+def test_replace_all_batch_norm_modules_then_vmap_in_training_matches_stock():
+    stock, swapped = pair(_net())
+    for m in (stock, swapped):
+        replace_all_batch_norm_modules_(m)
+    for a, b in zip(stock.modules(), swapped.modules()):
+        if isinstance(a, _BatchNorm):
+            assert isinstance(b, bnswap.BNSwapLayer)
+            assert (a.running_mean, a.running_var, a.num_batches_tracked) == (None, None, None)
+            assert (b.running_mean, b.running_var, b.num_batches_tracked) == (None, None, None)
+            assert a.track_running_stats is b.track_running_stats is False
+    xs = torch.randn(3, 4, 3, 5, 5)  # 3 independent batches of 4
+    ys, yb = vmap(stock)(xs), vmap(swapped)(xs)
+    assert torch.equal(ys, yb)
+    # per-batch batch statistics: as running each batch alone (up to rounding)
+    torch.testing.assert_close(yb[1], swapped(xs[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_per_sample_grads_with_vmap_grad_functional_call_match_stock():
+    # The torch.func per-sample-gradient recipe on a training model without statistics.
+    stock, swapped = pair(_net())
+    for m in (stock, swapped):
+        replace_all_batch_norm_modules_(m)
+    xs = torch.randn(3, 4, 3, 5, 5)
+
+    def grads(model):
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p, x):
+            return functional_call(model, p, (x,)).square().mean()
+
+        return vmap(torch.func.grad(loss), in_dims=(None, 0))(params, xs)
+
+    gs, gb = grads(stock), grads(swapped)
+    assert gs.keys() == gb.keys()
+    for k in gs:
+        assert torch.equal(gs[k], gb[k]), k
+
+
+def test_vmap_of_training_layer_with_statistics_raises_as_stock():
+    stock, swapped = pair(_net())
+    xs = torch.randn(3, 4, 3, 5, 5)
+    a, b = outcome(lambda: vmap(stock)(xs)), outcome(lambda: vmap(swapped)(xs))
+    assert a[0] == "err" and a == b, (a, b)
+    assert "running_mean or running_var" in a[1][1]
+
+
+def test_vmap_of_eval_layer_matches_stock():
+    stock, swapped = pair(_net())
+    stock.eval(), swapped.eval()
+    xs = torch.randn(3, 4, 3, 5, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(vmap(stock)(xs), vmap(swapped)(xs))
+    assert state_diff(stock, swapped) == []
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_jacrev_of_training_layer_raises_or_matches_as_stock(track):
+    stock, swapped = pair(_randomize(nn.BatchNorm2d(3, track_running_stats=track)))
+    x = torch.randn(2, 3, 2, 2)
+    a, b = outcome(lambda: jacrev(stock)(x)), outcome(lambda: jacrev(swapped)(x))
+    assert a[0] == b[0], (a, b)
+    if track:  # num_batches_tracked.add_ on a captured tensor
+        assert a[0] == "err" and a == b
+        assert "in-place operation" in a[1][1]
+    else:
+        assert torch.equal(a[1], b[1])
+
+
+def test_jacrev_of_eval_layer_matches_stock_and_float64_maths():
+    stock, swapped = pair(_randomize(nn.BatchNorm2d(3).double()).eval())
+    x = torch.randn(2, 3, 2, 2, dtype=torch.float64)
+    js, jb = jacrev(stock)(x), jacrev(swapped)(x)
+    assert torch.equal(js, jb)
+    # eval batch norm is diagonal: d y[n,c,h,w] / d x[n,c,h,w] = weight / sqrt(var + eps)
+    scale = swapped.weight / (swapped.running_var + swapped.eps).sqrt()
+    diag = jb.reshape(x.numel(), x.numel()).diagonal().reshape(x.shape)
+    torch.testing.assert_close(diag, scale.view(1, 3, 1, 1).expand_as(x).detach())
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_functional_call_matches_stock(train):
+    stock, swapped = pair(_net())
+    x = torch.randn(4, 3, 5, 5)
+    results = []
+    for m in (stock, swapped):
+        m.train(train)
+        params = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+        buffers = {k: v.clone() for k, v in m.named_buffers()}
+        own = {k: v.clone() for k, v in m.state_dict().items()}
+        y = functional_call(m, {**params, **buffers}, (x,))
+        y.square().sum().backward()
+        # the module's own state is untouched; the passed buffers are updated in place
+        assert all(torch.equal(v, own[k]) for k, v in m.state_dict().items())
+        results.append((y, buffers, {k: p.grad for k, p in params.items()}))
+    (ys, bs, gs), (yb, bb, gb) = results
+    assert torch.equal(ys, yb)
+    assert all(torch.equal(bs[k], bb[k]) for k in bs)
+    assert all(torch.equal(gs[k], gb[k]) for k in gs)
+    if train:
+        assert int(bb["1.num_batches_tracked"]) == 1
+
+
+# --- SyncBatchNorm.convert_sync_batchnorm ----------------------------------------------
+
+
+def test_convert_sync_batchnorm_gives_stock_sync_layers():
+    # convert_sync_batchnorm replaces every _BatchNorm (bnswap layers included, found by
+    # isinstance) with a new torch.nn.SyncBatchNorm holding the same Parameters and
+    # statistics: the result is the stock conversion, with no bnswap layer left.
+    stock, swapped = pair(_net())
+    ss = nn.SyncBatchNorm.convert_sync_batchnorm(stock)
+    sb = nn.SyncBatchNorm.convert_sync_batchnorm(swapped)
+    assert _bn_classes(ss) == _bn_classes(sb) == [nn.SyncBatchNorm] * 3
+    assert not any(bnswap.is_swapped(m) for m in sb.modules())
+    assert sb[1].weight is swapped[1].weight and sb[1].running_mean is swapped[1].running_mean
+    assert state_diff(ss, sb) == []
+    x = torch.randn(4, 3, 5, 5)  # no process group: SyncBatchNorm runs F.batch_norm
+    assert torch.equal(ss(x), sb(x))
+    assert state_diff(ss, sb) == []
+    plan = bnswap.plan(sb)
+    assert [r.action for r in plan] == ["skip"] * 3
+    assert all("SyncBatchNorm" in r.reason for r in plan)
+
+
 # --- conv-BN fusion --------------------------------------------------------------------
 
 _FUSE_CASES = [
