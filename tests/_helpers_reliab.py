@@ -46,8 +46,8 @@ def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
 def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None, exact: bool = True,
                 **tol: float) -> bool:
     """Bitwise (NaN at the same places counts as equal) or allclose, same dtype and shape."""
-    if a is None or b is None:
-        return a is None and b is None
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a == b if type(a) is type(b) else False
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if exact:
@@ -58,16 +58,25 @@ def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None, exact: bool = Tr
     return torch.allclose(a.double(), b.double(), equal_nan=True, **tol)
 
 
-def state_of(m: nn.Module) -> dict[str, torch.Tensor | None]:
+def _copy(t: torch.Tensor | None) -> torch.Tensor | str | None:
+    if t is None:
+        return None
+    if isinstance(t, nn.parameter.UninitializedTensorMixin):
+        return "uninitialized"  # a lazy layer's placeholder has no data
+    return t.detach().clone()
+
+
+def state_of(m: nn.Module) -> dict[str, torch.Tensor | str | None]:
     """Parameters, buffers (None ones included), and parameter grads, cloned."""
-    out: dict[str, torch.Tensor | None] = {}
+    out: dict[str, torch.Tensor | str | None] = {}
     for mod_name, mod in m.named_modules(remove_duplicate=False):
         pre = mod_name + "." if mod_name else ""
         for k, v in mod._buffers.items():
-            out[pre + k] = None if v is None else v.detach().clone()
+            out[pre + k] = _copy(v)
         for k, p in mod._parameters.items():
-            out[pre + k] = None if p is None else p.detach().clone()
-            out[pre + k + ".grad"] = None if p is None or p.grad is None else p.grad.clone()
+            out[pre + k] = _copy(p)
+            g = None if p is None or isinstance(p, nn.parameter.UninitializedTensorMixin) else p.grad
+            out[pre + k + ".grad"] = _copy(g)
     return out
 
 
