@@ -26,6 +26,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
 from tests._helpers_reliab import (
+    few_threads,  # noqa: F401 - module fixture
     json_lines,
     outcome,
     pair,
@@ -34,6 +35,8 @@ from tests._helpers_reliab import (
     state_diff,
     stats_have_nan,
 )
+
+pytestmark = pytest.mark.usefixtures("few_threads")
 
 # --- layer-level rows, run in a subprocess ---------------------------------------------
 
