@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks import report
     from benchmarks.cases import CASES, Settings
-    from benchmarks.harness import load_average, machine_info
+    from benchmarks.harness import load_average, machine_info, python_loop_ms
 
     wanted = [c.strip().upper() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in wanted if c not in CASES]
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         res["cases"][key] = out
         print(f"{key} done in {out['seconds']:.1f} s: {out['status']}", flush=True)
     res["machine"]["load_average_end"] = load_average()
+    res["machine"]["python_loop_1m_ms_end"] = python_loop_ms()
     res["seconds"] = round(time.perf_counter() - t_all, 1)
 
     os.makedirs(args.out, exist_ok=True)

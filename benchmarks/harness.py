@@ -191,6 +191,19 @@ def _git_commit() -> str | None:
     return None
 
 
+def python_loop_ms() -> float:
+    """Median time of a 1M-iteration pure-Python loop (3 runs): a yardstick of how fast
+    (or how loaded) the machine was, for the Python-bound cases such as P5."""
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(1_000_000):
+            x += i
+        ts.append(time.perf_counter() - t0)
+    return round(statistics.median(ts) * 1e3, 1)
+
+
 def machine_info() -> dict:
     """What the numbers were measured on."""
     try:
@@ -211,6 +224,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "load_average_start": load_average(),
+        "python_loop_1m_ms_start": python_loop_ms(),
         "git_commit": _git_commit(),
         "executable": sys.executable,
         **caps,

@@ -30,6 +30,8 @@ def to_markdown(res: dict) -> str:
         f"{m['os']}; Python {m['python']}, torch {m['torch']} "
         f"({m.get('cpu_capability', '?')}), {m['torch_threads']} torch thread(s); "
         f"load average {m['load_average_start']} at start, {m.get('load_average_end')} at end; "
+        f"a 1M-iteration Python loop took {m.get('python_loop_1m_ms_start')} / "
+        f"{m.get('python_loop_1m_ms_end')} ms (start / end); "
         f"commit {m['git_commit']}.",
         "",
         "Ratios are bnswap / reference: the median of per-pair ratios of interleaved runs "
@@ -82,10 +84,13 @@ def to_markdown(res: dict) -> str:
         elif key == "P5":
             lines += _table(
                 ["BN layers", "modules", "convert ms", "revert ms", "convert us/layer",
-                 "revert us/layer", "verdict"],
+                 "revert us/layer", "`list(modules())` ms", "convert / traversal",
+                 "revert / traversal", "verdict"],
                 [[f"{r['layers']:,}", f"{r['modules']:,}", f"{r['convert_ms']:.2f}",
                   f"{r['revert_ms']:.2f}", f"{r['convert_us_per_layer']:.1f}",
-                  f"{r['revert_us_per_layer']:.1f}", r.get("verdict", "")] for r in rows])
+                  f"{r['revert_us_per_layer']:.1f}", f"{r['traversal_ms']:.2f}",
+                  f"{r['convert_over_traversal']:.1f}", f"{r['revert_over_traversal']:.1f}",
+                  r.get("verdict", "")] for r in rows])
             g = c["per_layer_growth"]
             lines += ["", f"Per-layer cost at {g['to']:,} layers / at {g['from']:,}: convert "
                       f"{g['convert']:.2f}, revert {g['revert']:.2f} "
