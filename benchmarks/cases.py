@@ -124,18 +124,35 @@ def _dynamo_counts() -> tuple[int, int]:
     return breaks, graphs
 
 
+def _kernel_bodies(codes: list[str]) -> list[str]:
+    """The generated C++ kernels of inductor's output code, sorted (their names, which
+    carry the aten op names, and the argument order of the wrapper are left out)."""
+    import re
+
+    bodies: list[str] = []
+    for c in codes:
+        bodies += ["".join(m) for m in
+                   re.findall(r"cpp_pybinding\((\[.*?\]), r'''(.*?)'''\)", c, re.S)]
+    return sorted(bodies)
+
+
 def _compile_and_warm(model: nn.Module, x, y, dtype: str, warmup: int):
     from torch._dynamo.utils import counters
     counters.clear()
     compiled = torch.compile(model, backend="inductor")
     step = train_step(model, x, y, dtype, forward=compiled)
     t0 = time.perf_counter()
-    step()  # compiles forward and backward
+    try:  # the first step compiles forward and backward; keep inductor's output code
+        from torch._inductor.utils import run_and_get_code
+        _, codes = run_and_get_code(step)
+    except ImportError:  # pragma: no cover - other torch versions
+        step()
+        codes = []
     compile_s = time.perf_counter() - t0
     breaks, graphs = _dynamo_counts()
     for _ in range(warmup):
         step()
-    return step, compile_s, breaks, graphs
+    return step, compile_s, breaks, graphs, _kernel_bodies(codes)
 
 
 def p2_compile(s: Settings) -> dict:
@@ -148,19 +165,21 @@ def p2_compile(s: Settings) -> dict:
     for net, dtype in combos:
         torch._dynamo.reset()
         a, b, x, y = _pair(net)
-        sa, ca, ba, ga = _compile_and_warm(a, x, y, dtype, 1 if s.quick else 2)
-        sb, cb, bb, gb = _compile_and_warm(b, x, y, dtype, 1 if s.quick else 2)
+        sa, ca, ba, ga, ka = _compile_and_warm(a, x, y, dtype, 1 if s.quick else 2)
+        sb, cb, bb, gb, kb = _compile_and_warm(b, x, y, dtype, 1 if s.quick else 2)
         cmp = interleaved(sa, sb, pairs=s.n_pairs(10), warmup=0)
         row = _ab_row(cmp, 1.00, net=net, dtype=dtype)
         row.update(graph_breaks_bnswap=ba, graph_breaks_stock=bb, graphs_bnswap=ga,
-                   graphs_stock=gb, first_step_s_bnswap=ca, first_step_s_stock=cb)
+                   graphs_stock=gb, first_step_s_bnswap=ca, first_step_s_stock=cb,
+                   kernels_bnswap=len(ka), kernels_stock=len(kb),
+                   same_kernels=(ka == kb) if ka or kb else None)
         if ba > 0 and row["verdict"] == "met":
             row["verdict"] = "missed (graph breaks)"
         rows.append(row)
         s.log(f"  P2 {net:12s} {dtype:9s} bnswap {row['a_median_ms']:8.2f} ms  stock "
               f"{row['b_median_ms']:8.2f} ms  ratio {row['ratio_median']:.3f} "
               f"[{row['ratio_ci95'][0]:.3f}, {row['ratio_ci95'][1]:.3f}]  breaks {ba}/{bb}  "
-              f"compile {ca:.1f}/{cb:.1f} s")
+              f"compile {ca:.1f}/{cb:.1f} s  same C++ kernels: {row['same_kernels']}")
     torch._dynamo.reset()
     return {"status": "ok", "goal": "bnswap / stock <= 1.00 and 0 graph breaks", "rows": rows}
 

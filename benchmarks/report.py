@@ -59,12 +59,19 @@ def to_markdown(res: dict) -> str:
         elif key == "P2":
             lines += _table(
                 ["net", "dtype", "bnswap ms", "stock ms", "ratio (median)", "95 % CI", "pairs",
-                 "graph breaks bnswap / stock", "first step s bnswap / stock", "verdict"],
+                 "graph breaks bnswap / stock", "first step s bnswap / stock",
+                 "identical generated kernels", "verdict"],
                 [[r["net"], r["dtype"], f"{r['a_median_ms']:.2f}", f"{r['b_median_ms']:.2f}",
                   f"{r['ratio_median']:.3f}", _ci(r), str(r["pairs"]),
                   f"{r['graph_breaks_bnswap']} / {r['graph_breaks_stock']}",
                   f"{r['first_step_s_bnswap']:.1f} / {r['first_step_s_stock']:.1f}",
+                  {True: f"yes ({r['kernels_bnswap']})", False:
+                   f"no ({r['kernels_bnswap']} / {r['kernels_stock']})", None: "n/a"}[r["same_kernels"]],
                   r["verdict"]] for r in rows])
+            lines += ["", "Identical generated kernels: inductor's C++ kernel sources (names "
+                      "and wrapper argument order aside) are the same multiset for both "
+                      "models, so any time difference is noise or Python-side (guards, "
+                      "optimizer)."]
         elif key == "P3":
             lines += _table(
                 ["input", "pass", "layer us", "raw op us", "overhead (median)", "95 % CI",
