@@ -219,3 +219,68 @@ def test_revert_restores_original_classes(lib, name, count, classes):
         model.eval()
     with torch.no_grad():
         _assert_equal("output after revert", stock(x), converted(x))
+
+
+# --- timm's BatchNormAct2d, layer by layer ----------------------------------------------
+
+LAYER_CASES = {
+    "default": {},
+    "silu-dropout": {"act_layer": "silu", "drop_layer": nn.Dropout},
+    "no-act-cumulative": {"apply_act": False, "momentum": None},
+    "no-running-stats": {"track_running_stats": False, "act_layer": "relu6"},
+    "no-affine-hardswish": {"affine": False, "act_layer": "hard_swish", "inplace": False},
+}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("kwargs", list(LAYER_CASES.values()), ids=list(LAYER_CASES))
+def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
+    _import("torchvision")
+    timm = _import("timm")
+    torch.manual_seed(0)
+    stock = timm.layers.BatchNormAct2d(6, **kwargs)
+    if stock.affine:
+        with torch.no_grad():
+            stock.weight.uniform_(0.5, 1.5)
+            stock.bias.uniform_(-0.5, 0.5)
+    converted = bnswap.convert(copy.deepcopy(stock))
+    from bnswap.adapters.timm import BatchNormAct2d as Adapter
+
+    assert type(converted) is Adapter and isinstance(converted, type(stock))
+    assert type(converted.act) is type(stock.act) and type(converted.drop) is type(stock.drop)
+    assert list(converted.state_dict()) == list(stock.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):  # momentum=None: cumulative average over 3 batches
+        x = (torch.randn(4, 6, 5, 5, generator=gen) * 2 + step).to(memory_format=fmt)
+        g = torch.randn(4, 6, 5, 5, generator=gen)
+        results = []
+        for model in (stock, converted):
+            model.train()
+            xi = x.clone().requires_grad_()
+            torch.manual_seed(step)
+            out = model(xi)
+            out.backward(g)
+            results.append((out, xi.grad, [p.grad for p in model.parameters()]))
+        (s_out, s_gx, s_gp), (c_out, c_gx, c_gp) = results
+        _assert_equal("output", s_out, c_out)
+        assert c_out.is_contiguous(memory_format=fmt) == s_out.is_contiguous(memory_format=fmt)
+        _assert_equal("input gradient", s_gx, c_gx)
+        for a, b in zip(s_gp, c_gp):
+            _assert_equal("parameter gradient", a, b)
+        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers()):
+            _assert_equal(n, a, b)
+    for model in (stock, converted):
+        model.eval()
+    with torch.no_grad():
+        _assert_equal("eval output", stock(x), converted(x))
+
+    # timm asserts the rank; so does the adapter, before any state changes.
+    converted.train()
+    buffers = [b.clone() for b in converted.buffers()]
+    for model in (stock, converted):
+        with pytest.raises(AssertionError, match=r"expected 4D input \(got 3D input\)"):
+            model(torch.randn(4, 6, 5))
+    for a, b in zip(buffers, converted.buffers()):
+        _assert_equal("buffer after the error", a, b)
+    assert type(bnswap.revert(converted)) is type(stock)
