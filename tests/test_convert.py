@@ -1,0 +1,232 @@
+"""The walker: convert / revert / plan keep everything a user attached to the model."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
+
+import bnswap
+
+
+def net() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Sequential(nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8, momentum=None)),
+        nn.Flatten(), nn.LazyLinear(4), nn.BatchNorm1d(4, affine=False),
+    )
+
+
+def bns(model):
+    return [m for m in model.modules() if isinstance(m, _BatchNorm)]
+
+
+def test_import_does_not_import_lightning_or_onnxruntime():
+    code = ("import sys, bnswap; bad=[m for m in sys.modules if m.split('.')[0] in "
+            "('lightning','pytorch_lightning','onnxruntime','torch_ort','timm')]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_convert_swaps_in_place_sharing_parameters_and_buffers():
+    model = net()
+    model(torch.randn(2, 3, 6, 6))
+    before = [(id(m), [id(t) for t in m.parameters(recurse=False)],
+               [id(t) for t in m.buffers(recurse=False)]) for m in bns(model)]
+    out = bnswap.convert(model)
+    assert out is model
+    after = [(id(m), [id(t) for t in m.parameters(recurse=False)],
+              [id(t) for t in m.buffers(recurse=False)]) for m in bns(model)]
+    assert before == after
+    assert [type(m) for m in bns(model)] == [bnswap.BatchNorm2d, bnswap.BatchNorm2d,
+                                              bnswap.BatchNorm1d]
+    for m in bns(model):  # isinstance checks of Lightning, timm, swa_utils keep working
+        assert isinstance(m, _BatchNorm) and bnswap.is_swapped(m)
+
+
+def test_optimizer_built_before_the_swap_keeps_working():
+    torch.manual_seed(0)
+    a = net()
+    a(torch.randn(2, 3, 6, 6))
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    bnswap.convert(b)  # after the optimizer exists
+    for _ in range(3):
+        x = torch.randn(4, 3, 6, 6)
+        for m, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    for (k, v), (k2, v2) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+
+
+def test_keeps_flags_hooks_qconfig_and_state_dict_keys():
+    model = net()
+    model(torch.randn(2, 3, 6, 6))
+    keys = list(model.state_dict().keys())
+    bn = model[1]
+    bn.eval()  # a submodule in eval stays in eval
+    bn.weight.requires_grad_(False)
+    bn.qconfig = torch.ao.quantization.get_default_qconfig("x86")
+    calls = []
+    bn.register_forward_hook(lambda m, i, o: calls.append("fwd"))
+    bn.register_forward_pre_hook(lambda m, i: calls.append("pre"))
+    bn.register_state_dict_post_hook(lambda m, sd, prefix, local: calls.append("sd"))
+    bnswap.convert(model)
+    assert type(bn) is bnswap.BatchNorm2d
+    assert not bn.training and model.training and model[3][1].training
+    assert not bn.weight.requires_grad
+    assert bn.qconfig is not None
+    model(torch.randn(2, 3, 6, 6))
+    model.state_dict()
+    assert calls == ["pre", "fwd", "sd"]
+    assert list(model.state_dict().keys()) == keys
+    assert repr(bn).startswith("bnswap.BatchNorm2d(8, eps=1e-05, momentum=0.1, affine=True")
+
+
+class _Scale(nn.Module):
+    def forward(self, w):
+        return 2.0 * w
+
+
+def test_parametrizations_are_kept_and_revert_restores_them():
+    stock = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    parametrize.register_parametrization(stock[1], "weight", _Scale())
+    model = copy.deepcopy(stock)
+    bnswap.convert(model)
+    bn = model[1]
+    assert isinstance(bn, bnswap.BatchNorm2d) and parametrize.is_parametrized(bn, "weight")
+    x = torch.randn(2, 3, 4, 4)
+    assert torch.equal(stock(x), model(x))
+    bnswap.revert(model)
+    assert type(model[1]).__bases__[0] is nn.BatchNorm2d
+    parametrize.remove_parametrizations(model[1], "weight")
+    assert type(model[1]) is nn.BatchNorm2d
+
+
+def test_convert_is_idempotent():
+    model = net()
+    bnswap.convert(model)
+    classes = [type(m) for m in model.modules()]
+    bnswap.convert(model)
+    assert [type(m) for m in model.modules()] == classes
+    rows = bnswap.plan(model)
+    assert all(r.action == "swap" for r in rows)
+    assert {r.reason for r in rows} >= {"already a bnswap layer"}
+
+
+def test_root_batchnorm_is_converted():
+    bn = nn.BatchNorm2d(3)
+    out = bnswap.convert(bn)
+    assert out is bn and type(bn) is bnswap.BatchNorm2d
+    assert bnswap.plan(bn)[0].name == "(root)"
+
+
+def test_revert_is_the_exact_inverse():
+    model = net()
+    model(torch.randn(2, 3, 6, 6))
+    ref_types = [type(m) for m in model.modules()]
+    ids = [id(t) for t in model.state_dict(keep_vars=True).values()]
+    bnswap.revert(bnswap.convert(model))
+    assert [type(m) for m in model.modules()] == ref_types
+    assert [id(t) for t in model.state_dict(keep_vars=True).values()] == ids
+
+
+@pytest.mark.parametrize("include,exclude,expect", [
+    (None, None, ["1", "3.1", "6"]),
+    ("3.*", None, ["3.1"]),
+    (None, "3.*", ["1", "6"]),
+    (nn.BatchNorm1d, None, ["6"]),
+    (None, [nn.BatchNorm1d, "1"], ["3.1"]),
+    (["1", "6"], "6", ["1"]),
+])
+def test_include_exclude(include, exclude, expect):
+    model = net()
+    bnswap.convert(model, include=include, exclude=exclude)
+    got = [n for n, m in model.named_modules() if isinstance(m, bnswap.BNSwapLayer)]
+    assert got == expect
+    skipped = {r.name: r.reason for r in bnswap.plan(model) if r.action == "skip"}
+    for name, reason in skipped.items():
+        assert reason.startswith(("excluded by", "not matched by include")), reason
+
+
+def test_pattern_matching_nothing_warns():
+    with pytest.warns(UserWarning, match="include pattern 'backbone.\\*' matches no BatchNorm"):
+        bnswap.plan(net(), include="backbone.*")
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="expects a torch.nn.Module"):
+        bnswap.convert({"not": "a module"})
+    with pytest.raises(ValueError, match="unknown backend 'cudnn'; choose one of 'aten', 'ort'"):
+        bnswap.convert(net(), backend="cudnn")
+    with pytest.raises(TypeError, match="glob patterns"):
+        bnswap.convert(net(), include=[3])
+
+
+def test_syncbatchnorm_is_reported_and_left_alone():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    p = bnswap.plan(model)
+    assert p[0].action == "skip" and "SyncBatchNorm" in p[0].reason
+    bnswap.convert(model)
+    assert type(model[1]) is nn.SyncBatchNorm
+
+
+def test_lazy_batchnorm_becomes_bnswap_on_initialization():
+    stock = nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())
+    model[0].load_state_dict(stock[0].state_dict())  # lazy modules cannot be deep-copied
+    p = bnswap.plan(model)
+    assert p[0].action == "swap" and "when it initializes" in p[0].reason
+    bnswap.convert(model)
+    assert bnswap.is_swapped(model[1])
+    x = torch.randn(2, 3, 4, 4)
+    assert torch.equal(stock(x), model(x))
+    assert type(model[1]) is bnswap.BatchNorm2d and type(stock[1]) is nn.BatchNorm2d
+    assert torch.equal(stock[1].running_var, model[1].running_var)
+    # revert before initialization: becomes stock again
+    lazy = bnswap.convert(nn.Sequential(nn.LazyBatchNorm1d()))
+    bnswap.revert(lazy)
+    lazy(torch.randn(3, 2))
+    assert type(lazy[0]) is nn.BatchNorm1d
+
+
+def test_plan_table_and_logging(caplog):
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.SyncBatchNorm(4))
+    p = bnswap.plan(model)
+    text = str(p)
+    lines = text.splitlines()
+    assert lines[0] == "bnswap plan: 1 of 2 BatchNorm layers swapped, 1 skipped"
+    header, rule, row1, row2 = lines[1:]
+    for col in ("layer", "class", "action", "backend", "kernel", "adapter", "reason"):
+        assert col in header
+    # aligned: every column starts at the same offset in header, rule and rows
+    starts = [header.index(c) for c in ("class", "action", "backend", "kernel")]
+    for line in (row1, row2):
+        for s in starts:
+            assert line[s - 2:s] == "  " and line[s] != " "
+    assert row1.split()[:5] == ["1", "BatchNorm2d", "swap", "aten", "Native"]
+    assert p[0].adapter == "bnswap.layers.BatchNorm2d" and p[0].kernel == "Native"
+    assert bnswap.plan(model, device="cuda")[0].kernel.startswith(
+        ("Cudnn", "n/a")) or torch.cuda.is_available()
+    caplog.set_level(logging.INFO, logger="bnswap")
+    bnswap.convert(model)
+    assert text in caplog.text
+
+
+def test_plan_does_not_change_the_model():
+    model = net()
+    ref = [type(m) for m in model.modules()]
+    bnswap.plan(model, backend="ort")
+    assert [type(m) for m in model.modules()] == ref
