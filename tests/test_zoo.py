@@ -69,9 +69,12 @@ def _stock(lib: str, name: str) -> nn.Module:
         mod = _import(lib)
         torch.manual_seed(0)
         if lib == "timm":
-            # Dropout and drop-path on, so that the seeded-RNG equality means something.
-            model = mod.create_model(name, pretrained=False, num_classes=NUM_CLASSES,
-                                     drop_rate=0.2, drop_path_rate=0.1)
+            # Dropout and drop-path on, so that the seeded-RNG equality means something
+            # (timm's DenseNet has no drop-path).
+            drop = {"drop_rate": 0.2}
+            if not name.startswith("densenet"):
+                drop["drop_path_rate"] = 0.1
+            model = mod.create_model(name, pretrained=False, num_classes=NUM_CLASSES, **drop)
         else:
             model = getattr(mod.models, name)(weights=None, num_classes=NUM_CLASSES)
         _STOCK[key] = model
@@ -284,3 +287,32 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
     for a, b in zip(buffers, converted.buffers()):
         _assert_equal("buffer after the error", a, b)
     assert type(bnswap.revert(converted)) is type(stock)
+
+
+# --- more timm families built on BatchNormAct2d -----------------------------------------
+
+FAMILIES = [("regnety_002", 44), ("mobilenetv3_small_100", 34), ("densenet121", 121),
+            ("cspdarknet53", 67)]
+
+
+@pytest.mark.parametrize(("name", "count"), FAMILIES, ids=[n for n, _ in FAMILIES])
+def test_timm_batchnormact_family_swapped_and_bitwise(name, count):
+    stock, converted = _pair("timm", name)
+    table = bnswap.plan(stock)
+    assert len(table) == len(table.swapped) == count, str(table)
+    assert {(r.cls, r.adapter) for r in table} == {
+        ("BatchNormAct2d", ADAPTERS["BatchNormAct2d"])}
+    x, y = _input(), _targets()
+    results = []
+    for model in (stock, converted):
+        model.train()
+        torch.manual_seed(1234)
+        out = model(x)
+        nn.functional.cross_entropy(out, y).backward()
+        results.append((out, model))
+    (s_out, s), (c_out, c) = results
+    _assert_equal("training output", s_out, c_out)
+    for (n, a), (_, b) in zip(s.named_parameters(), c.named_parameters()):
+        _assert_equal(f"gradient of {n}", a.grad, b.grad)
+    for (n, a), (_, b) in zip(s.named_buffers(), c.named_buffers()):
+        _assert_equal(f"buffer {n}", a, b)
