@@ -337,9 +337,13 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
                 pytorch_export_contrib_ops.register()
                 importlib.import_module(f"{_ORTM}._custom_op_symbolic_registry") \
                     .CustomOpSymbolicRegistry.register_all(opset)
-                if original_module is not None and original_module in BNSWAP_MODULES:
+                ours = original_module is not None and original_module in BNSWAP_MODULES
+                if ours:
                     _symbolic.register(opset)
-                return original(flattened_module, *args, **kwargs)
+                result = original(flattened_module, *args, **kwargs)
+                if ours:
+                    _symbolic.keep_running_stat_aliases(result[0])
+                return result
         finally:
             with torch.no_grad():
                 for buf, saved in state:

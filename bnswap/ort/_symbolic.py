@@ -41,11 +41,35 @@ def _helpers():
     return importlib.import_module(f"{_TSE}.symbolic_helper")
 
 
+#: Fill values of the private statistics given to batch-statistics-only layers.
+_SCRATCH_MEAN = 2.0 ** -100
+_SCRATCH_VAR = 2.0 ** -99
+
+
+def _private_stat(g, input, like, fill: float):
+    import torch
+
+    tse = importlib.import_module(f"{_TSE}._type_utils")
+    channels = _helpers()._get_tensor_dim_size(input, 1)
+    dtype = tse.JitScalarType.from_value(like, tse.JitScalarType.FLOAT).dtype()
+    if channels is None:
+        raise RuntimeError("bnswap.ort: batch-statistics-only BatchNorm needs a static "
+                           "channel count to export")
+    return g.op("Constant", value_t=torch.full((channels,), fill, dtype=dtype))
+
+
 def _batch_norm_with_update(g, input, weight, bias, running_mean, running_var, momentum, eps):
     sh = _helpers()
     eps = sh._maybe_get_const(eps, "f")
     weight, bias, running_mean, running_var = sh._batchnorm_helper(
         g, input, weight, bias, running_mean, running_var)
+    if running_mean.node().kind() != "prim::Param" or running_var.node().kind() != "prim::Param":
+        # Throw-away statistics (track_running_stats=False): BatchNormInternal writes the
+        # batch statistics into them (aliased outputs). Zeros / ones would be merged by
+        # ORT's constant sharing with an affine=False layer's constant bias / weight,
+        # which the write would then corrupt; use private values instead.
+        running_mean = _private_stat(g, input, running_mean, _SCRATCH_MEAN)
+        running_var = _private_stat(g, input, running_var, _SCRATCH_VAR)
     out, new_mean, new_var = g.op(
         "BatchNormalization", input, weight, bias, running_mean, running_var,
         epsilon_f=eps, momentum_f=ONNX_TRAINING_MOMENTUM, training_mode_i=1, outputs=3)
@@ -73,3 +97,62 @@ def register(opset: int) -> None:
 
     register_custom_op_symbolic("aten::_batch_norm_with_update", _batch_norm_with_update, opset)
     register_custom_op_symbolic("aten::_batch_norm_no_update", _batch_norm_no_update, opset)
+
+
+def keep_running_stat_aliases(model) -> int:
+    """Make ORT write running statistics for batch norms whose output is a model output.
+
+    Measured with onnxruntime-training 1.19.2 (CPU): when a training-mode
+    ``BatchNormalization``'s output is consumed only by the graph output (the model
+    returns the batch norm's output, e.g. a network ending in BatchNorm1d), ORT's
+    training session does not write ``BatchNormInternal``'s aliased running-stat outputs
+    into the input buffers, while any other consumer (even ``Mul``) restores the write.
+    Such outputs get an exact no-op, ``(y * 2) * 0.5`` (power-of-two scaling is exact in
+    floating point, and ORT's no-op elimination keeps it), before the graph output.
+
+    Args:
+        model: ``onnx.ModelProto`` from the TorchScript exporter; changed in place.
+
+    Returns:
+        The number of batch-norm outputs rewritten.
+    """
+    import onnx
+    from onnx import helper
+
+    graph = model.graph
+    outputs = {o.name for o in graph.output}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def reaches_only_outputs(name: str, depth: int = 0) -> bool:
+        users = consumers.get(name, [])
+        if depth > 8 or (not users and name not in outputs):
+            return False
+        return all(u.op_type == "Identity" and reaches_only_outputs(u.output[0], depth + 1)
+                   for u in users)
+
+    rewritten = 0
+    new_nodes = []
+    for node in graph.node:
+        new_nodes.append(node)
+        if node.op_type != "BatchNormalization" or len(node.output) < 3:
+            continue
+        y = node.output[0]
+        if not reaches_only_outputs(y):
+            continue
+        raw = y + "_bnswap_raw"
+        doubled = y + "_bnswap_x2"
+        node.output[0] = raw
+        two = helper.make_tensor(raw + "_two", onnx.TensorProto.FLOAT, [], [2.0])
+        half = helper.make_tensor(raw + "_half", onnx.TensorProto.FLOAT, [], [0.5])
+        new_nodes.append(helper.make_node("Constant", [], [two.name], value=two))
+        new_nodes.append(helper.make_node("Constant", [], [half.name], value=half))
+        new_nodes.append(helper.make_node("Mul", [raw, two.name], [doubled]))
+        new_nodes.append(helper.make_node("Mul", [doubled, half.name], [y]))
+        rewritten += 1
+    if rewritten:
+        del graph.node[:]
+        graph.node.extend(new_nodes)
+    return rewritten
