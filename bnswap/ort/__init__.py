@@ -194,6 +194,9 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 path = os.path.join(self._bnswap_tmp, f"{mode}.onnx")
                 so.optimized_model_filepath = path
                 self._bnswap_graph_files[mode] = path
+                if mode == "training":  # new session: verify its in-place writes next step
+                    self.__dict__["_bnswap_verify"] = True
+                    self.__dict__["_bnswap_verify_pending"] = True
                 self._bnswap_ops.pop(mode, None)
                 for key, value in self._bnswap_session_options.items():
                     if key.startswith("config:"):
@@ -224,10 +227,19 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                         with torch.enable_grad():
                             return detach_tree(self._bnswap_call(args, kwargs))
 
+                    verify = self.__dict__.get("_bnswap_verify", True)
                     try:
-                        return stats.step(args, kwargs, run)
+                        out = stats.step(args, kwargs, run, verify=verify)
                     except ORTRunError as err:
                         return self._bnswap_maybe_fallback(err, args, kwargs)
+                    except RuntimeError as err:
+                        if "did not write the batch statistics" not in str(err):
+                            raise
+                        return self._bnswap_maybe_fallback(ORTRunError(str(err)), args, kwargs)
+                    if verify and self.__dict__.get("_bnswap_verify_pending") is None:
+                        self.__dict__["_bnswap_verify"] = False
+                    self.__dict__.pop("_bnswap_verify_pending", None)
+                    return out
                 try:
                     return self._bnswap_call(args, kwargs)
                 except ORTRunError as err:
@@ -307,6 +319,11 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
     try:
         ortmodule_pkg = _require()
         cls = _wrapper_class(ortmodule_pkg)
+        if debug_options is None:
+            from onnxruntime.training.ortmodule import DebugOptions, LogLevel
+
+            debug_options = DebugOptions(log_level=LogLevel.INFO if logger.isEnabledFor(
+                logging.INFO) else LogLevel.ERROR)
         opts = dict(DEFAULT_SESSION_OPTIONS)
         opts.update(session_options or {})
         import onnxruntime

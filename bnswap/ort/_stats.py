@@ -37,6 +37,10 @@ logger = logging.getLogger("bnswap.ort")
 
 T = TypeVar("T")
 
+# Written into running_mean before a verifying step; ORT's momentum-0 update replaces it
+# with the batch mean (sentinel * 0 + mean), so a survivor means no write happened.
+_SENTINEL = 1.0e30
+
 __all__ = ["RunningStats", "tracked_layers"]
 
 
@@ -150,10 +154,20 @@ class RunningStats:
         return sizes
 
     # -------------------------------------------------------------------- step
-    def step(self, args: tuple, kwargs: dict, run: Callable[[], T]) -> T:
+    def step(self, args: tuple, kwargs: dict, run: Callable[[], T], verify: bool = False) -> T:
         """Run ``run()`` (an ORT training forward of ``root`` on ``args``/``kwargs``) and
         leave every tracked layer's running_mean, running_var and num_batches_tracked
-        exactly as an eager forward would. On error, the statistics are restored."""
+        exactly as an eager forward would. On error, the statistics are restored.
+
+        Args:
+            verify: first step of a new ORT session: fill running_mean with a sentinel
+                before the call and check ORT overwrote it with the batch mean (ONNX
+                momentum 0), i.e. that its aliased in-place write reached the buffer.
+
+        Raises:
+            RuntimeError: ``verify`` and ORT did not write a layer's statistics (the
+                statistics are restored; nothing is silently wrong).
+        """
         layers = tracked_layers(self.root)
         if not layers:
             return run()
@@ -166,8 +180,22 @@ class RunningStats:
         with torch.no_grad():
             old_means = torch._foreach_mul(means, 1.0)
             old_vars = torch._foreach_mul(vars_, 1.0)
+        if verify:
+            with torch.no_grad():
+                for t in means:
+                    t.fill_(_SENTINEL)
         try:
             out = run()
+            if verify:
+                missed = [name for (name, m) in layers
+                          if m.running_mean is not None and any(m is a for a, _ in active)
+                          and bool((m.running_mean == _SENTINEL).any())]
+                if missed:
+                    raise RuntimeError(
+                        "bnswap.ort: ONNX Runtime did not write the batch statistics of "
+                        f"{missed} into their running_mean buffers (BatchNormInternal's "
+                        "aliased outputs); their running statistics cannot follow PyTorch's "
+                        "rule. Use backend='aten' for this model.")
         except BaseException:
             with torch.no_grad():
                 torch._foreach_copy_(means, old_means)
