@@ -112,6 +112,18 @@ def _check_layers(module: nn.Module) -> None:
 
     from bnswap import is_swapped
 
+    no_affine: dict[int, list[str]] = {}
+    for name, m in _bn_layers(module):
+        if not m.affine:
+            no_affine.setdefault(int(m.num_features), []).append(name or type(m).__name__)
+    for width, names in no_affine.items():
+        if len(names) > 1:
+            raise TypeError(
+                f"bnswap.ort.wrap: layers {names} are affine=False with the same width "
+                f"({width}). ONNX Runtime 1.19.2 merges their constant ones/zeros scale and "
+                "shift into one initializer and then cannot build the gradient graph "
+                "('Duplicate definition of name ..._grad'). Give all but one of them "
+                "affine=True, or use backend='aten'.")
     for name, m in _bn_layers(module):
         label = name or type(m).__name__
         if not is_swapped(m):
