@@ -61,10 +61,14 @@ class ORTRunError(RuntimeError):
 
 def is_available() -> bool:
     """True if onnxruntime-training and torch-ort are installed (nothing is imported)."""
+    # find_spec of a submodule would import onnxruntime, whose __init__ imports ORTModule
+    # (which patches torch); only top-level specs and the file system are consulted.
     try:
-        return (importlib.util.find_spec("onnxruntime") is not None
-                and importlib.util.find_spec("onnxruntime.training") is not None
-                and importlib.util.find_spec("torch_ort") is not None)
+        ort = importlib.util.find_spec("onnxruntime")
+        if ort is None or importlib.util.find_spec("torch_ort") is None:
+            return False
+        return any(os.path.isfile(os.path.join(p, "training", "ortmodule", "__init__.py"))
+                   for p in (ort.submodule_search_locations or []))
     except (ImportError, ValueError):
         return False
 
