@@ -46,8 +46,12 @@ __all__ = ["INSTALL", "ORTNotAvailableError", "ORTRunError", "build", "executed_
 INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
            "pip install --no-deps torch-ort==1.19.2")
 
-#: ``onnxruntime.SessionOptions`` attributes bnswap sets (fastest measured on a 2-core
-#: CPU, see benchmarks/bench_ort.py); override per model with ``wrap(session_options=)``.
+#: ``onnxruntime.SessionOptions`` attributes bnswap sets on every ORT session; override per
+#: model with ``wrap(session_options=)``. Empty: ORT's defaults (all cores, sequential
+#: execution; ORTModule turns memory patterns off). On the shared 2-core CI machine no
+#: setting won consistently (benchmarks/bench_ort.py); ``{"intra_op_num_threads": 1}``
+#: helps when other processes load the cores. Parallel execution mode must not be used:
+#: ORT then skips the in-place running-statistics writes bnswap relies on.
 DEFAULT_SESSION_OPTIONS: dict[str, Any] = {}
 
 

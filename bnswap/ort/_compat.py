@@ -218,6 +218,7 @@ def _quiet_exporter_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*Removing mutation from node.*")
     warnings.filterwarnings("ignore", message=r".*dynamo=False.*")
     warnings.filterwarnings("ignore", message=r".*TorchScript-based ONNX export.*")
+    warnings.filterwarnings("ignore", message=r".*DeepSpeed import error.*")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
 
