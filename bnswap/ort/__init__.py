@@ -50,8 +50,8 @@ INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
 #: model with ``wrap(session_options=)``. Empty: ORT's defaults (all cores, sequential
 #: execution; ORTModule turns memory patterns off). On the shared 2-core CI machine no
 #: setting won consistently (benchmarks/bench_ort.py); ``{"intra_op_num_threads": 1}``
-#: helps when other processes load the cores. Parallel execution mode must not be used:
-#: ORT then skips the in-place running-statistics writes bnswap relies on.
+#: helps when other processes load the cores. ``execution_mode=ORT_PARALLEL`` fails in
+#: ORT 1.19.2's training session (forward pass error, raised as ORTRunError).
 DEFAULT_SESSION_OPTIONS: dict[str, Any] = {}
 
 
