@@ -1,0 +1,139 @@
+"""The guarantee: exported / compiled graphs of converted models use the consolidated ops."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from functorch.compile import make_boxed_func
+
+import bnswap
+
+
+def model(momentum=0.1):
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
+        nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU(),
+        nn.Flatten(), nn.Linear(64, 6), nn.BatchNorm1d(6, momentum=momentum),
+    )
+
+
+def ops(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+LEGACY = ("aten.batch_norm.default", "aten._native_batch_norm_legit_functional.default",
+          "aten._native_batch_norm_legit.default", "aten.native_batch_norm.default",
+          "aten.native_batch_norm_backward.default", "aten.cudnn_batch_norm.default")
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_export_training_graph(momentum):
+    m = bnswap.convert(model(momentum))
+    x = torch.randn(2, 3, 8, 8)
+    ep = torch.export.export(m, (x,))
+    names = ops(ep.graph_module)
+    assert names.count("aten._batch_norm_with_update.default") == 3
+    assert not set(names) & set(LEGACY)
+    dec = ep.run_decompositions()
+    names = ops(dec.graph_module)
+    assert names.count("aten._batch_norm_with_update_functional.default") == 3
+    assert not set(names) & set(LEGACY)
+    mutated = sorted(dec.graph_signature.buffers_to_mutate.values())
+    expect = sorted(f"{i}.{b}" for i in ("1", "4", "8")
+                    for b in ("running_mean", "running_var", "num_batches_tracked"))
+    assert mutated == expect
+
+
+def test_export_stock_uses_legacy_ops_for_contrast():
+    ep = torch.export.export(model(), (torch.randn(2, 3, 8, 8),)).run_decompositions()
+    names = ops(ep.graph_module)
+    assert "aten._native_batch_norm_legit_functional.default" in names
+    assert "aten._batch_norm_with_update_functional.default" not in names
+
+
+def test_export_eval_graph():
+    m = bnswap.convert(model()).eval()
+    ep = torch.export.export(m, (torch.randn(2, 3, 8, 8),))
+    names = ops(ep.graph_module)
+    assert names.count("aten._batch_norm_no_update.default") == 3
+    assert "aten._batch_norm_with_update.default" not in names
+    assert not ep.run_decompositions().graph_signature.buffers_to_mutate
+
+
+def test_exported_program_runs_like_eager():
+    torch.manual_seed(1)
+    m = bnswap.convert(model())
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 3, 8, 8)
+    ep = torch.export.export(m, (x,))
+    out = ep.module()(x)
+    torch.testing.assert_close(out, ref(x))
+
+
+def _capture():
+    graphs = {"fw": [], "bw": []}
+
+    def fw(gm, example_inputs):
+        graphs["fw"].append(gm)
+        return make_boxed_func(gm.forward)
+
+    def bw(gm, example_inputs):
+        graphs["bw"].append(gm)
+        return make_boxed_func(gm.forward)
+
+    return graphs, aot_autograd(fw_compiler=fw, bw_compiler=bw)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_compile_fullgraph_aot_graphs(momentum):
+    torch._dynamo.reset()
+    m = bnswap.convert(model(momentum))
+    ref = copy.deepcopy(m)
+    graphs, backend = _capture()
+    cm = torch.compile(m, backend=backend, fullgraph=True)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        x = torch.randn(4, 3, 8, 8, generator=g)
+        y, yr = cm(x), ref(x)
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(y, yr)
+    fw, bw = ops(graphs["fw"][0]), ops(graphs["bw"][0])
+    assert fw.count("aten._batch_norm_with_update_functional.default") == 3
+    assert bw.count("aten.batch_norm_backward.default") == 3
+    assert not (set(fw) | set(bw)) & set(LEGACY)
+    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_matches_eager_with_train_eval_switches():
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    m = bnswap.convert(model(None))
+    ref = copy.deepcopy(m)
+    cm = torch.compile(m)  # inductor
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(8)
+    for training in (True, False, True, False, True):
+        m.train(training), ref.train(training)
+        x = torch.randn(4, 3, 8, 8, generator=g)
+        y, yr = cm(x), ref(x)
+        torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-5)
+        if training:
+            for mod, o, out in ((m, opt, y), (ref, opt_ref, yr)):
+                o.zero_grad()
+                out.square().mean().backward()
+            for a, b in zip(m.parameters(), ref.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+            opt.step(), opt_ref.step()
+    assert m[1].num_batches_tracked.item() == 3
+    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)
