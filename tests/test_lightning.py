@@ -554,15 +554,66 @@ def test_pytorch_lightning_trainer_works_with_BNSwapPL():
     assert len(cb.plan.swapped) == 4
 
 
-def test_ort_backend_without_bnswap_ort_says_so():
-    try:
-        import bnswap.ort  # noqa: F401
-    except ModuleNotFoundError:
-        pass
-    else:  # pragma: no cover - once the ORT backend lands, its own tests cover it
-        pytest.skip("bnswap.ort exists")
-    cb = BNSwap("ort")
-    with pytest.raises(NotImplementedError, match="bnswap.ort"):
-        cb.setup(_FakeTrainer(), Classifier(), "fit")
-    cb.teardown(_FakeTrainer(), Classifier(), "fit")
+def test_ort_backend_without_onnxruntime_fails_before_changing_the_model(monkeypatch):
+    import bnswap.ort
+
+    monkeypatch.setattr(bnswap.ort, "is_available", lambda: False)
+    model, cb = Classifier(), BNSwap("ort")
+    with pytest.raises(bnswap.ort.ORTNotAvailableError, match="onnxruntime-training-cpu"):
+        cb.setup(_FakeTrainer(), model, "fit")
+    assert not any(isinstance(m, BNSwapLayer) for m in model.modules())
     assert global_registration_hooks() == 0
+
+
+def _ort_available() -> bool:
+    import bnswap.ort
+
+    return bnswap.ort.is_available()
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_wraps_configure_model_children_before_the_optimizer():
+    """backend="ort": each BatchNorm-holding child of the LightningModule is wrapped with
+    bnswap.ort.wrap before configure_optimizers; training matches stock within float32
+    rounding (ORT's kernels differ), the counters exactly; revert unwraps."""
+    import bnswap.ort
+
+    class M(Classifier):
+        def __init__(self):
+            super().__init__(build="configure_model")
+            self.plain = nn.Linear(2, 2)  # no BatchNorm: not wrapped
+
+        def configure_optimizers(self):
+            self.seen["net_at_configure_optimizers"] = type(self.net).__name__
+            self.seen["plain_at_configure_optimizers"] = type(self.plain).__name__
+            return super().configure_optimizers()
+
+    states = {}
+    for variant in ("stock", "ort"):
+        pl.seed_everything(0)
+        model = M()
+        cbs = [BNSwap("ort", revert_on_teardown=True)] if variant == "ort" else []
+        seen = {}
+
+        class Spy(pl.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen["net"] = pl_module.net
+
+        trainer([*cbs, Spy()]).fit(model, data())
+        states[variant] = state(model)
+        if variant == "ort":
+            assert model.seen["net_at_configure_optimizers"] == "BNSwapORTModule"
+            assert model.seen["plain_at_configure_optimizers"] == "Linear"
+            ops = bnswap.ort.executed_ops(seen["net"], training=True)  # ORT really ran it
+            assert ops["BatchNormInternal"] == 4 and ops["BatchNormalizationGrad"] == 4
+            assert {r.kernel for r in cbs[0].plan.rows} == {"BatchNormInternal (ORT)"}
+            assert type(model.net) is ConvNet4  # unwrapped and reverted at teardown
+            assert {type(m) for m in bn_layers(model).values()} == {nn.BatchNorm2d}
+    a, b = states["stock"], states["ort"]
+    assert a.keys() == b.keys()
+    for k in a:
+        if k.endswith("num_batches_tracked"):
+            assert torch.equal(a[k], b[k])
+        else:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
