@@ -370,7 +370,7 @@ def test_resume_from_mid_epoch_checkpoint_is_bitwise_identical(tmp_path):
 
     def run(ckpt_dir=None, ckpt_path=None, swap=True):
         pl.seed_everything(0)
-        model = Classifier(sched=True)
+        model = Classifier(build="configure_model", sched=True)  # restore into its layers
         cbs = [BNSwap()] if swap else []
         extra = {}
         if ckpt_dir is not None:
