@@ -38,6 +38,14 @@ cross-process kernel: bnswap leaves it alone. The callback logs a warning naming
 number of SyncBatchNorm layers and the plan lists them as skipped; training proceeds on
 SyncBatchNorm (stock behaviour). Use ``sync_batchnorm=False`` to train on bnswap layers.
 
+``backend="ort"``
+----------------
+ONNX Runtime cannot wrap a LightningModule, so each direct child holding BatchNorm is
+wrapped with ``bnswap.ort.wrap`` (``ORTModule``; same Parameter objects and state_dict
+keys), at the same moments as the swap, hence before the optimizers and DDP. A child
+holding a layer that bnswap does not swap (excluded, SyncBatchNorm, ...) stays eager:
+its bnswap layers run on aten and the plan says so.
+
 Other guarantees
 ----------------
 The callback never calls ``train()`` / ``eval()``: a submodule the user put in eval
@@ -60,7 +68,8 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 import bnswap
-from bnswap.plan import Plan
+from bnswap.layers import BNSwapLayer
+from bnswap.plan import Plan, select_kernel
 from bnswap.plan import plan as make_plan
 from bnswap.walker import Patterns, check_backend, decide
 
@@ -164,9 +173,14 @@ class _BNSwapBase:
             self._wrap_children(root)
 
     def _wrap_children(self, root: nn.Module) -> None:
+        """backend="ort": wrap each direct child whose BatchNorm layers are all bnswap
+        layers (a child holding an excluded or unswappable layer stays eager, on aten)."""
         ort = _import_ort()
         for name, child in list(root.named_children()):
-            if getattr(child, "_bnswap_inner", None) is None and _has_batchnorm(child):
+            if getattr(child, "_bnswap_inner", None) is not None:
+                continue
+            bns = [m for m in child.modules() if isinstance(m, _BatchNorm)]
+            if bns and all(isinstance(m, BNSwapLayer) for m in bns):
                 self._busy = True
                 try:
                     setattr(root, name, ort.wrap(child))
@@ -209,11 +223,20 @@ class _BNSwapBase:
         rows = []
         names = dict(pl_module.named_modules())
         p = make_plan(pl_module, self.backend, include=self.include, exclude=self.exclude)
+        wrapped = [n + "." for n, c in pl_module.named_children()
+                   if getattr(c, "_bnswap_inner", None) is not None]
         for r in p.rows:
             m = names.get("" if r.name == "(root)" else r.name)
             when = self._swapped.get(id(m)) if m is not None else None
-            rows.append(replace(r, reason=when) if when is not None and r.action == "swap"
-                        else r)
+            if when is not None and r.action == "swap":
+                r = replace(r, reason=when)
+            if (self.backend == "ort" and r.action == "swap" and m is not None
+                    and not r.name.startswith(tuple(wrapped))):
+                # its child was not wrapped (it holds a layer bnswap does not swap)
+                r = replace(r, backend="aten", kernel=select_kernel(m),
+                            reason=(r.reason + "; " if r.reason != "-" else "")
+                            + "eager: its top-level module holds a layer that is not swapped")
+            rows.append(r)
         self.plan = Plan(rows)
         if getattr(trainer, "is_global_zero", True):
             log.info("%s", self.plan)

@@ -617,3 +617,25 @@ def test_ort_backend_wraps_configure_model_children_before_the_optimizer():
             assert torch.equal(a[k], b[k])
         else:
             torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_leaves_children_with_unswapped_layers_eager():
+    class M(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.side = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2), nn.BatchNorm2d(2))
+
+    model, cb = M(), BNSwap("ort", exclude="side.2")
+    cb.setup(_FakeTrainer(), model, "fit")
+    cb.on_fit_start(_FakeTrainer(), model)
+    cb.teardown(_FakeTrainer(), model, "fit")
+    assert type(model.net).__name__ == "BNSwapORTModule"
+    assert type(model.side) is nn.Sequential
+    assert isinstance(model.side[1], BNSwapLayer) and type(model.side[2]) is nn.BatchNorm2d
+    rows = {r.name: r for r in cb.plan.rows}
+    assert rows["net.features.1"].kernel == "BatchNormInternal (ORT)"
+    assert (rows["side.1"].backend, rows["side.1"].kernel) == ("aten", "Native")
+    assert "eager" in rows["side.1"].reason
+    assert rows["side.2"].action == "skip"
