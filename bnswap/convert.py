@@ -13,11 +13,11 @@ import logging
 from collections.abc import Callable
 
 from torch import nn
-from torch.nn.utils import parametrize
 
 from bnswap import registry
-from bnswap.plan import Plan, rows_from
-from bnswap.walker import Patterns, base_class, check_module, decide
+from bnswap.layers import BNSwapLayer
+from bnswap.plan import rows_from
+from bnswap.walker import Decision, Patterns, base_class, check_module, decide, is_parametrized
 
 __all__ = ["convert", "revert"]
 
@@ -36,7 +36,7 @@ def _set_base_class(module: nn.Module, new_base: type) -> Callable[[], None]:
     """Make ``new_base`` the module's class (under torch's parametrization class, if
     any); return the undo."""
     old_cls = type(module)
-    if parametrize.is_parametrized(module):
+    if is_parametrized(module):
         # torch.nn.utils.parametrize injects a subclass ``Parametrized<Base>`` holding the
         # properties; rebuild it on the new base so remove_parametrizations() restores it.
         # The rebuilt class remembers the class it was built from, so that revert gives
@@ -51,10 +51,12 @@ def _set_base_class(module: nn.Module, new_base: type) -> Callable[[], None]:
                            {**attrs, _ORIGIN: old_cls})
     else:
         new_cls = new_base
-    module.__class__ = new_cls
+    # object.__setattr__: nn.Module.__setattr__ would only check (slowly) that the value
+    # is no Parameter / Module / buffer before doing the same.
+    object.__setattr__(module, "__class__", new_cls)
 
     def undo() -> None:
-        module.__class__ = old_cls
+        object.__setattr__(module, "__class__", old_cls)
 
     return undo
 
@@ -117,7 +119,6 @@ def convert(
     """
     check_module(module, "convert")
     decisions = decide(module, backend, include, exclude)
-    table = rows_from(decisions, backend)
     undos: list[Callable[[], None]] = []
     try:
         for d in decisions:
@@ -134,13 +135,15 @@ def convert(
         for undo in reversed(undos):
             undo()
         raise
-    _log(table)
+    _log(decisions, backend)
     return wrapped
 
 
-def _log(table: Plan) -> None:
+def _log(decisions: list[Decision], backend: str) -> None:
+    # The table (a kernel probe per layer) is built only when it is logged: it cost more
+    # than the conversion itself on large models (benchmarks P5).
     if logger.isEnabledFor(logging.INFO):
-        logger.info("%s", table)
+        logger.info("%s", rows_from(decisions, backend))
 
 
 def revert(module: nn.Module) -> nn.Module:
@@ -163,6 +166,8 @@ def revert(module: nn.Module) -> nn.Module:
         pending = vars(m).get("cls_to_become")
         if isinstance(pending, type) and registry.source_of(pending) is not None:
             del m.cls_to_become  # back to the class's own cls_to_become
+        if not isinstance(m, BNSwapLayer):
+            continue
         source = registry.source_of(base_class(m))
         if source is not None:
             _set_base_class(m, source)

@@ -1,0 +1,102 @@
+"""``python -m benchmarks``: run the bnswap benchmark suite (P1-P6) on the CPU.
+
+Writes ``benchmarks/results/latest.json``, ``latest.md`` and ``latest.png`` (or into
+``--out``). ``--quick`` is a CI-size run (a few pairs, one network; not for quoting);
+``--cases P1,P5`` runs a selection. See ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="P1,P2,P3,P4,P5,P6",
+                    help="comma-separated subset of P1..P6 (default: all)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CI-size run: one network, float32, 3 pairs")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (default: $BNSWAP_BENCH_THREADS, else 1)")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="override the number of interleaved pairs of every comparison")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"),
+                    help="output folder (default: benchmarks/results)")
+    ap.add_argument("--name", default="latest", help="output file stem (default: latest)")
+    ap.add_argument("--note", default=None, help="free text stored with the results")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(os.path.dirname(HERE), "build", "inductor-cache"))
+    import torch
+
+    threads = args.threads or int(os.environ.get("BNSWAP_BENCH_THREADS", "1"))
+    torch.set_num_threads(threads)
+
+    from benchmarks import report
+    from benchmarks.cases import CASES, Settings
+    from benchmarks.harness import load_average, machine_info, python_loop_ms
+
+    wanted = [c.strip().upper() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in wanted if c not in CASES]
+    if unknown:
+        print(f"unknown case(s) {unknown}; choose from {sorted(CASES)}", file=sys.stderr)
+        return 2
+    settings = Settings(quick=args.quick, pairs=args.pairs,
+                        log=lambda s: print(s, flush=True))
+    res: dict = {
+        "schema": 1,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "config": {"cases": wanted, "quick": args.quick, "threads": threads, "pairs": args.pairs},
+        "machine": machine_info(),
+        "note": args.note,
+        "cases": {},
+    }
+    t_all = time.perf_counter()
+    failed = False
+    for key in wanted:
+        print(f"{key} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            out = CASES[key](settings)
+        except Exception as e:  # one failing case must not lose the others
+            failed = True
+            traceback.print_exc()
+            out = {"status": f"error: {type(e).__name__}: {e}", "rows": []}
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        res["cases"][key] = out
+        print(f"{key} done in {out['seconds']:.1f} s: {out['status']}", flush=True)
+    res["machine"]["load_average_end"] = load_average()
+    res["machine"]["python_loop_1m_ms_end"] = python_loop_ms()
+    res["seconds"] = round(time.perf_counter() - t_all, 1)
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name)
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(report.to_markdown(res))
+    try:
+        report.to_png(res, stem + ".png")
+    except Exception:  # the plot is a convenience; the JSON and table are the record
+        traceback.print_exc()
+    print(f"wrote {stem}.json, .md, .png in {res['seconds']:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

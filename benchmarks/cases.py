@@ -1,0 +1,380 @@
+"""The benchmark cases P1-P6. Each returns a JSON-able dict with ``status`` and ``rows``.
+
+In every A/B row, A is bnswap and B the reference (stock ``nn.BatchNorm``, the raw aten
+op, or ``clone()``); ``ratio_median`` is the median of the per-pair ratios A/B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bnswap
+from benchmarks import nets
+from benchmarks.harness import interleaved
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Settings:
+    quick: bool = False
+    pairs: int | None = None  # override the per-case default number of pairs
+    log: Callable[[str], None] = print
+
+    def n_pairs(self, default: int, quick: int = 3) -> int:
+        if self.pairs is not None:
+            return self.pairs
+        return quick if self.quick else default
+
+
+# name -> (factory, batch, H=W): the networks of the issue.
+NETS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
+    "convnet4": (nets.convnet4, 32, 32),
+    "mobilenetv2": (nets.mobilenetv2, 32, 64),
+    "resnet18": (nets.resnet18, 16, 64),
+}
+DTYPES = ("float32", "bfloat16")
+
+
+def verdict(value: float, goal: float, ci: tuple[float, float] | list[float] | None = None) -> str:
+    """'met' / 'missed' against an upper-bound goal; 'missed (within noise)' when the
+    95 % interval of the median still reaches the goal."""
+    if value <= goal:
+        return "met"
+    if ci is not None and ci[0] <= goal:
+        return "missed (within noise)"
+    return "missed"
+
+
+def _pair(net: str, seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """(bnswap model, stock model) with identical weights, and a batch (x, y)."""
+    factory, batch, hw = NETS[net]
+    torch.manual_seed(seed)
+    stock = factory()
+    swapped = bnswap.convert(copy.deepcopy(stock))
+    x = torch.randn(batch, 3, hw, hw)
+    y = torch.randint(0, 10, (batch,))
+    return swapped, stock, x, y
+
+
+def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+               dtype: str, forward: Callable | None = None) -> Callable[[], None]:
+    """One SGD (momentum 0.9) train step of ``model`` on (x, y); ``forward`` replaces
+    ``model.__call__`` (a compiled model); ``dtype="bfloat16"`` runs the forward pass
+    under CPU autocast."""
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    fwd = forward or model
+    ctx: Callable[[], contextlib.AbstractContextManager] = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bfloat16"
+        else contextlib.nullcontext)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with ctx():
+            loss = F.cross_entropy(fwd(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def _ab_row(cmp, goal: float, **extra) -> dict:
+    d = cmp.to_dict()
+    d["goal"] = goal
+    d["verdict"] = verdict(d["ratio_median"], goal, d["ratio_ci95"])
+    return {**extra, **d}
+
+
+# ---------------------------------------------------------------------------- P1
+def p1_eager(s: Settings) -> dict:
+    rows = []
+    combos = [(n, d) for n in NETS for d in DTYPES]
+    if s.quick:
+        combos = [("convnet4", "float32")]
+    for net, dtype in combos:
+        a, b, x, y = _pair(net)
+        cmp = interleaved(train_step(a, x, y, dtype), train_step(b, x, y, dtype),
+                          pairs=s.n_pairs(10), warmup=1 if s.quick else 3)
+        row = _ab_row(cmp, 1.00, net=net, dtype=dtype)
+        rows.append(row)
+        s.log(f"  P1 {net:12s} {dtype:9s} bnswap {row['a_median_ms']:8.2f} ms  stock "
+              f"{row['b_median_ms']:8.2f} ms  ratio {row['ratio_median']:.3f} "
+              f"[{row['ratio_ci95'][0]:.3f}, {row['ratio_ci95'][1]:.3f}]")
+    return {"status": "ok", "goal": "bnswap / stock <= 1.00", "rows": rows}
+
+
+# ---------------------------------------------------------------------------- P2
+def _dynamo_counts() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+    breaks = sum(counters["graph_break"].values())
+    graphs = counters["stats"]["unique_graphs"]
+    return breaks, graphs
+
+
+def _kernel_bodies(codes: list[str]) -> list[str]:
+    """The generated C++ kernels of inductor's output code, sorted (their names, which
+    carry the aten op names, and the argument order of the wrapper are left out)."""
+    import re
+
+    bodies: list[str] = []
+    for c in codes:
+        bodies += ["".join(m) for m in
+                   re.findall(r"cpp_pybinding\((\[.*?\]), r'''(.*?)'''\)", c, re.S)]
+    return sorted(bodies)
+
+
+def _compile_and_warm(model: nn.Module, x, y, dtype: str, warmup: int):
+    from torch._dynamo.utils import counters
+    counters.clear()
+    compiled = torch.compile(model, backend="inductor")
+    step = train_step(model, x, y, dtype, forward=compiled)
+    t0 = time.perf_counter()
+    try:  # the first step compiles forward and backward; keep inductor's output code
+        from torch._inductor.utils import run_and_get_code
+        _, codes = run_and_get_code(step)
+    except ImportError:  # pragma: no cover - other torch versions
+        step()
+        codes = []
+    compile_s = time.perf_counter() - t0
+    breaks, graphs = _dynamo_counts()
+    for _ in range(warmup):
+        step()
+    return step, compile_s, breaks, graphs, _kernel_bodies(codes)
+
+
+def p2_compile(s: Settings) -> dict:
+    import torch._dynamo
+
+    rows = []
+    combos = [(n, d) for n in NETS for d in DTYPES]
+    if s.quick:
+        combos = [("convnet4", "float32")]
+    for net, dtype in combos:
+        torch._dynamo.reset()
+        a, b, x, y = _pair(net)
+        sa, ca, ba, ga, ka = _compile_and_warm(a, x, y, dtype, 1 if s.quick else 2)
+        sb, cb, bb, gb, kb = _compile_and_warm(b, x, y, dtype, 1 if s.quick else 2)
+        cmp = interleaved(sa, sb, pairs=s.n_pairs(10), warmup=0)
+        row = _ab_row(cmp, 1.00, net=net, dtype=dtype)
+        row.update(graph_breaks_bnswap=ba, graph_breaks_stock=bb, graphs_bnswap=ga,
+                   graphs_stock=gb, first_step_s_bnswap=ca, first_step_s_stock=cb,
+                   kernels_bnswap=len(ka), kernels_stock=len(kb),
+                   same_kernels=(ka == kb) if ka or kb else None)
+        if ba > 0 and row["verdict"] == "met":
+            row["verdict"] = "missed (graph breaks)"
+        rows.append(row)
+        s.log(f"  P2 {net:12s} {dtype:9s} bnswap {row['a_median_ms']:8.2f} ms  stock "
+              f"{row['b_median_ms']:8.2f} ms  ratio {row['ratio_median']:.3f} "
+              f"[{row['ratio_ci95'][0]:.3f}, {row['ratio_ci95'][1]:.3f}]  breaks {ba}/{bb}  "
+              f"compile {ca:.1f}/{cb:.1f} s  same C++ kernels: {row['same_kernels']}")
+    torch._dynamo.reset()
+    return {"status": "ok", "goal": "bnswap / stock <= 1.00 and 0 graph breaks", "rows": rows}
+
+
+# ---------------------------------------------------------------------------- P3
+P3_SHAPES = {"tiny": (4, 8, 2, 2), "resnet": (32, 64, 56, 56)}
+
+
+def p3_overhead(s: Settings) -> dict:
+    """The bnswap layer vs the raw ``aten._batch_norm_with_update`` on the layer's own
+    parameter and buffer tensors (so autograd records the same graph), and the op's
+    achieved bandwidth against ``clone()``."""
+    aten = torch.ops.aten
+    rows = []
+    bw_rows = []
+    for size, shape in P3_SHAPES.items():
+        torch.manual_seed(0)
+        layer = bnswap.convert(nn.BatchNorm2d(shape[1])).train()
+        w, b, rm, rv = layer.weight, layer.bias, layer.running_mean, layer.running_var
+        mom, eps = layer.momentum, layer.eps
+        x = torch.randn(shape)
+        xg = x.clone().requires_grad_(True)
+        g = torch.randn(shape)
+        tiny = size == "tiny"
+        min_sample = 0.02 if tiny else 0.0
+
+        def raw_fwd():
+            return aten._batch_norm_with_update(x, w, b, rm, rv, mom, eps)[0]
+
+        def layer_fwd():
+            return layer(x)
+
+        def raw_fb():
+            out = aten._batch_norm_with_update(xg, w, b, rm, rv, mom, eps)[0]
+            return torch.autograd.grad(out, (xg, w, b), g)
+
+        def layer_fb():
+            return torch.autograd.grad(layer(xg), (xg, w, b), g)
+
+        for mode, fa, fb in (("forward", layer_fwd, raw_fwd), ("forward+backward", layer_fb, raw_fb)):
+            cmp = interleaved(fa, fb, pairs=s.n_pairs(30 if tiny else 15, 5),
+                              warmup=3, min_sample_s=min_sample)
+            row = _ab_row(cmp, 1.02, size=size, shape=list(shape), mode=mode)
+            row["overhead_pct"] = (row["ratio_median"] - 1.0) * 100.0
+            row["a_median_us"] = row["a_median_ms"] * 1e3
+            row["b_median_us"] = row["b_median_ms"] * 1e3
+            if tiny:  # the goal is stated at ResNet size only
+                row["goal"] = None
+                row["verdict"] = "info"
+            rows.append(row)
+            s.log(f"  P3 {size:6s} {mode:16s} layer {row['a_median_us']:10.1f} us  op "
+                  f"{row['b_median_us']:10.1f} us  overhead {row['overhead_pct']:+6.2f} % "
+                  f"[{(row['ratio_ci95'][0]-1)*100:+.2f}, {(row['ratio_ci95'][1]-1)*100:+.2f}]")
+        # bandwidth: bytes the op must move (fwd: read x, write y; bwd: read dy, x, write
+        # dx) over its time, against clone() (read x, write copy) on the same tensor.
+        nbytes = x.numel() * x.element_size()
+        for mode, fop, moved in (("forward", raw_fwd, 2), ("forward+backward", raw_fb, 5)):
+            cmp = interleaved(fop, x.clone, pairs=s.n_pairs(15 if not tiny else 30, 5),
+                              warmup=3, min_sample_s=min_sample)
+            op_bw = moved * nbytes / cmp.a_median / 1e9
+            clone_bw = 2 * nbytes / cmp.b_median / 1e9
+            bw_rows.append({"size": size, "shape": list(shape), "mode": mode,
+                            "bytes_moved": moved * nbytes, "op_median_us": cmp.a_median * 1e6,
+                            "clone_median_us": cmp.b_median * 1e6, "op_gbps": op_bw,
+                            "clone_gbps": clone_bw, "fraction_of_clone": op_bw / clone_bw})
+            s.log(f"  P3 {size:6s} {mode:16s} op {op_bw:7.2f} GB/s  clone {clone_bw:7.2f} GB/s  "
+                  f"({op_bw / clone_bw * 100:.0f} %)")
+    return {"status": "ok", "goal": "layer / raw op <= 1.02 at ResNet size",
+            "rows": rows, "bandwidth": bw_rows}
+
+
+# ---------------------------------------------------------------------------- P4
+def p4_ort(s: Settings) -> dict:
+    try:
+        import bnswap.ort  # noqa: F401
+    except Exception as e:  # ImportError, or ORT present but broken
+        return {"status": "skipped: ORT backend not installed", "detail": f"{type(e).__name__}: {e}",
+                "rows": []}
+    rows = []
+    for net in (["convnet4"] if s.quick else list(NETS)):
+        a, b, x, y = _pair(net)
+        bnswap.revert(a)
+        wrapped = bnswap.convert(a, backend="ort")
+        cmp = interleaved(train_step(wrapped, x, y, "float32"), train_step(b, x, y, "float32"),
+                          pairs=s.n_pairs(10), warmup=2 if s.quick else 3)
+        row = _ab_row(cmp, 1.00, net=net, dtype="float32")
+        rows.append(row)
+        s.log(f"  P4 {net:12s} ORT {row['a_median_ms']:8.2f} ms  eager stock "
+              f"{row['b_median_ms']:8.2f} ms  ratio {row['ratio_median']:.3f}")
+    return {"status": "ok", "goal": "ORT / eager stock (no goal stated; reported)", "rows": rows}
+
+
+# ---------------------------------------------------------------------------- P5
+def bn_model(n: int) -> nn.Module:
+    """``n`` blocks of (1x1 conv, BatchNorm2d, ReLU): n BatchNorm layers, 3n+1 modules."""
+    return nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU())
+                           for _ in range(n)])
+
+
+def p5_convert(s: Settings) -> dict:
+    """convert / revert time (median of repeats, gc on as in real use), next to one
+    ``list(model.modules())`` traversal of the same model timed in the same repeats: the
+    floor any walker pays, and a yardstick that does not depend on the machine's speed."""
+    import statistics
+
+    sizes = (10, 100, 1000) if s.quick else (10, 100, 1000, 10000)
+    rows = []
+    for n in sizes:
+        model = bn_model(n)
+        reps = 3 if s.quick else max(5, min(25, 5000 // n))
+        bnswap.convert(model)  # warm-up (first use imports / caches)
+        bnswap.revert(model)
+        tc, tr, tm = [], [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            bnswap.convert(model)
+            t1 = time.perf_counter()
+            bnswap.revert(model)
+            t2 = time.perf_counter()
+            list(model.modules())
+            t3 = time.perf_counter()
+            tc.append(t1 - t0)
+            tr.append(t2 - t1)
+            tm.append(t3 - t2)
+        assert not any(bnswap.is_swapped(m) for m in model.modules())
+        row = {"layers": n, "modules": 3 * n + 1, "reps": reps,
+               "convert_ms": statistics.median(tc) * 1e3, "revert_ms": statistics.median(tr) * 1e3,
+               "traversal_ms": statistics.median(tm) * 1e3}
+        row["convert_us_per_layer"] = row["convert_ms"] * 1e3 / n
+        row["revert_us_per_layer"] = row["revert_ms"] * 1e3 / n
+        row["convert_over_traversal"] = row["convert_ms"] / row["traversal_ms"]
+        row["revert_over_traversal"] = row["revert_ms"] / row["traversal_ms"]
+        if n == 1000:
+            row["goal_ms"] = 20.0
+            row["verdict"] = "met" if max(row["convert_ms"], row["revert_ms"]) < 20.0 else "missed"
+        rows.append(row)
+        s.log(f"  P5 {n:6d} layers  convert {row['convert_ms']:9.2f} ms  revert "
+              f"{row['revert_ms']:9.2f} ms  ({row['convert_us_per_layer']:.1f} / "
+              f"{row['revert_us_per_layer']:.1f} us per layer; modules() {row['traversal_ms']:.2f} ms)")
+    # linear growth: per-layer cost at the largest size against the size 10x smaller.
+    by_n = {r["layers"]: r for r in rows}
+    hi = max(by_n)
+    lo = hi // 10
+    lin = {k: by_n[hi][f"{k}_us_per_layer"] / by_n[lo][f"{k}_us_per_layer"]
+           for k in ("convert", "revert")}
+    return {"status": "ok", "goal": "< 20 ms at 1,000 layers, linear growth",
+            "rows": rows, "per_layer_growth": {"from": lo, "to": hi, **lin},
+            "linear": all(v < 1.5 for v in lin.values())}
+
+
+# ---------------------------------------------------------------------------- P6
+def p6_memory(s: Settings) -> dict:
+    """Each (net, variant) in its own subprocess: :mod:`benchmarks.memory`."""
+    rows = []
+    combos = [(n, d) for n in NETS for d in DTYPES]
+    if s.quick:
+        combos = [("convnet4", "float32")]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    for net, dtype in combos:
+        res = {}
+        for variant in ("bnswap", "stock"):
+            cmd = [sys.executable, "-m", "benchmarks.memory", "--net", net, "--dtype", dtype,
+                   "--variant", variant, "--threads", str(torch.get_num_threads())]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+            res[variant] = json.loads(p.stdout.strip().splitlines()[-1])
+        a, b = res["bnswap"], res["stock"]
+        ratio = a["aten_peak_bytes"] / b["aten_peak_bytes"]
+        row = {"net": net, "dtype": dtype,
+               "bnswap_peak_mib": a["aten_peak_bytes"] / 2**20,
+               "stock_peak_mib": b["aten_peak_bytes"] / 2**20, "ratio": ratio,
+               "bnswap_maxrss_mib": a["maxrss_kib"] / 1024, "stock_maxrss_mib": b["maxrss_kib"] / 1024,
+               "rss_ratio": a["maxrss_kib"] / b["maxrss_kib"],
+               "goal": 1.00, "verdict": "met" if ratio <= 1.0 else "missed"}
+        rows.append(row)
+        s.log(f"  P6 {net:12s} {dtype:9s} step peak bnswap {row['bnswap_peak_mib']:8.2f} MiB  "
+              f"stock {row['stock_peak_mib']:8.2f} MiB  ratio {ratio:.4f}  (max RSS "
+              f"{row['bnswap_maxrss_mib']:.0f} / {row['stock_maxrss_mib']:.0f} MiB)")
+    return {"status": "ok", "goal": "bnswap / stock peak <= 1.00", "rows": rows,
+            "method": "peak of ATen CPU allocations during one train step (after one warm-up "
+                      "step), from torch.profiler(profile_memory=True) allocation events, each "
+                      "variant in its own subprocess; whole-process max RSS for reference"}
+
+
+CASES: dict[str, Callable[[Settings], dict]] = {
+    "P1": p1_eager, "P2": p2_compile, "P3": p3_overhead, "P4": p4_ort, "P5": p5_convert,
+    "P6": p6_memory,
+}
+TITLES = {
+    "P1": "Eager train step, bnswap / stock",
+    "P2": "torch.compile (inductor) train step, bnswap / stock",
+    "P3": "Layer overhead over the raw aten op; op bandwidth vs clone()",
+    "P4": "ORT backend train step / eager stock",
+    "P5": "convert / revert time",
+    "P6": "Peak memory of a train step, bnswap / stock",
+}

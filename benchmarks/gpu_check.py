@@ -1,0 +1,616 @@
+"""One prepared GPU check for bnswap (a few minutes on one H200; a dry mode on CPU).
+
+    python benchmarks/gpu_check.py            # on a machine with CUDA
+    python benchmarks/gpu_check.py --dry      # anywhere: what can be checked on the CPU
+
+With the torch profiler's kernel names it shows which batch-norm kernel runs, for
+bnswap layers and for stock ``nn.BatchNorm``:
+
+* ``eager``: a train step in eager mode (both should run cuDNN);
+* ``compile``: a train step under ``torch.compile`` with the ``aot_eager`` backend (the
+  aten graph as captured: bnswap should run cuDNN, stock the native kernel: pytorch
+  issue 111384) and with ``inductor`` (which generates its own kernels for both);
+* ``exported``: graphs exported with ``torch.export`` / ``aot_export_module`` **on the
+  CPU** and then moved to CUDA: the decomposed forward graph and the joint
+  forward+backward train graph (bnswap: cuDNN; stock: native).
+
+It then times the inductor-compiled train step bnswap vs stock (interleaved pairs,
+median of ratios), and trains the MobileNetV2-style net a few hundred steps with the
+exported-on-CPU joint graph, bnswap vs stock, comparing both loss curves with eager
+(cuDNN) training from the same initial weights and data.
+
+Without CUDA (or with ``--dry``) it checks what the CPU allows: the backend
+``torch._C._select_batch_norm_backend`` picks, the ops in the exported graphs, and a few
+steps of every code path on the CPU (so a GPU run does not fail on a typo), and says what
+it skipped. Every section reports its own failure; the script always writes its JSON:
+``--json PATH``, else ``$OUT/gpu.json`` when ``$OUT`` is set, else
+``benchmarks/results/gpu.json`` (``gpu_dry.json`` in dry mode).
+
+Needs only torch (with the consolidated batch-norm ops, torch >= 2.4) and this
+repository's ``bnswap`` package; no Lightning, no scikit-learn (the training data is
+synthetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(ROOT, "build", "inductor-cache"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import bnswap  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+# ----------------------------------------------------------------------------- nets
+def _nets() -> dict[str, Callable[[], nn.Module]]:
+    """The networks: ``bnswap.models`` when present, else the benchmark copies."""
+    try:
+        from bnswap import models as M  # noqa: N812
+    except ImportError:
+        from benchmarks import nets as M  # noqa: N812
+    out = {}
+    for name, candidates in (("convnet4", ("convnet4", "ConvNet4")),
+                             ("mobilenetv2", ("mobilenetv2", "MobileNetV2", "mobilenet_v2"))):
+        for c in candidates:
+            if hasattr(M, c):
+                out[name] = getattr(M, c)
+                break
+    return out
+
+
+# -------------------------------------------------------------------- kernel names
+_CUDNN_BN = re.compile(r"bn_fw|bn_bw|batchnorm|cudnn.*batch_?norm|batch_?norm.*cudnn", re.I)
+_NATIVE_BN = re.compile(r"batch_norm|welford", re.I)
+_ATEN_CUDNN = {"aten::cudnn_batch_norm", "aten::cudnn_batch_norm_backward",
+               "aten::miopen_batch_norm", "aten::miopen_batch_norm_backward"}
+
+
+def classify_kernel(name: str) -> str | None:
+    """'cudnn', 'native', 'triton' for a batch-norm-looking GPU kernel name, else None.
+
+    inductor names its kernels after the aten ops they fuse
+    (``triton_red_fused__native_batch_norm_legit_functional_0``): those are 'triton'."""
+    if name.startswith("triton_"):
+        return "triton" if re.search(r"batch_norm", name) else None
+    if _CUDNN_BN.search(name):
+        return "cudnn"
+    if _NATIVE_BN.search(name):
+        return "native"
+    return None
+
+
+def profile_names(fn: Callable[[], object], device: str) -> dict:
+    """Run ``fn`` once under the profiler; the batch-norm aten ops and GPU kernels seen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    ops: set[str] = set()
+    kernels: dict[str, set[str]] = {"cudnn": set(), "native": set(), "triton": set()}
+    n_gpu = 0
+    for e in prof.events():
+        name = e.name
+        on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
+        if on_gpu:
+            n_gpu += 1
+            kind = classify_kernel(name)
+            if kind:
+                kernels[kind].add(name)
+        elif "batch_norm" in name and name.startswith("aten::"):
+            ops.add(name)
+    if device == "cuda" and not (kernels["cudnn"] or kernels["native"]):
+        # fall back on the aten ops the CPU side dispatched to
+        if ops & _ATEN_CUDNN:
+            kernels["cudnn"].add("(from aten ops) " + ", ".join(sorted(ops & _ATEN_CUDNN)))
+    kinds = sorted(k for k, v in kernels.items() if v)
+    return {"aten_ops": sorted(ops), "bn_kernels": {k: sorted(v)[:6] for k, v in kernels.items() if v},
+            "kinds": kinds, "gpu_events": n_gpu}
+
+
+# ------------------------------------------------------------------------ helpers
+def _pair(factory, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """(bnswap, stock) with identical initial weights, in train mode, on the CPU."""
+    torch.manual_seed(seed)
+    stock = factory().train()
+    return bnswap.convert(copy.deepcopy(stock)), stock
+
+
+def _batch(n: int, hw: int, device: str, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 3, hw, hw, generator=g).to(device),
+            torch.randint(0, 10, (n,), generator=g).to(device))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _eager_step(model: nn.Module, x, y, forward=None, lr: float = 0.05) -> Callable[[], float]:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    fwd = forward or model
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(fwd(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def _retarget(gm: torch.fx.GraphModule, device: str) -> torch.fx.GraphModule:
+    """Move an FX graph module captured on the CPU to ``device``: its tensor attributes
+    and any ``device=`` keyword that names the CPU."""
+    gm = gm.to(device)
+    changed = False
+    for node in gm.graph.nodes:
+        dev = node.kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cpu":
+            node.kwargs = {**node.kwargs, "device": torch.device(device)}
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+class _Loss(nn.Module):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return (F.cross_entropy(self.net(x), y),)
+
+
+_JOINT_CACHE: dict = {}
+
+
+def joint_export(model: nn.Module, x_cpu, y_cpu, key=None):
+    """``aot_export_module(trace_joint=True)`` of cross_entropy(model(x), y) on the CPU:
+    (graph module, graph signature, batch-norm ops in it); cached under ``key``."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    if key is not None and key in _JOINT_CACHE:
+        return _JOINT_CACHE[key]
+    gm, sig = aot_export_module(_Loss(copy.deepcopy(model)).train(), (x_cpu, y_cpu),
+                                trace_joint=True, output_loss_index=0)
+    ops = sorted({str(n.target) for n in gm.graph.nodes
+                  if n.op == "call_function" and "batch_norm" in str(n.target)})
+    if key is not None:
+        _JOINT_CACHE[key] = (gm, sig, ops)
+    return gm, sig, ops
+
+
+class JointStep:
+    """A train step that runs a joint forward+backward graph exported on the CPU with
+    ``aot_export_module(trace_joint=True)`` (see :func:`joint_export`), moved to
+    ``device``, on a copy of ``model``'s parameters and buffers; SGD with momentum."""
+
+    def __init__(self, model: nn.Module, x_cpu, y_cpu, device: str, lr: float = 0.05, key=None):
+        gm, sig, self.ops = joint_export(model, x_cpu, y_cpu, key)
+        self.gm = _retarget(copy.deepcopy(gm), device)
+        wrapper = _Loss(model)
+        named_p = dict(wrapper.named_parameters())
+        named_b = dict(wrapper.named_buffers())
+        self.params = [named_p[n].detach().to(device).clone() for n in sig.parameters]
+        self.buffers = [named_b[n].detach().to(device).clone() for n in sig.buffers]
+        self.pnames, self.bnames = list(sig.parameters), list(sig.buffers)
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        outs = [str(a) for a in out_node.args[0]]
+        grads = sig.backward_signature.gradients_to_parameters
+        self.layout = []  # per output: ("buffer", index) / ("loss", None) / ("grad", index)
+        for o in outs:
+            if o in sig.buffers_to_mutate:
+                self.layout.append(("buffer", self.bnames.index(sig.buffers_to_mutate[o])))
+            elif o in grads:
+                self.layout.append(("grad", self.pnames.index(grads[o])))
+            elif o in sig.user_outputs:
+                self.layout.append(("loss", None))
+            else:
+                self.layout.append(("other", None))
+        if sum(k == "grad" for k, _ in self.layout) != len(self.params):
+            raise RuntimeError("joint graph: not one gradient output per parameter")
+        self.opt = torch.optim.SGD(self.params, lr=lr, momentum=0.9)
+
+    def step(self, x, y):
+        outs = self.gm(*self.params, *self.buffers, x, y)
+        loss = None
+        with torch.no_grad():
+            for (kind, i), t in zip(self.layout, outs):
+                if kind == "buffer":
+                    self.buffers[i].copy_(t)
+                elif kind == "grad":
+                    self.params[i].grad = t
+                elif kind == "loss":
+                    loss = t
+        self.opt.step()
+        return loss
+
+
+def _time_pairs(fa, fb, pairs: int, inner: int, device: str) -> dict:
+    for _ in range(2):
+        fa()
+        fb()
+    _sync(device)
+    ta, tb = [], []
+    for _ in range(pairs):
+        for f, acc in ((fa, ta), (fb, tb)):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                f()
+            _sync(device)
+            acc.append((time.perf_counter() - t0) / inner)
+    ratios = sorted(a / b for a, b in zip(ta, tb))
+    return {"bnswap_ms": statistics.median(ta) * 1e3, "stock_ms": statistics.median(tb) * 1e3,
+            "ratio_median": statistics.median(ratios),
+            "ratio_range": [ratios[0], ratios[-1]], "pairs": pairs, "inner": inner}
+
+
+# ---------------------------------------------------------------------- sections
+class Check:
+    def __init__(self, dry: bool, device: str, quick: bool, net: str | None):
+        self.dry, self.device, self.quick = dry, device, quick
+        self.nets = _nets()
+        # The GPU run uses the main job's net and the issue's shapes; dry mode the small
+        # conv net on small inputs (the same code paths, fast on a CPU).
+        self.net = net or ("convnet4" if dry else "mobilenetv2")
+        self.shape = (8, 16) if dry else (32, 64 if self.net == "mobilenetv2" else 32)
+        self.compile_shape = (8, 16) if dry else (32, 32)
+        self._ep: dict = {}
+
+    def _export(self, variant: str, model: nn.Module, x_cpu) -> torch.export.ExportedProgram:
+        if variant not in self._ep:
+            self._ep[variant] = torch.export.export(model, (x_cpu,))
+        return self._ep[variant]
+
+    def _joint_key(self, variant: str):
+        return (self.net, variant, self.shape)
+
+    def backend(self) -> dict:
+        from bnswap.plan import select_kernel
+
+        layer = bnswap.convert(nn.BatchNorm2d(16))
+        out = {"cpu": select_kernel(layer, "cpu")}
+        if torch.cuda.is_available():
+            out["cuda"] = select_kernel(layer.to("cuda"), "cuda")
+        else:
+            out["cuda"] = "skipped: no CUDA device"
+        out["ok"] = out["cpu"] == "Native" and (out["cuda"] in ("Cudnn", "Miopen") or self.dry)
+        return out
+
+    def graph_ops(self) -> dict:
+        """Batch-norm ops in graphs captured on the CPU, bnswap vs stock."""
+        a, b = _pair(self.nets[self.net])
+        n, hw = self.shape
+        x, y = _batch(n, hw, "cpu")
+        out: dict = {"net": self.net}
+        for name, m in (("bnswap", a), ("stock", b)):
+            ep = self._export(name, m, x)
+            ops = lambda g: sorted({str(nd.target) for nd in g.nodes  # noqa: E731
+                                    if nd.op == "call_function" and "batch_norm" in str(nd.target)})
+            _, _, joint_ops = joint_export(m, x, y, self._joint_key(name))
+            out[name] = {"export": ops(ep.graph), "export_decomposed": ops(ep.run_decompositions().graph),
+                         "joint": joint_ops}
+        bn, st = out["bnswap"], out["stock"]
+        out["ok"] = (
+            any("_batch_norm_with_update" in o for o in bn["export"])
+            and any("_batch_norm_with_update_functional" in o for o in bn["export_decomposed"])
+            and any("aten.batch_norm_backward" in o for o in bn["joint"])
+            and not any("native_batch_norm" in o for o in bn["export_decomposed"] + bn["joint"])
+            and any("_native_batch_norm_legit_functional" in o for o in st["export_decomposed"])
+            and any("native_batch_norm_backward" in o for o in st["joint"]))
+        return out
+
+    def _expect(self, res: dict, bnswap_kind: str, stock_kind: str) -> None:
+        if self.device != "cuda":
+            res["ok"] = None
+            res["note"] = "kernel names need CUDA: CPU aten ops recorded only"
+            return
+        res["expected"] = {"bnswap": bnswap_kind, "stock": stock_kind}
+        res["ok"] = (res["bnswap"]["kinds"] == [bnswap_kind]
+                     and res["stock"]["kinds"] == [stock_kind])
+
+    def eager(self) -> dict:
+        a, b = _pair(self.nets[self.net])
+        n, hw = self.shape
+        x, y = _batch(n, hw, self.device)
+        res: dict = {"net": self.net}
+        for name, m in (("bnswap", a), ("stock", b)):
+            m.to(self.device)
+            step = _eager_step(m, x, y)
+            step()
+            res[name] = profile_names(step, self.device)
+        self._expect(res, "cudnn", "cudnn")
+        return res
+
+    def compile_aot_eager(self) -> dict:
+        import torch._dynamo
+
+        a, b = _pair(self.nets["convnet4"])
+        n, hw = self.compile_shape
+        x, y = _batch(n, hw, self.device)
+        res = {}
+        for name, m in (("bnswap", a), ("stock", b)):
+            torch._dynamo.reset()
+            m.to(self.device)
+            step = _eager_step(m, x, y, forward=torch.compile(m, backend="aot_eager"))
+            step()
+            res[name] = profile_names(step, self.device)
+        torch._dynamo.reset()
+        self._expect(res, "cudnn", "native")
+        return res
+
+    def compile_inductor(self) -> dict:
+        """Kernels and timing of the inductor-compiled train step (GPU only)."""
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        a, b = _pair(self.nets["convnet4"])
+        n, hw = self.compile_shape
+        x, y = _batch(n, hw, self.device)
+        res: dict = {}
+        steps = {}
+        torch._dynamo.reset()
+        for name, m in (("bnswap", a), ("stock", b)):
+            counters.clear()
+            m.to(self.device)
+            step = _eager_step(m, x, y, forward=torch.compile(m))
+            t0 = time.perf_counter()
+            step()
+            _sync(self.device)
+            res[f"first_step_s_{name}"] = round(time.perf_counter() - t0, 1)
+            res[f"graph_breaks_{name}"] = sum(counters["graph_break"].values())
+            res[name] = profile_names(step, self.device)
+            steps[name] = step
+        res["timing"] = _time_pairs(steps["bnswap"], steps["stock"],
+                                    pairs=5 if self.quick else 30, inner=5, device=self.device)
+        res["ok"] = res["graph_breaks_bnswap"] == 0
+        res["note"] = ("inductor generates its own (triton) normalization kernels for both; "
+                       "bnswap / stock time ratio in 'timing'")
+        torch._dynamo.reset()
+        return res
+
+    def exported(self) -> dict:
+        """Graphs captured on the CPU, moved to the device, profiled there."""
+        a, b = _pair(self.nets[self.net])
+        n, hw = self.shape
+        x_cpu, y_cpu = _batch(n, hw, "cpu")
+        x, y = x_cpu.to(self.device), y_cpu.to(self.device)
+        res: dict = {"net": self.net, "forward_decomposed": {}, "joint": {}}
+        for name, m in (("bnswap", a), ("stock", b)):
+            ep = self._export(name, m, x_cpu).run_decompositions()
+            fwd = _retarget(ep.module(), self.device)
+            with torch.no_grad():
+                fwd(x)
+                res["forward_decomposed"][name] = profile_names(lambda: fwd(x), self.device)
+            js = JointStep(m, x_cpu, y_cpu, self.device, key=self._joint_key(name))
+            js.step(x, y)
+            res["joint"][name] = profile_names(lambda: js.step(x, y), self.device)
+            res["joint"][name]["graph_ops"] = js.ops
+        if self.device == "cpu":
+            res["moved_to_meta"] = self._move_check(a, b, x_cpu, y_cpu)
+        self._expect(res["forward_decomposed"], "cudnn", "native")
+        self._expect(res["joint"], "cudnn", "native")
+        oks = [res[k].get("ok") for k in ("forward_decomposed", "joint")]
+        res["ok"] = None if None in oks else all(oks)
+        if "moved_to_meta" in res:
+            res["ok"] = all(v == "ok" for v in res["moved_to_meta"].values())
+            res["note"] = "kernel names need CUDA; graphs moved to the meta device and run there"
+        return res
+
+    def _move_check(self, a: nn.Module, b: nn.Module, x_cpu, y_cpu) -> dict:
+        """Without a GPU: move the CPU-captured graphs to the meta device and run them
+        there, which fails on any tensor or device argument left on the CPU (the moves a
+        GPU run makes)."""
+        out = {}
+        for name, m in (("bnswap", a), ("stock", b)):
+            try:
+                fwd = _retarget(self._export(name, m, x_cpu).run_decompositions().module(), "meta")
+                r = fwd(x_cpu.to("meta"))
+                js = JointStep(m, x_cpu, y_cpu, "meta", key=self._joint_key(name))
+                loss = js.step(x_cpu.to("meta"), y_cpu.to("meta"))
+                out[name] = "ok" if r.device.type == "meta" and loss.device.type == "meta" else "wrong device"
+            except Exception as e:
+                out[name] = f"error: {type(e).__name__}: {e}"[:300]
+        return out
+
+    def training(self) -> dict:
+        """The net (MobileNetV2-style on the GPU) trained with the exported-on-CPU joint
+        graph, bnswap and stock, against eager stock training (cuDNN on the GPU) from the
+        same initial weights and batches."""
+        steps = 5 if self.dry else (60 if self.quick else 300)
+        n, hw = self.shape
+        # synthetic 10-class data: a fixed smooth template per class plus noise
+        g = torch.Generator().manual_seed(123)
+        templates = F.interpolate(torch.randn(10, 3, 8, 8, generator=g), size=(hw, hw),
+                                  mode="bilinear", align_corners=False)
+        n_train = n * 32
+        labels = torch.randint(0, 10, (n_train,), generator=g)
+        data = templates[labels] + 1.5 * torch.randn(n_train, 3, hw, hw, generator=g)
+        data, labels = data.to(self.device), labels.to(self.device)
+        order = torch.randint(0, n_train // n, (steps,), generator=g).tolist()
+        batches = [(data[i * n:(i + 1) * n], labels[i * n:(i + 1) * n]) for i in order]
+
+        a, b = _pair(self.nets[self.net])
+        x0, y0 = batches[0][0].cpu(), batches[0][1].cpu()
+        runs: dict[str, Callable] = {}
+        ja = JointStep(a, x0, y0, self.device, key=self._joint_key("bnswap"))
+        jb = JointStep(b, x0, y0, self.device, key=self._joint_key("stock"))
+        runs["exported_bnswap"] = ja.step
+        runs["exported_stock"] = jb.step
+        eager = copy.deepcopy(b).to(self.device)
+        opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+
+        def eager_step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(eager(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        runs["eager_stock"] = eager_step
+        curves: dict[str, list[float]] = {}
+        secs: dict[str, float] = {}
+        for name, fn in runs.items():
+            _sync(self.device)
+            t0 = time.perf_counter()
+            curves[name] = [float(fn(x, y).detach()) for x, y in batches]
+            _sync(self.device)
+            secs[name] = round(time.perf_counter() - t0, 2)
+        ref = curves["eager_stock"]
+        k = min(20, steps)
+        summary = {}
+        for name, c in curves.items():
+            summary[name] = {
+                "first_loss": c[0], "final_loss_mean_last": statistics.mean(c[-k:]),
+                "max_abs_diff_vs_eager": max(abs(u - v) for u, v in zip(c, ref)),
+                "mean_abs_diff_vs_eager": statistics.mean(abs(u - v) for u, v in zip(c, ref)),
+                "seconds": secs[name], "finite": all(v == v and abs(v) != float("inf") for v in c)}
+        every = max(1, steps // 30)
+        return {"net": self.net, "steps": steps, "batch": n, "hw": hw, "summary": summary,
+                "curves_every": every, "curves": {k2: v[::every] for k2, v in curves.items()},
+                "ok": all(s["finite"] for s in summary.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry", action="store_true", help="CPU-only checks (forced without CUDA)")
+    ap.add_argument("--quick", action="store_true", help="fewer pairs and training steps")
+    ap.add_argument("--json", default=None, help="where to write the JSON report")
+    ap.add_argument("--net", default=None, choices=("convnet4", "mobilenetv2"),
+                    help="net for the eager / exported / training sections (default: "
+                         "mobilenetv2 on the GPU, convnet4 in dry mode)")
+    ap.add_argument("--sections", default=None,
+                    help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
+                         "compile_inductor,exported,training")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dry = args.dry or not cuda
+    device = "cpu" if dry else "cuda"
+    info = {"torch": torch.__version__, "python": sys.version.split()[0], "cuda_available": cuda,
+            "dry": dry, "device": device,
+            "dry_reason": None if not dry else ("--dry" if args.dry else "no CUDA device")}
+    if cuda:
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+        info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if dry:  # small CPU work: one thread avoids oversubscribing a shared CI machine
+        torch.set_num_threads(1)
+    info["torch_threads"] = torch.get_num_threads()
+    chk = Check(dry, device, args.quick, args.net)
+    sections: list[tuple[str, Callable[[], dict], bool]] = [
+        ("backend", chk.backend, True),
+        ("graph_ops", chk.graph_ops, True),
+        ("eager", chk.eager, True),
+        ("compile_aot_eager", chk.compile_aot_eager, True),
+        ("compile_inductor", chk.compile_inductor, not dry),
+        ("exported", chk.exported, True),
+        ("training", chk.training, True),
+    ]
+    wanted = set(args.sections.split(",")) if args.sections else None
+    report: dict = {"info": info, "sections": {}}
+    for name, fn, enabled in sections:
+        if wanted is not None and name not in wanted:
+            continue
+        t0 = time.perf_counter()
+        if not enabled:
+            report["sections"][name] = {"status": "skipped: dry mode (needs CUDA)"}
+        else:
+            try:
+                res = fn()
+                res["status"] = "ok"
+            except Exception as e:  # every section reports its own failure
+                res = {"status": f"error: {type(e).__name__}: {e}",
+                       "traceback": traceback.format_exc()[-3000:], "ok": False}
+            report["sections"][name] = res
+        report["sections"][name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(summary_line(name, report["sections"][name], dry), flush=True)
+    report["seconds"] = round(time.perf_counter() - T0, 1)
+    oks = [s.get("ok") for s in report["sections"].values() if s["status"] == "ok"]
+    errors = [k for k, s in report["sections"].items() if s["status"].startswith("error")]
+    report["all_ok"] = not errors and all(o is not False for o in oks)
+    path = args.json
+    if path is None:
+        out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
+        path = os.path.join(out_dir, "gpu_dry.json" if dry and not os.environ.get("OUT") else "gpu.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"{'DRY ' if dry else ''}{'ALL OK' if report['all_ok'] else 'PROBLEMS: ' + ', '.join(errors or [k for k, s in report['sections'].items() if s.get('ok') is False])}"
+          f" in {report['seconds']:.0f} s; JSON: {path}" + (f" (dry: {info['dry_reason']})" if dry else ""))
+    return 0 if report["all_ok"] else 1
+
+
+def _kinds(r: dict) -> str:
+    k = r.get("kinds") or []
+    if k:
+        return "+".join(k)
+    ops = ",".join(o.removeprefix("aten::") for o in r.get("aten_ops", []))
+    return f"ops {ops}" if ops else "-"
+
+
+def summary_line(name: str, s: dict, dry: bool) -> str:
+    status = s["status"]
+    mark = {True: "PASS", False: "FAIL", None: "info"}.get(s.get("ok"), "info")
+    if not status == "ok":
+        mark = "SKIP" if status.startswith("skipped") else "ERROR"
+        return f"[{mark:5s}] {name:18s} {status} ({s.get('seconds', 0)} s)"
+    if name == "backend":
+        detail = f"select_batch_norm_backend: cpu={s['cpu']} cuda={s['cuda']}"
+    elif name == "graph_ops":
+        detail = (f"bnswap decomposed {s['bnswap']['export_decomposed']} joint {s['bnswap']['joint']}; "
+                  f"stock decomposed {s['stock']['export_decomposed']} joint {s['stock']['joint']}")
+        detail = detail.replace("aten.", "").replace(".default", "").replace("'", "")
+    elif name in ("eager", "compile_aot_eager"):
+        detail = f"bnswap: {_kinds(s['bnswap'])}; stock: {_kinds(s['stock'])}"
+    elif name == "compile_inductor":
+        t = s["timing"]
+        detail = (f"bnswap: {_kinds(s['bnswap'])}; stock: {_kinds(s['stock'])}; breaks "
+                  f"{s['graph_breaks_bnswap']}/{s['graph_breaks_stock']}; step {t['bnswap_ms']:.3f} / "
+                  f"{t['stock_ms']:.3f} ms, ratio {t['ratio_median']:.3f}")
+    elif name == "exported":
+        f, j = s["forward_decomposed"], s["joint"]
+        detail = (f"fwd: bnswap {_kinds(f['bnswap'])}, stock {_kinds(f['stock'])}; joint: bnswap "
+                  f"{_kinds(j['bnswap'])}, stock {_kinds(j['stock'])}")
+        if "moved_to_meta" in s:
+            detail += f"; moved to meta: {s['moved_to_meta']}"
+    elif name == "training":
+        sm = s["summary"]
+        detail = f"{s['steps']} steps: " + "; ".join(
+            f"{k} final {v['final_loss_mean_last']:.4f} (max |d| vs eager {v['max_abs_diff_vs_eager']:.2e})"
+            for k, v in sm.items())
+    else:
+        detail = ""
+    if dry and s.get("note"):
+        detail += f" [{s['note']}]"
+    return f"[{mark:5s}] {name:18s} {detail} ({s.get('seconds', 0)} s)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

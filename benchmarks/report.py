@@ -1,0 +1,203 @@
+"""Render a results dict (see :mod:`benchmarks.__main__`) as Markdown and as a PNG plot."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks.cases import TITLES
+
+
+def _ci(r: dict) -> str:
+    lo, hi = r["ratio_ci95"]
+    return f"{lo:.3f}-{hi:.3f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def to_markdown(res: dict) -> str:
+    m = res["machine"]
+    lines = [
+        "# bnswap benchmarks",
+        "",
+        f"Run {res['created']} with `{res['command']}`"
+        + (" (quick mode: CI-size, not for quoting)" if res["config"]["quick"] else "") + ".",
+        "",
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB, "
+        f"{m['os']}; Python {m['python']}, torch {m['torch']} "
+        f"({m.get('cpu_capability', '?')}), {m['torch_threads']} torch thread(s); "
+        f"load average {m['load_average_start']} at start, {m.get('load_average_end')} at end; "
+        f"a 1M-iteration Python loop took {m.get('python_loop_1m_ms_start')} / "
+        f"{m.get('python_loop_1m_ms_end')} ms (start / end); "
+        f"commit {m['git_commit']}.",
+        "",
+        "Ratios are bnswap / reference: the median of per-pair ratios of interleaved runs "
+        "(A, B, A, B, ... in one process, after warm-up), with its 95 % confidence interval. "
+        "Lower is better; goals are upper bounds.",
+    ]
+    if res.get("note"):
+        lines += ["", f"Note: {res['note']}"]
+    cases = res["cases"]
+    for key in sorted(cases):
+        c = cases[key]
+        lines += ["", f"## {key}: {TITLES.get(key, key)}", ""]
+        if c["status"] != "ok":
+            lines.append(f"{c['status']}" + (f" ({c['detail']})" if c.get("detail") else ""))
+            continue
+        lines.append(f"Goal: {c['goal']}.")
+        lines.append("")
+        rows = c["rows"]
+        if key in ("P1", "P4"):
+            lines += _table(
+                ["net", "dtype", "bnswap ms" if key == "P1" else "ORT ms", "stock ms",
+                 "ratio (median)", "95 % CI", "pairs", "verdict"],
+                [[r["net"], r["dtype"], f"{r['a_median_ms']:.2f}", f"{r['b_median_ms']:.2f}",
+                  f"{r['ratio_median']:.3f}", _ci(r), str(r["pairs"]), r["verdict"]] for r in rows])
+        elif key == "P2":
+            lines += _table(
+                ["net", "dtype", "bnswap ms", "stock ms", "ratio (median)", "95 % CI", "pairs",
+                 "graph breaks bnswap / stock", "first step s bnswap / stock",
+                 "identical generated kernels", "verdict"],
+                [[r["net"], r["dtype"], f"{r['a_median_ms']:.2f}", f"{r['b_median_ms']:.2f}",
+                  f"{r['ratio_median']:.3f}", _ci(r), str(r["pairs"]),
+                  f"{r['graph_breaks_bnswap']} / {r['graph_breaks_stock']}",
+                  f"{r['first_step_s_bnswap']:.1f} / {r['first_step_s_stock']:.1f}",
+                  {True: f"yes ({r['kernels_bnswap']})", False:
+                   f"no ({r['kernels_bnswap']} / {r['kernels_stock']})", None: "n/a"}[r["same_kernels"]],
+                  r["verdict"]] for r in rows])
+            lines += ["", "Identical generated kernels: inductor's C++ kernel sources (names "
+                      "and wrapper argument order aside) are the same multiset for both "
+                      "models, so any time difference is noise or Python-side (guards, "
+                      "optimizer)."]
+        elif key == "P3":
+            lines += _table(
+                ["input", "pass", "layer us", "raw op us", "overhead (median)", "95 % CI",
+                 "pairs x calls", "verdict"],
+                [[f"{r['size']} {tuple(r['shape'])}", r["mode"], f"{r['a_median_us']:.1f}",
+                  f"{r['b_median_us']:.1f}", f"{r['overhead_pct']:+.2f} %",
+                  f"{(r['ratio_ci95'][0] - 1) * 100:+.2f} to {(r['ratio_ci95'][1] - 1) * 100:+.2f} %",
+                  f"{r['pairs']} x {r['inner']}", r["verdict"]] for r in rows])
+            lines += ["", "Bandwidth of `aten._batch_norm_with_update` (bytes it must move: "
+                      "forward reads x and writes y, backward reads dy and x and writes dx) "
+                      "against `clone()` (reads and writes the tensor once) on the same tensor:", ""]
+            lines += _table(
+                ["input", "pass", "op us", "op GB/s", "clone us", "clone GB/s", "op / clone"],
+                [[f"{r['size']} {tuple(r['shape'])}", r["mode"], f"{r['op_median_us']:.1f}",
+                  f"{r['op_gbps']:.2f}", f"{r['clone_median_us']:.1f}", f"{r['clone_gbps']:.2f}",
+                  f"{r['fraction_of_clone'] * 100:.0f} %"] for r in c["bandwidth"]])
+        elif key == "P5":
+            lines += _table(
+                ["BN layers", "modules", "convert ms", "revert ms", "convert us/layer",
+                 "revert us/layer", "`list(modules())` ms", "convert / traversal",
+                 "revert / traversal", "verdict"],
+                [[f"{r['layers']:,}", f"{r['modules']:,}", f"{r['convert_ms']:.2f}",
+                  f"{r['revert_ms']:.2f}", f"{r['convert_us_per_layer']:.1f}",
+                  f"{r['revert_us_per_layer']:.1f}", f"{r['traversal_ms']:.2f}",
+                  f"{r['convert_over_traversal']:.1f}", f"{r['revert_over_traversal']:.1f}",
+                  r.get("verdict", "")] for r in rows])
+            g = c["per_layer_growth"]
+            lines += ["", f"Per-layer cost at {g['to']:,} layers / at {g['from']:,}: convert "
+                      f"{g['convert']:.2f}, revert {g['revert']:.2f} "
+                      f"({'linear' if c['linear'] else 'NOT linear'}: threshold 1.5)."]
+        elif key == "P6":
+            lines += _table(
+                ["net", "dtype", "bnswap step peak MiB", "stock step peak MiB", "ratio",
+                 "max RSS MiB bnswap / stock", "verdict"],
+                [[r["net"], r["dtype"], f"{r['bnswap_peak_mib']:.2f}", f"{r['stock_peak_mib']:.2f}",
+                  f"{r['ratio']:.4f}", f"{r['bnswap_maxrss_mib']:.0f} / {r['stock_maxrss_mib']:.0f}",
+                  r["verdict"]] for r in rows])
+            lines += ["", f"Method: {c['method']}."]
+        if c.get("errors"):
+            lines += ["", "Errors: " + "; ".join(c["errors"])]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def to_png(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = res["cases"]
+    ok = {k: c for k, c in cases.items() if c["status"] == "ok"}
+    panels = []
+    ratio_rows = []  # (label, median, lo, hi, goal)
+    for key in ("P1", "P2", "P4"):
+        for r in ok.get(key, {}).get("rows", []):
+            ratio_rows.append((f"{key} {r['net']} {r['dtype'][:4]}", r["ratio_median"],
+                               *r["ratio_ci95"], r["goal"]))
+    for r in ok.get("P6", {}).get("rows", []):
+        ratio_rows.append((f"P6 mem {r['net']} {r['dtype'][:4]}", r["ratio"], r["ratio"], r["ratio"], 1.0))
+    if ratio_rows:
+        panels.append("ratios")
+    if "P3" in ok:
+        panels.append("P3")
+    if "P5" in ok:
+        panels.append("P5")
+    if not panels:
+        panels = ["empty"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), max(4.0, 0.32 * len(ratio_rows) + 1.5)))
+    if len(panels) == 1:
+        axes = [axes]
+    for ax, panel in zip(axes, panels):
+        if panel == "ratios":
+            labels = [r[0] for r in ratio_rows][::-1]
+            med = [r[1] for r in ratio_rows][::-1]
+            err = [[r[1] - r[2] for r in ratio_rows][::-1], [r[3] - r[1] for r in ratio_rows][::-1]]
+            colors = ["tab:green" if r[1] <= r[4] else "tab:red" for r in ratio_rows][::-1]
+            ax.barh(range(len(labels)), [m - 1 for m in med], left=1, xerr=err, color=colors,
+                    alpha=0.8, capsize=3)
+            ax.set_yticks(range(len(labels)), labels, fontsize=8)
+            ax.axvline(1.0, color="k", lw=1)
+            ax.set_xlabel("bnswap / reference (median of pair ratios, 95 % CI)")
+            ax.set_title("P1/P2/P4 time ratios, P6 memory ratio")
+        elif panel == "P3":
+            rows = ok["P3"]["rows"]
+            labels = [f"{r['size']} {'fwd' if r['mode'] == 'forward' else 'fwd+bwd'}" for r in rows]
+            vals = [r["overhead_pct"] for r in rows]
+            err = [[(r["ratio_median"] - r["ratio_ci95"][0]) * 100 for r in rows],
+                   [(r["ratio_ci95"][1] - r["ratio_median"]) * 100 for r in rows]]
+            ax.bar(range(len(rows)), vals, yerr=err, capsize=3,
+                   color=["tab:gray" if r["goal"] is None else
+                          ("tab:green" if r["ratio_median"] <= r["goal"] else "tab:red") for r in rows])
+            ax.axhline(2.0, color="tab:red", ls="--", lw=1, label="goal (ResNet size): 2 %")
+            ax.set_xticks(range(len(rows)), labels, fontsize=8)
+            ax.set_ylabel("layer overhead over raw aten op, %")
+            bw = ok["P3"].get("bandwidth", [])
+            txt = "\n".join(f"{b['size']} {'fwd' if b['mode'] == 'forward' else 'f+b'}: "
+                            f"{b['op_gbps']:.1f} GB/s = {b['fraction_of_clone'] * 100:.0f} % of clone"
+                            for b in bw)
+            if txt:
+                ax.text(0.02, 0.98, txt, transform=ax.transAxes, va="top", fontsize=7,
+                        family="monospace", bbox={"facecolor": "white", "alpha": 0.8})
+            ax.legend(loc="upper right", fontsize=8)
+            ax.set_title("P3 layer overhead (tiny: info only)")
+        elif panel == "P5":
+            rows = ok["P5"]["rows"]
+            n = [r["layers"] for r in rows]
+            ax.loglog(n, [r["convert_ms"] for r in rows], "o-", label="convert")
+            ax.loglog(n, [r["revert_ms"] for r in rows], "s-", label="revert")
+            ax.loglog(n, [rows[0]["convert_ms"] * k / n[0] for k in n], "k:", lw=1,
+                      label="linear from 10 layers")
+            ax.axhline(20, color="tab:red", ls="--", lw=1, label="20 ms goal (at 1,000)")
+            ax.set_xlabel("BatchNorm layers")
+            ax.set_ylabel("ms")
+            ax.legend(fontsize=8)
+            ax.set_title("P5 convert / revert")
+        else:
+            ax.text(0.5, 0.5, "no results", ha="center")
+            ax.set_axis_off()
+    m = res["machine"]
+    fig.suptitle(f"bnswap benchmarks: {m['cpu']}, {m['torch_threads']} thread(s), torch {m['torch']}"
+                 + (" (quick)" if res["config"]["quick"] else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def finite_positive(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
