@@ -291,17 +291,23 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
 
 # --- more timm families built on BatchNormAct2d -----------------------------------------
 
-FAMILIES = [("regnety_002", 44), ("mobilenetv3_small_100", 34), ("densenet121", 121),
-            ("cspdarknet53", 67)]
+FAMILIES = [("regnety_002", 44, True), ("mobilenetv3_small_100", 34, True),
+            ("densenet121", 121, False), ("cspdarknet53", 67, False)]
 
 
-@pytest.mark.parametrize(("name", "count"), FAMILIES, ids=[n for n, _ in FAMILIES])
-def test_timm_batchnormact_family_swapped_and_bitwise(name, count):
+@pytest.mark.parametrize(("name", "count", "bitwise"), FAMILIES, ids=[n for n, *_ in FAMILIES])
+def test_timm_batchnormact_family_swapped(name, count, bitwise):
+    """Every layer swapped through the timm adapter; for the small models, one training
+    forward and backward bitwise equal to stock (DenseNet-121 and CSPDarkNet-53 are
+    plan-only, to keep the file's run time down on 2 cores)."""
     stock, converted = _pair("timm", name)
     table = bnswap.plan(stock)
     assert len(table) == len(table.swapped) == count, str(table)
     assert {(r.cls, r.adapter) for r in table} == {
         ("BatchNormAct2d", ADAPTERS["BatchNormAct2d"])}
+    assert all(bnswap.is_swapped(m) for _, m in _bn_layers(converted))
+    if not bitwise:
+        return
     x, y = _input(), _targets()
     results = []
     for model in (stock, converted):
