@@ -341,13 +341,20 @@ def p6_memory(s: Settings) -> dict:
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     for net, dtype in combos:
         res = {}
+        # The two processes run side by side: what is measured (allocations within the
+        # process) does not depend on what else runs.
+        procs = {}
         for variant in ("bnswap", "stock"):
             cmd = [sys.executable, "-m", "benchmarks.memory", "--net", net, "--dtype", dtype,
                    "--variant", variant, "--threads", str(torch.get_num_threads())]
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-            if p.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-            res[variant] = json.loads(p.stdout.strip().splitlines()[-1])
+            procs[variant] = (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, text=True, env=env,
+                                                    cwd=ROOT))
+        for variant, (cmd, proc) in procs.items():
+            out, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+            res[variant] = json.loads(out.strip().splitlines()[-1])
         a, b = res["bnswap"], res["stock"]
         ratio = a["aten_peak_bytes"] / b["aten_peak_bytes"]
         row = {"net": net, "dtype": dtype,

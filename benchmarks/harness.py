@@ -63,6 +63,7 @@ class Comparison:
     b_times: list[float]
     inner: int
     warmup: int
+    inner_b: int | None = None  # calls per B sample when it differs from A's
     ratios: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +95,7 @@ class Comparison:
             "ratio_ci95": [lo, hi],
             "pairs": len(self.ratios),
             "inner": self.inner,
+            "inner_b": self.inner if self.inner_b is None else self.inner_b,
             "warmup": self.warmup,
         }
 
@@ -131,16 +133,20 @@ def interleaved(
         fa, fb: the two variants; each call is one unit of work (a train step, one op).
         pairs: number of (A, B) samples.
         warmup: untimed calls of each, interleaved, before timing.
-        min_sample_s: when ``inner`` is None, choose it so one sample lasts at least this.
-        inner: calls per sample (overrides ``min_sample_s``).
+        min_sample_s: when ``inner`` is None, choose the calls per sample of each side so
+            that one sample lasts at least this (A and B may get different counts).
+        inner: calls per sample of both sides (overrides ``min_sample_s``).
         max_seconds: stop adding pairs after this long (at least 5 pairs are kept).
     """
     for _ in range(warmup):
         fa()
         fb()
-    if inner is None:
-        inner = max(calibrate_inner(fa, min_sample_s), calibrate_inner(fb, min_sample_s)) \
-            if min_sample_s > 0 else 1
+    if inner is not None:
+        inner_a = inner_b = inner
+    elif min_sample_s > 0:
+        inner_a, inner_b = calibrate_inner(fa, min_sample_s), calibrate_inner(fb, min_sample_s)
+    else:
+        inner_a = inner_b = 1
     a_times: list[float] = []
     b_times: list[float] = []
     gc.collect()
@@ -149,14 +155,14 @@ def interleaved(
     start = time.perf_counter()
     try:
         for i in range(pairs):
-            a_times.append(_time_calls(fa, inner))
-            b_times.append(_time_calls(fb, inner))
+            a_times.append(_time_calls(fa, inner_a))
+            b_times.append(_time_calls(fb, inner_b))
             if max_seconds is not None and i >= 4 and time.perf_counter() - start > max_seconds:
                 break
     finally:
         if was_enabled:
             gc.enable()
-    return Comparison(a_times, b_times, inner, warmup)
+    return Comparison(a_times, b_times, inner_a, warmup, inner_b)
 
 
 def _cpu_model() -> str:

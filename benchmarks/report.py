@@ -75,11 +75,11 @@ def to_markdown(res: dict) -> str:
         elif key == "P3":
             lines += _table(
                 ["input", "pass", "layer us", "raw op us", "overhead (median)", "95 % CI",
-                 "pairs x calls", "verdict"],
+                 "pairs x calls (layer/op)", "verdict"],
                 [[f"{r['size']} {tuple(r['shape'])}", r["mode"], f"{r['a_median_us']:.1f}",
                   f"{r['b_median_us']:.1f}", f"{r['overhead_pct']:+.2f} %",
                   f"{(r['ratio_ci95'][0] - 1) * 100:+.2f} to {(r['ratio_ci95'][1] - 1) * 100:+.2f} %",
-                  f"{r['pairs']} x {r['inner']}", r["verdict"]] for r in rows])
+                  f"{r['pairs']} x {r['inner']}/{r['inner_b']}", r["verdict"]] for r in rows])
             lines += ["", "Bandwidth of `aten._batch_norm_with_update` (bytes it must move: "
                       "forward reads x and writes y, backward reads dy and x and writes dx) "
                       "against `clone()` (reads and writes the tensor once) on the same tensor:", ""]
