@@ -31,6 +31,9 @@ Facts about these ops on torch 2.13 that the core handles:
 * The ops do not check for one value per channel in training (they write NaN into
   running_var) nor channel counts before they run: all checks happen here, before any
   kernel runs and before num_batches_tracked moves.
+* functorch has no batching rule for the consolidated ops (``vmap`` of a training
+  layer fails): inside ``torch.func`` transforms the core calls ``F.batch_norm`` with
+  exactly stock's arguments.
 * The ops take ``momentum`` as a float. ``momentum=None`` (cumulative moving average)
   needs ``1 / num_batches_tracked``: eager code reads it as a Python float exactly as
   stock does (bitwise-equal statistics); code being compiled or exported computes the
@@ -69,6 +72,21 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _stock_checks_eps() -> bool:
+    """Whether this torch's ``F.batch_norm`` rejects a non-positive eps in training
+    (newer releases raise ValueError; older ones run the kernel)."""
+    try:
+        with torch.no_grad():
+            torch.nn.functional.batch_norm(torch.ones(2, 1), None, None, training=True, eps=0.0)
+    except ValueError:
+        return True
+    return False
+
+
+# Probed once, at import, so compiled code sees a constant.
+_CHECK_EPS = _stock_checks_eps()
+
+
 def check_batch_norm_input(
     input: Tensor,
     weight: Tensor | None,
@@ -76,6 +94,7 @@ def check_batch_norm_input(
     running_mean: Tensor | None,
     running_var: Tensor | None,
     use_batch_stats: bool,
+    eps: float = 1e-5,
 ) -> None:
     """Raise what stock ``F.batch_norm`` raises for ``input``, before any kernel runs.
 
@@ -85,16 +104,23 @@ def check_batch_norm_input(
             passed to the kernel (running stats are None when not used).
         use_batch_stats: True when the batch statistics are used (``F.batch_norm``'s
             ``training`` argument).
+        eps: the layer's eps.
 
     Raises:
         NotImplementedError: non-floating input (``"batch_norm" not implemented for
             'Long'``, as torch's kernel dispatch says).
         RuntimeError: ``"running_mean should contain C elements not K"`` (and the same
-            for running_var, weight, bias, in that order), as in ATen's
+            for running_var, weight, bias, in that order), or ``"running_mean must be
+            defined in evaluation mode"`` (same for running_var), as in ATen's
             ``_batch_norm_impl_index``.
+        ValueError: ``"running_mean and running_var must either both be None or neither
+            be None"`` when batch statistics are used with only one of them.
         ValueError: ``"Expected more than 1 value per channel when training, got input
             size ..."`` when batch statistics would come from one value per channel
             (``F._verify_batch_size``); the raw op would write NaN into running_var.
+        ValueError: ``"batch_norm eps must be positive during training, but got ..."``
+            / ``"batch_norm eps must be non-negative, but got ..."``, where this torch's
+            ``F.batch_norm`` checks eps (after the value-per-channel check, as stock).
     """
     # Order as in stock: F._verify_batch_size (Python) first, then aten::batch_norm's
     # early return for empty input, its channel checks, and finally the kernel's dtype
@@ -108,6 +134,11 @@ def check_batch_norm_input(
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {size}"
             )
+    if _CHECK_EPS:
+        if use_batch_stats and eps <= 0.0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+        if eps < 0.0:
+            raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
     if input.numel() == 0:
         return  # stock returns early for empty input (see module_batch_norm)
     num_features = input.shape[1]
@@ -117,8 +148,17 @@ def check_batch_norm_input(
         ("weight", weight),
         ("bias", bias),
     ):
-        if t is not None and t.numel() != num_features:
-            raise RuntimeError(f"{label} should contain {num_features} elements not {t.numel()}")
+        if t is not None:
+            if t.numel() != num_features:
+                raise RuntimeError(
+                    f"{label} should contain {num_features} elements not {t.numel()}"
+                )
+        elif not use_batch_stats and label.startswith("running"):
+            raise RuntimeError(f"{label} must be defined in evaluation mode")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(
+            "running_mean and running_var must either both be None or neither be None"
+        )
     if not input.is_floating_point():
         name = _C10_NAMES.get(input.dtype, str(input.dtype).removeprefix("torch."))
         raise NotImplementedError(f'"batch_norm" not implemented for \'{name}\'')
@@ -128,6 +168,12 @@ def _param_dtype(input: Tensor, *refs: Tensor | None) -> torch.dtype:
     for r in refs:
         if r is not None:
             return r.dtype
+    if input.device.type == "cpu":
+        # Stock passes no parameters and no statistics here, so the CPU kernel runs in
+        # the input's dtype; float32 constants with half input would select its
+        # mixed-dtype path, which rounds differently.
+        return input.dtype
+    # Elsewhere float32 constants with half input keep cuDNN selectable.
     return torch.float64 if input.dtype == torch.float64 else torch.float32
 
 
@@ -156,37 +202,45 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     training = bn.training
     running_mean = bn.running_mean
     running_var = bn.running_var
-    if (running_mean is None) != (running_var is None):
-        raise RuntimeError(
-            "running_mean and running_var must both be defined or both be None "
-            f"(got running_mean={'None' if running_mean is None else 'Tensor'}, "
-            f"running_var={'None' if running_var is None else 'Tensor'})"
-        )
     # _BatchNorm.forward: batch statistics in training, or when there are no buffers.
-    use_batch_stats = training or running_mean is None
+    use_batch_stats = training or (running_mean is None and running_var is None)
     # _BatchNorm.forward passes the buffers only when not training or when tracking.
-    update = use_batch_stats and running_mean is not None and bn.track_running_stats
-    if use_batch_stats and not update:
+    if training and not bn.track_running_stats:
         running_mean = running_var = None
+    # Statistics are updated exactly when batch statistics are used and passed.
+    update = use_batch_stats and running_mean is not None
     weight, bias = bn.weight, bn.bias
-    check_batch_norm_input(input, weight, bias, running_mean, running_var, use_batch_stats)
+    check_batch_norm_input(
+        input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
+    )
 
     momentum = bn.momentum
     factor = 0.0 if momentum is None else momentum
     nbt = bn.num_batches_tracked
     cumulative = False
-    if update and nbt is not None:
+    if training and bn.track_running_stats and nbt is not None:  # as _BatchNorm.forward
         nbt.add_(1)
         if momentum is None:
             cumulative = True
 
+    if not _is_compiling() and torch._C._are_functorch_transforms_active():
+        # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
+        # rules for aten::batch_norm but none for the consolidated ops, so run exactly
+        # what stock runs (same results, same errors).
+        if cumulative:
+            factor = 1.0 / float(nbt)
+        return torch.nn.functional.batch_norm(
+            input, running_mean, running_var, weight, bias, use_batch_stats, factor, bn.eps
+        )
+
     if input.numel() == 0:
         # aten::batch_norm's early return for empty input: no kernel, no statistics.
         out = input.clone()
+        # select(), as ATen does: the same IndexError message when C == 0.
         if weight is not None:
-            out = out * weight[0]
+            out = out * weight.select(0, 0)
         if bias is not None:
-            out = out + bias[0]
+            out = out + bias.select(0, 0)
         return out
 
     num_features = input.shape[1]

@@ -24,6 +24,14 @@ __all__ = ["convert", "revert"]
 logger = logging.getLogger("bnswap")
 
 
+_ORIGIN = "_bnswap_parametrized_origin"
+
+
+def _class_attrs(cls: type) -> dict[str, object]:
+    skip = ("__dict__", "__weakref__", _ORIGIN)
+    return {k: v for k, v in vars(cls).items() if k not in skip}
+
+
 def _set_base_class(module: nn.Module, new_base: type) -> Callable[[], None]:
     """Make ``new_base`` the module's class (under torch's parametrization class, if
     any); return the undo."""
@@ -31,8 +39,16 @@ def _set_base_class(module: nn.Module, new_base: type) -> Callable[[], None]:
     if is_parametrized(module):
         # torch.nn.utils.parametrize injects a subclass ``Parametrized<Base>`` holding the
         # properties; rebuild it on the new base so remove_parametrizations() restores it.
-        attrs = {k: v for k, v in vars(old_cls).items() if k not in ("__dict__", "__weakref__")}
-        new_cls = type(f"Parametrized{new_base.__name__}", (new_base,), attrs)
+        # The rebuilt class remembers the class it was built from, so that revert gives
+        # that very class back (unless parametrizations changed in between).
+        attrs = _class_attrs(old_cls)
+        origin = vars(old_cls).get(_ORIGIN)
+        if (isinstance(origin, type) and origin.__bases__ == (new_base,)
+                and _class_attrs(origin) == attrs):
+            new_cls = origin
+        else:
+            new_cls = type(f"Parametrized{new_base.__name__}", (new_base,),
+                           {**attrs, _ORIGIN: old_cls})
     else:
         new_cls = new_base
     # object.__setattr__: nn.Module.__setattr__ would only check (slowly) that the value

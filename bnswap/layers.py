@@ -12,6 +12,7 @@ exact ``nn.BatchNorm`` semantics.
 
 from __future__ import annotations
 
+import torch.fx
 from torch import Tensor, nn
 
 from bnswap._core import module_batch_norm
@@ -37,10 +38,23 @@ class BNSwapLayer:
         return module_batch_norm(self, input)  # type: ignore[arg-type]
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, torch.fx.Proxy):
+            return _fx_leaf(self, input)
         return self._bnswap_normalize(input)
 
     def _get_name(self) -> str:
         return "bnswap." + type(self).__name__.removeprefix("Parametrized")
+
+
+def _fx_leaf(module: nn.Module, input: torch.fx.Proxy) -> object:
+    """Record ``module`` as a ``call_module`` node, as ``torch.fx.symbolic_trace`` does
+    for the torch.nn BatchNorm classes (leaf modules: their forward cannot be traced
+    through, and neither can the bnswap core). The root module is traced as stock."""
+    tracer = input.tracer
+    path = tracer.path_of_module(module)
+    if not path:
+        return module._bnswap_normalize(input)  # type: ignore[attr-defined]
+    return tracer.create_proxy("call_module", path, (input,), {})
 
 
 class BatchNorm1d(BNSwapLayer, nn.BatchNorm1d):

@@ -8,6 +8,7 @@ registered by name so that timm is imported only when a timm model is converted.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -23,6 +24,64 @@ _SOURCES: dict[type, type] = {}
 _LAZY: dict[str, str] = {
     "timm.layers.norm_act.BatchNormAct2d": "bnswap.adapters.timm:BatchNormAct2d",
 }
+
+
+# torch.ao.quantization.fuse_modules looks fusers up by exact module types; the keys
+# added for each registered bnswap class, so unregister() can remove them.
+_FUSER_KEYS: dict[type, list[tuple[type, ...]]] = {}
+
+
+def _stock_view(m: nn.Module) -> nn.Module:
+    """A shallow copy of a bnswap layer with its source class: the same Parameter and
+    buffer objects (torch's fused classes accept only the stock BatchNorm classes)."""
+    if not isinstance(m, layers.BNSwapLayer):
+        return m
+    from bnswap.convert import _set_base_class  # noqa: PLC0415 - avoids an import cycle
+    from bnswap.walker import base_class  # noqa: PLC0415
+
+    source = _SOURCES.get(base_class(m))
+    if source is None:
+        return m
+    view = object.__new__(type(m))
+    view.__dict__.update(m.__dict__)
+    _set_base_class(view, source)
+    return view
+
+
+def _fuser_on_stock_view(fuser: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def fuse(is_qat: bool, *mods: nn.Module) -> nn.Module:
+        return fuser(is_qat, *(_stock_view(m) for m in mods))
+
+    fuse.__name__ = f"bnswap_{getattr(fuser, '__name__', 'fuser')}"
+    return fuse
+
+
+def _register_fusers(source_cls: type, swapped_cls: type) -> None:
+    """Let ``torch.ao.quantization.fuse_modules`` fuse ``swapped_cls`` wherever it fuses
+    ``source_cls`` (same fuser method, given a stock-class view of the layer)."""
+    try:
+        from torch.ao.quantization import fuser_method_mappings as fm  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - builds without torch.ao
+        return
+    table = getattr(fm, "_DEFAULT_OP_LIST_TO_FUSER_METHOD", None)
+    if not isinstance(table, dict):  # pragma: no cover - a future torch layout
+        return
+    added = _FUSER_KEYS.setdefault(swapped_cls, [])
+    for key, fuser in list(table.items()):
+        if isinstance(key, tuple) and source_cls in key:
+            new_key = tuple(swapped_cls if t is source_cls else t for t in key)
+            if new_key not in table:
+                table[new_key] = _fuser_on_stock_view(fuser)
+                added.append(new_key)
+
+
+def _unregister_fusers(swapped_cls: type) -> None:
+    keys = _FUSER_KEYS.pop(swapped_cls, [])
+    if keys:
+        from torch.ao.quantization import fuser_method_mappings as fm  # noqa: PLC0415
+
+        for key in keys:
+            fm._DEFAULT_OP_LIST_TO_FUSER_METHOD.pop(key, None)
 
 
 def _qualname(cls: type) -> str:
@@ -66,8 +125,10 @@ def register(source_cls: type, swapped_cls: type) -> None:
     old = _SWAPS.get(source_cls)
     if old is not None:
         _SOURCES.pop(old, None)
+        _unregister_fusers(old)
     _SWAPS[source_cls] = swapped_cls
     _SOURCES[swapped_cls] = source_cls
+    _register_fusers(source_cls, swapped_cls)
 
 
 def unregister(source_cls: type) -> None:
@@ -75,6 +136,7 @@ def unregister(source_cls: type) -> None:
     swapped = _SWAPS.pop(source_cls, None)
     if swapped is not None:
         _SOURCES.pop(swapped, None)
+        _unregister_fusers(swapped)
     _LAZY.pop(_qualname(source_cls), None)
 
 

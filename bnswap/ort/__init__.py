@@ -1,0 +1,403 @@
+"""bnswap's ONNX Runtime training backend.
+
+``bnswap.convert(model, backend="ort")`` (or :func:`wrap` on a model whose BatchNorm
+layers are bnswap layers) returns an ``ORTModule`` (``torch_ort.ORTModule``) wrapping
+the model. ONNX Runtime exports it with the TorchScript exporter, builds the gradient
+graph and runs every training-mode BatchNorm as ``com.microsoft::BatchNormInternal``
+(forward) + ``com.microsoft::BatchNormalizationGrad`` (backward); evaluation-mode
+layers run as ONNX ``BatchNormalization`` on the running statistics.
+:func:`executed_ops` shows the graph ORT actually runs.
+
+Semantics are eager PyTorch's: outputs and gradients match eager ``nn.BatchNorm``
+within float32 rounding, and running_mean / running_var / num_batches_tracked follow
+PyTorch's rule (momentum or cumulative average, unbiased variance) step by step
+(:mod:`bnswap.ort._stats`). A model wrapped in eval stays in eval.
+
+Needs onnxruntime-training 1.19.2 (``pip install onnxruntime-training-cpu==1.19.2`` and
+``pip install --no-deps torch-ort==1.19.2``) and a C++ compiler once: ORT's
+``aten_op_executor`` extension is built into ``$BNSWAP_CACHE_DIR/ort-ext/`` on first use
+(or ahead of time with ``python -m bnswap.ort build``). ``import bnswap`` never imports
+ONNX Runtime; this package imports it only when :func:`wrap` (or :func:`executed_ops`,
+:func:`build`) is called.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import warnings
+import weakref
+from typing import Any
+
+from torch import nn
+
+logger = logging.getLogger("bnswap.ort")
+
+__all__ = ["INSTALL", "ORTNotAvailableError", "ORTRunError", "build", "executed_ops",
+           "is_available", "wrap", "DEFAULT_SESSION_OPTIONS"]
+
+#: The exact install commands for the CPU backend (torch first, pinned).
+INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
+           "pip install --no-deps torch-ort==1.19.2")
+
+#: ``onnxruntime.SessionOptions`` attributes bnswap sets on every ORT session; override per
+#: model with ``wrap(session_options=)``. Empty: ORT's defaults (all cores, sequential
+#: execution; ORTModule turns memory patterns off). On the shared 2-core CI machine no
+#: setting won consistently (benchmarks/bench_ort.py); ``{"intra_op_num_threads": 1}``
+#: helps when other processes load the cores. ``execution_mode=ORT_PARALLEL`` fails in
+#: ORT 1.19.2's training session (forward pass error, raised as ORTRunError).
+DEFAULT_SESSION_OPTIONS: dict[str, Any] = {}
+
+
+class ORTNotAvailableError(ImportError):
+    """onnxruntime-training (with ORTModule) is not installed."""
+
+
+class ORTRunError(RuntimeError):
+    """ONNX Runtime could not export, build or run the model (no silent fallback)."""
+
+
+def is_available() -> bool:
+    """True if onnxruntime-training and torch-ort are installed (nothing is imported)."""
+    # find_spec of a submodule would import onnxruntime, whose __init__ imports ORTModule
+    # (which patches torch); only top-level specs and the file system are consulted.
+    try:
+        ort = importlib.util.find_spec("onnxruntime")
+        if ort is None or importlib.util.find_spec("torch_ort") is None:
+            return False
+        return any(os.path.isfile(os.path.join(p, "training", "ortmodule", "__init__.py"))
+                   for p in (ort.submodule_search_locations or []))
+    except (ImportError, ValueError):
+        return False
+
+
+def _require() -> Any:
+    if not is_available():
+        raise ORTNotAvailableError(
+            "bnswap's ORT backend needs ONNX Runtime training and torch-ort. Install them "
+            f"with: {INSTALL}   (or: pip install 'bnswap[ort-cpu]' && "
+            "pip install --no-deps torch-ort==1.19.2). Never install plain `onnxruntime` "
+            "in the same environment: it replaces the training build.")
+    from bnswap.ort import _compat
+
+    return _compat.apply()
+
+
+def build(*, force: bool = False) -> str:
+    """Build ORT's ``aten_op_executor`` extension into the cache (once); return its path.
+
+    Raises:
+        ORTNotAvailableError: ORT training is not installed.
+        bnswap.ort._build.BuildError: no C++ compiler, or the compile failed.
+    """
+    if not is_available():
+        _require()
+    from bnswap.ort import _build
+
+    return str(_build.ensure_extension(force=force))
+
+
+# ------------------------------------------------------------------------- wrapper
+_cls_lock = threading.Lock()
+_cls: type | None = None
+
+
+def _bn_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def _check_layers(module: nn.Module) -> None:
+    """Convert-time checks of what ORT can run (raise before anything is built)."""
+    import torch
+
+    from bnswap import is_swapped
+
+    no_affine: dict[int, list[str]] = {}
+    for name, m in _bn_layers(module):
+        if not m.affine:
+            no_affine.setdefault(int(m.num_features), []).append(name or type(m).__name__)
+    for width, names in no_affine.items():
+        if len(names) > 1:
+            raise TypeError(
+                f"bnswap.ort.wrap: layers {names} are affine=False with the same width "
+                f"({width}). ONNX Runtime 1.19.2 merges their constant ones/zeros scale and "
+                "shift into one initializer and then cannot build the gradient graph "
+                "('Duplicate definition of name ..._grad'). Give all but one of them "
+                "affine=True, or use backend='aten'.")
+    for name, m in _bn_layers(module):
+        label = name or type(m).__name__
+        if not is_swapped(m):
+            raise TypeError(
+                f"bnswap.ort.wrap: BatchNorm layer {label!r} ({type(m).__name__}) is not a "
+                "bnswap layer (SyncBatchNorm, an excluded layer, or a subclass without an "
+                "adapter). ORT would export it with a momentum frozen at trace time and "
+                "PyTorch's running statistics would be lost. Convert it, or use "
+                "backend='aten'. See bnswap.plan(model, backend='ort').")
+        for pname, t in (("weight", m.weight), ("bias", m.bias),
+                         ("running_mean", m.running_mean), ("running_var", m.running_var)):
+            if t is not None and t.dtype != torch.float32:
+                raise TypeError(
+                    f"bnswap.ort.wrap: layer {label!r} has {pname} of dtype {t.dtype}; ONNX "
+                    "Runtime's CPU BatchNormInternal kernel is float32 only. Use float32 "
+                    "parameters, or backend='aten'.")
+            if t is not None and t.device.type != "cpu" and t.device.type != "cuda":
+                raise TypeError(f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
+                                "ORTModule runs on CPU or CUDA.")
+
+
+def _wrapper_class(ortmodule_pkg: Any) -> type:
+    global _cls
+    with _cls_lock:
+        if _cls is not None:
+            return _cls
+        import torch
+
+        from bnswap.ort import _compat
+        from bnswap.ort._stats import RunningStats, detach_tree
+
+        ORTModule = ortmodule_pkg.ORTModule
+
+        class BNSwapORTModule(ORTModule):
+            """``ORTModule`` with PyTorch's BatchNorm running-statistics semantics.
+
+            Made by :func:`bnswap.ort.wrap`. ``module`` is the wrapped model (its
+            BatchNorm layers are bnswap layers); ``state_dict`` keys, parameters and
+            buffers are the model's own (ORT trains them in place).
+            """
+
+            def __init__(self, module: nn.Module, *, fallback: str | None,
+                         session_options: dict[str, Any], debug_options: Any = None):
+                _compat.BNSWAP_MODULES.add(module)
+                env = os.environ.get("ORTMODULE_FALLBACK_POLICY")
+                os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
+                try:
+                    with _compat.ort_scope():
+                        super().__init__(module, debug_options)
+                finally:
+                    if env is None:
+                        os.environ.pop("ORTMODULE_FALLBACK_POLICY", None)
+                    else:
+                        os.environ["ORTMODULE_FALLBACK_POLICY"] = env
+                d = self.__dict__
+                d["_bnswap_inner"] = module
+                d["_bnswap_stats"] = RunningStats(module)
+                d["_bnswap_fallback"] = fallback
+                d["_bnswap_eager"] = False
+                d["_bnswap_session_options"] = dict(session_options)
+                d["_bnswap_graph_files"] = {}
+                d["_bnswap_ops"] = {}
+                tmp = tempfile.mkdtemp(prefix="bnswap-ort-")
+                d["_bnswap_tmp"] = tmp
+                weakref.finalize(self, shutil.rmtree, tmp, True)
+                self._bnswap_install()
+
+            def _bnswap_install(self) -> None:
+                d = self.__dict__
+                d["_bnswap_ort_forward"] = d["forward"]
+                d["forward"] = self._bnswap_forward
+                for training in (True, False):
+                    mgr = self._torch_module._execution_manager(training)
+                    mgr._bnswap_session_hook = self._bnswap_session_hook
+                    # torch's CPU kernels use all cores; ORT's default does too.
+
+            def _bnswap_session_hook(self, manager: Any, so: Any) -> None:
+                mode = "training" if manager._export_mode == torch.onnx.TrainingMode.TRAINING \
+                    else "inference"
+                path = os.path.join(self._bnswap_tmp, f"{mode}.onnx")
+                so.optimized_model_filepath = path
+                self._bnswap_graph_files[mode] = path
+                if mode == "training":  # new session: verify its in-place writes next step
+                    self.__dict__["_bnswap_verify"] = True
+                    self.__dict__["_bnswap_verify_pending"] = True
+                self._bnswap_ops.pop(mode, None)
+                for key, value in self._bnswap_session_options.items():
+                    if key.startswith("config:"):
+                        so.add_session_config_entry(key[len("config:"):], str(value))
+                    else:
+                        setattr(so, key, value)
+
+            def _bnswap_forward(self, *args: Any, **kwargs: Any) -> Any:
+                module = self._bnswap_inner
+                if self._bnswap_eager:
+                    return module(*args, **kwargs)
+                if module.training:
+                    for name, m in _bn_layers(module):
+                        if not m.training:
+                            raise ORTRunError(
+                                f"bnswap.ort: BatchNorm layer {name!r} is in eval mode while "
+                                "the model trains; ORT exports the whole model in one mode. "
+                                "Freeze it with backend='aten', or put the model in eval.")
+                    stats = self._bnswap_stats
+                    grad = torch.is_grad_enabled()
+
+                    def run() -> Any:
+                        if grad:
+                            return self._bnswap_call(args, kwargs)
+                        # Eager BN in training mode normalizes with batch statistics and
+                        # updates them also under no_grad; ORT would pick its inference
+                        # graph (running statistics): run the training graph instead.
+                        with torch.enable_grad():
+                            return detach_tree(self._bnswap_call(args, kwargs))
+
+                    verify = self.__dict__.get("_bnswap_verify", True)
+                    try:
+                        out = stats.step(args, kwargs, run, verify=verify)
+                    except ORTRunError as err:
+                        return self._bnswap_maybe_fallback(err, args, kwargs)
+                    except RuntimeError as err:
+                        if "did not write the batch statistics" not in str(err):
+                            raise
+                        return self._bnswap_maybe_fallback(ORTRunError(str(err)), args, kwargs)
+                    if verify and self.__dict__.get("_bnswap_verify_pending") is None:
+                        self.__dict__["_bnswap_verify"] = False
+                    self.__dict__.pop("_bnswap_verify_pending", None)
+                    return out
+                try:
+                    return self._bnswap_call(args, kwargs)
+                except ORTRunError as err:
+                    return self._bnswap_maybe_fallback(err, args, kwargs)
+
+            def _bnswap_call(self, args: tuple, kwargs: dict) -> Any:
+                try:
+                    return self._bnswap_ort_forward(*args, **kwargs)
+                except Exception as err:
+                    if type(err).__module__.startswith("onnxruntime") or \
+                            "ORTModule" in type(err).__name__ or "onnxruntime" in str(err):
+                        raise ORTRunError(
+                            "ONNX Runtime could not run this model (no fallback: pass "
+                            f"fallback='aten' to run it eagerly instead): {err}") from err
+                    raise
+
+            def _bnswap_maybe_fallback(self, err: Exception, args: tuple, kwargs: dict) -> Any:
+                if self._bnswap_fallback != "aten":
+                    raise err
+                warnings.warn(
+                    "bnswap.ort: ONNX Runtime cannot run this model; falling back to the "
+                    f"eager 'aten' backend (fallback='aten'). Cause: {err.__cause__ or err}",
+                    RuntimeWarning, stacklevel=3)
+                self.__dict__["_bnswap_eager"] = True
+                return self._bnswap_inner(*args, **kwargs)
+
+            def __setstate__(self, state: dict) -> None:
+                with _compat.ort_scope():
+                    super().__setstate__(state)
+                self._bnswap_install()
+
+        _cls = BNSwapORTModule
+        return _cls
+
+
+def wrap(module: nn.Module, *, fallback: str | None = None,
+         session_options: dict[str, Any] | None = None, debug_options: Any = None) -> nn.Module:
+    """Wrap ``module`` in ONNX Runtime's ``ORTModule`` with bnswap's BatchNorm semantics.
+
+    ``module``'s BatchNorm layers must already be bnswap layers (``bnswap.convert(model,
+    backend="ort")`` swaps them, then calls this). The model is not copied: ORT trains its
+    Parameters and buffers in place, so optimizers, ``state_dict`` and checkpoints keep
+    working. Its train/eval mode is kept.
+
+    Args:
+        module: an ``nn.Module`` (not a LightningModule: wrap its children) with float32
+            BatchNorm parameters on CPU (or CUDA with a CUDA ORT build).
+        fallback: ``None`` (default): anything ORT cannot export or run raises
+            :class:`ORTRunError`. ``"aten"``: warn (``RuntimeWarning``) and run the
+            model eagerly on bnswap's aten layers instead.
+        session_options: ``onnxruntime.SessionOptions`` attributes to set, e.g.
+            ``{"intra_op_num_threads": 2}``; keys ``"config:<key>"`` become session config
+            entries. Defaults: :data:`DEFAULT_SESSION_OPTIONS`.
+        debug_options: ``onnxruntime.training.ortmodule.DebugOptions``.
+
+    Returns:
+        A ``torch_ort.ORTModule`` (subclass ``BNSwapORTModule``); with ``fallback="aten"``
+        and an ORT that cannot be set up, ``module`` itself (after a warning).
+
+    Raises:
+        ORTNotAvailableError: ORT training / torch-ort not installed (names the command).
+        TypeError: ``module`` is not an ``nn.Module``, a BatchNorm layer is not a bnswap
+            layer, or its parameters are not float32.
+        ValueError: unknown ``fallback``.
+        ORTRunError: ORT cannot build the wrapper (``fallback=None``).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"bnswap.ort.wrap expects an nn.Module, got {type(module).__name__}")
+    if fallback not in (None, "aten"):
+        raise ValueError(f"fallback must be None or 'aten', got {fallback!r}")
+    if type(module).__module__.startswith(("lightning", "pytorch_lightning")) or any(
+            c.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
+            for c in type(module).__mro__[1:]):
+        raise TypeError("ORTModule cannot wrap a LightningModule: wrap its child modules "
+                        "(bnswap.BNSwap(backend='ort') does this).")
+    _check_layers(module)
+    try:
+        ortmodule_pkg = _require()
+        cls = _wrapper_class(ortmodule_pkg)
+        if debug_options is None:
+            from onnxruntime.training.ortmodule import DebugOptions, LogLevel
+
+            debug_options = DebugOptions(log_level=LogLevel.INFO if logger.isEnabledFor(
+                logging.INFO) else LogLevel.ERROR)
+        opts = dict(DEFAULT_SESSION_OPTIONS)
+        opts.update(session_options or {})
+        import onnxruntime
+
+        onnxruntime.set_seed(int(__import__("torch").initial_seed() % sys.maxsize))
+        return cls(module, fallback=fallback, session_options=opts, debug_options=debug_options)
+    except ORTNotAvailableError:
+        raise
+    except Exception as err:
+        if fallback == "aten":
+            warnings.warn(f"bnswap.ort: ONNX Runtime unavailable ({err}); using the eager "
+                          "'aten' backend (fallback='aten').", RuntimeWarning, stacklevel=2)
+            return module
+        if isinstance(err, (TypeError, ValueError)):
+            raise
+        raise ORTRunError(f"bnswap.ort: could not set up ONNX Runtime: {err}") from err
+
+
+def executed_ops(model: nn.Module, training: bool | None = None) -> collections.Counter:
+    """Op types of the graph ONNX Runtime runs for ``model`` (its optimized session graph).
+
+    Args:
+        model: what :func:`wrap` / ``bnswap.convert(..., backend="ort")`` returned, after
+            at least one forward in the requested mode.
+        training: the training graph (forward + backward; contains
+            ``BatchNormInternal`` and ``BatchNormalizationGrad``) or the inference graph
+            (``BatchNormalization``); default: ``model.training``.
+
+    Returns:
+        ``collections.Counter`` of ONNX op types (domain-less names, e.g.
+        ``{"Conv": 1, "BatchNormInternal": 1, ...}``).
+
+    Raises:
+        TypeError: ``model`` was not made by :func:`wrap`.
+        RuntimeError: no ORT session exists yet for that mode (run a forward first).
+    """
+    files = model.__dict__.get("_bnswap_graph_files") if isinstance(model, nn.Module) else None
+    if files is None:
+        raise TypeError("executed_ops expects a model returned by bnswap.ort.wrap / "
+                        "bnswap.convert(..., backend='ort')")
+    if training is None:
+        training = model.training
+    mode = "training" if training else "inference"
+    cache = model.__dict__["_bnswap_ops"]
+    if mode not in cache:
+        path = files.get(mode)
+        if path is None or not os.path.isfile(path):
+            raise RuntimeError(f"ONNX Runtime has not built its {mode} session for this model "
+                               "yet: run a forward in that mode first.")
+        import onnx
+
+        graph = onnx.load(path, load_external_data=False).graph
+        counter: collections.Counter = collections.Counter(n.op_type for n in graph.node)
+        for fn in onnx.load(path, load_external_data=False).functions:
+            counter.update(n.op_type for n in fn.node)
+        cache[mode] = counter
+    return collections.Counter(cache[mode])

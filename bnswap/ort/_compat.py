@@ -1,0 +1,403 @@
+"""Every patch bnswap applies to third-party packages, in one place.
+
+onnxruntime-training 1.19.2's ``ORTModule`` predates the torch >= 2.9 ONNX layout (the
+TorchScript exporter moved to ``torch.onnx._internal.torchscript_exporter``) and the
+``dynamo=True`` default of ``torch.onnx.export``. This module makes it run on the torch
+versions bnswap is tested with, and only there: :func:`apply` refuses untested versions
+(:data:`TESTED_ORT`, torch >= :data:`MIN_TORCH`) unless ``BNSWAP_ORT_ALLOW_UNTESTED=1``.
+
+It is applied only by :mod:`bnswap.ort` (never by ``import bnswap``), and it leaves
+torch's public behaviour as it was:
+
+* ORT's import-time and export-time needs for torch's private ONNX modules
+  (``torch.onnx._internal.jit_utils``, ``torch.onnx._type_utils``, ``torch.onnx._globals``,
+  ``torch.onnx._internal._beartype``, ``symbolic_opset9._convolution`` /
+  ``_convolution_mode``) are served by aliases that exist only inside
+  :func:`ort_scope` (while ORT is imported, an ``ORTModule`` is built, or ORT exports).
+* ORT's export calls ``torch.onnx.export`` with ``dynamo=False`` inside that scope only.
+* The custom symbolics ORT registers (``aten::convolution``, ``cross_entropy_loss``,
+  contrib ops...) and bnswap's (:mod:`bnswap.ort._symbolic`) are registered inside the
+  scope and the exporter's registry is restored on exit, so a later
+  ``torch.onnx.export`` elsewhere in the process exports as before.
+* ORT replaces ``torch.manual_seed``, ``torch.cuda.manual_seed`` and
+  ``torch.utils.checkpoint.checkpoint`` at import; the originals are put back (ORT's
+  RNG is seeded from torch's when a model is wrapped instead).
+* Buffers are restored after ORT's export, whose tracing forward runs on the real
+  module (it would otherwise apply one extra running-statistics update).
+
+ORT-side fixes (ORT's own modules only):
+
+* ``torch_interop_utils`` (custom ``autograd.Function`` support) does not compile
+  against torch >= 2.13: custom-function support is off
+  (``ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0`` during import) and a stub module satisfies the
+  unconditional import; using it raises.
+* ``aten_op_executor`` is built by :mod:`bnswap.ort._build` into a user cache and made
+  importable as ``onnxruntime.training.ortmodule.torch_cpp_extensions.aten_op_executor``;
+  ORT's "extensions not installed" init error (a glob of its own folder) is cleared.
+* NVTX range calls (``onnxruntime.training.utils.torch_profile_utils``) raise on CPU
+  builds of torch: they become no-ops when CUDA is not available.
+* ``GraphExecutionManager._get_session_config`` calls a per-manager hook
+  (``_bnswap_session_hook``) so bnswap can set session options and record the graph
+  the session runs (:func:`bnswap.ort.executed_ops`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("bnswap.ort")
+
+TESTED_ORT = ("1.19.2",)
+MIN_TORCH = (2, 13)
+OVERRIDE_ENV = "BNSWAP_ORT_ALLOW_UNTESTED"
+
+_TSE = "torch.onnx._internal.torchscript_exporter"
+_ORTM = "onnxruntime.training.ortmodule"
+_EXT_PKG = _ORTM + ".torch_cpp_extensions"
+
+_lock = threading.RLock()
+#: Modules wrapped by :func:`bnswap.ort.wrap`: only their exports get bnswap's symbolics.
+BNSWAP_MODULES: weakref.WeakSet = weakref.WeakSet()
+_applied = False
+_scope_depth = 0
+
+
+class UnsupportedVersionError(RuntimeError):
+    """The installed onnxruntime-training / torch pair is not one bnswap was tested with."""
+
+
+# ---------------------------------------------------------------------------- versions
+def _torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def check_versions() -> None:
+    """Raise :class:`UnsupportedVersionError` unless ORT and torch are tested versions.
+
+    Tested: onnxruntime-training :data:`TESTED_ORT` with torch >= :data:`MIN_TORCH`
+    (the ``torch.onnx._internal.torchscript_exporter`` layout). ``BNSWAP_ORT_ALLOW_UNTESTED=1``
+    turns the error into a warning.
+    """
+    import onnxruntime
+
+    problems = []
+    if onnxruntime.__version__ not in TESTED_ORT:
+        problems.append(f"onnxruntime {onnxruntime.__version__} (tested: {', '.join(TESTED_ORT)})")
+    if _torch_version() < MIN_TORCH or importlib.util.find_spec(_TSE) is None:
+        problems.append(
+            f"torch {torch.__version__} (tested: >= {'.'.join(map(str, MIN_TORCH))} with "
+            f"the {_TSE} layout)")
+    if not problems:
+        return
+    msg = ("bnswap's ONNX Runtime compatibility layer was not tested with " + " and ".join(problems)
+           + f". Set {OVERRIDE_ENV}=1 to try anyway, or install the tested pair: "
+           "pip install torch==2.13.0 onnxruntime-training-cpu==1.19.2 && "
+           "pip install --no-deps torch-ort==1.19.2")
+    if os.environ.get(OVERRIDE_ENV) == "1":
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    else:
+        raise UnsupportedVersionError(msg)
+
+
+# ---------------------------------------------------------------------- scoped aliases
+def _alias_modules() -> dict[str, types.ModuleType]:
+    beartype = types.ModuleType("torch.onnx._internal._beartype")
+    beartype.beartype = lambda fn: fn  # type: ignore[attr-defined]  # removed in torch 2.x
+    return {
+        "torch.onnx._internal.jit_utils": importlib.import_module(f"{_TSE}.jit_utils"),
+        "torch.onnx._type_utils": importlib.import_module(f"{_TSE}._type_utils"),
+        "torch.onnx._globals": importlib.import_module(f"{_TSE}._globals"),
+        "torch.onnx._internal._beartype": beartype,
+    }
+
+
+def _shim_attrs() -> list[tuple[types.ModuleType, str, Any]]:
+    shim9 = importlib.import_module("torch.onnx.symbolic_opset9")
+    real9 = importlib.import_module(f"{_TSE}.symbolic_opset9")
+    return [(shim9, name, getattr(real9, name)) for name in ("_convolution", "_convolution_mode")]
+
+
+def _registry():
+    return importlib.import_module(f"{_TSE}.registration").registry
+
+
+def _snapshot_registry() -> dict[str, dict]:
+    return {name: dict(group._functions._overrides) for name, group in _registry()._registry.items()}
+
+
+def _restore_registry(snap: dict[str, dict]) -> None:
+    reg = _registry()
+    for name in list(reg._registry):
+        group = reg._registry[name]
+        want = snap.get(name)
+        if want is None:
+            del reg._registry[name]  # a group created inside the scope
+            continue
+        funcs = group._functions
+        for opset in list(funcs._overrides):
+            if funcs._overrides[opset] is not want.get(opset):
+                funcs.remove_override(opset)
+        for opset, fn in want.items():
+            if funcs._overrides.get(opset) is not fn:
+                funcs.override(opset, fn)
+
+
+@contextlib.contextmanager
+def ort_scope() -> Iterator[None]:
+    """Inside: torch's old private ONNX names resolve, ``torch.onnx.export`` defaults to
+    the TorchScript exporter (``dynamo=False``), and symbolic registrations are undone
+    on exit. Re-entrant; process-global while active (hold it briefly)."""
+    global _scope_depth
+    with _lock:
+        _scope_depth += 1
+        if _scope_depth > 1:
+            try:
+                yield
+            finally:
+                _scope_depth -= 1
+            return
+        saved_modules = {}
+        added = []
+        for name, mod in _alias_modules().items():
+            if name in sys.modules:
+                saved_modules[name] = sys.modules[name]
+            sys.modules[name] = mod
+            added.append(name)
+        saved_attrs = []
+        for owner, name, value in _shim_attrs():
+            saved_attrs.append((owner, name, owner.__dict__.get(name, _MISSING)))
+            setattr(owner, name, value)
+        snap = _snapshot_registry()
+        real_export = torch.onnx.export
+        torch.onnx.export = functools.wraps(real_export)(
+            functools.partial(real_export, dynamo=False))
+        try:
+            with warnings.catch_warnings():
+                _quiet_exporter_warnings()
+                yield
+        finally:
+            torch.onnx.export = real_export
+            _restore_registry(snap)
+            for owner, name, old in saved_attrs:
+                if old is _MISSING:
+                    with contextlib.suppress(AttributeError):
+                        delattr(owner, name)
+                else:
+                    setattr(owner, name, old)
+            for name in added:
+                if name in saved_modules:
+                    sys.modules[name] = saved_modules[name]
+                else:
+                    sys.modules.pop(name, None)
+            _scope_depth -= 1
+
+
+_MISSING = object()
+
+
+def _quiet_exporter_warnings() -> None:
+    # The TorchScript exporter's notes about what ORT's graph does on purpose: in-place
+    # buffer updates removed from the trace (ORT writes running stats itself), the
+    # traced float momentum, the deprecated dynamo=False path.
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+    warnings.filterwarnings("ignore", message=r".*Removing mutation from node.*")
+    warnings.filterwarnings("ignore", message=r".*dynamo=False.*")
+    warnings.filterwarnings("ignore", message=r".*TorchScript-based ONNX export.*")
+    warnings.filterwarnings("ignore", message=r".*DeepSpeed import error.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+# -------------------------------------------------------------------- ORT-side patches
+def _unwrap_ort_overrides() -> None:
+    """Put back the torch functions ORTModule's ``__init__`` replaced (also when an earlier
+    failed ``import onnxruntime.training`` replaced them, possibly more than once)."""
+
+    def original(fn: Callable, holder: str) -> Callable:
+        seen = 0
+        while (getattr(fn, "__module__", "") or "").startswith("onnxruntime") and seen < 8:
+            seen += 1
+            if holder in getattr(fn, "__globals__", {}) and fn.__name__.startswith("override_"):
+                fn = fn.__globals__[holder]
+            elif fn.__code__.co_freevars and "original_checkpoint" in fn.__code__.co_freevars:
+                idx = fn.__code__.co_freevars.index("original_checkpoint")
+                fn = fn.__closure__[idx].cell_contents  # type: ignore[index]
+            else:
+                break
+        return fn
+
+    torch.manual_seed = original(torch.manual_seed, "torch_manual_seed")
+    torch.cuda.manual_seed = original(torch.cuda.manual_seed, "torch_cuda_manual_seed")
+    import torch.utils.checkpoint as ckpt
+
+    ckpt.checkpoint = original(ckpt.checkpoint, "")
+
+
+def _nvtx_noop() -> None:
+    from onnxruntime.training.utils import torch_profile_utils as tpu
+
+    if torch.cuda.is_available():
+        return
+
+    def torch_nvtx_range_push(msg):  # noqa: ARG001 - same signature as ORT's
+        return None
+
+    def torch_nvtx_range_pop():
+        return None
+
+    tpu.torch_nvtx_range_push = torch_nvtx_range_push
+    tpu.torch_nvtx_range_pop = torch_nvtx_range_pop
+    utils = sys.modules.get("onnxruntime.training.utils")
+    if utils is not None:
+        utils.torch_nvtx_range_push = torch_nvtx_range_push
+        utils.torch_nvtx_range_pop = torch_nvtx_range_pop
+
+
+class _InteropUnavailable(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError(
+            "ORT's torch_interop_utils extension (custom torch.autograd.Function support) "
+            "does not build against torch >= 2.13; bnswap runs ORTModule with custom "
+            "autograd functions off (ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0).")
+
+
+def _load_extension() -> None:
+    from bnswap.ort import _build
+
+    path = _build.ensure_extension()
+    name = f"{_EXT_PKG}.{_build.EXTENSION}"
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules[name] = mod
+
+
+def _import_ortmodule() -> types.ModuleType:
+    interop = f"{_EXT_PKG}.torch_interop_utils"
+    if interop not in sys.modules:
+        sys.modules[interop] = _InteropUnavailable(interop)
+    old_env = os.environ.get("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD")
+    os.environ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"] = "0"
+    try:
+        with ort_scope():
+            _nvtx_noop()
+            ortmodule = importlib.import_module(_ORTM)
+            # Imported lazily by ORT's options; its import-time enable reads the env var.
+            importlib.import_module(f"{_ORTM}._custom_autograd_function")
+    finally:
+        if old_env is None:
+            os.environ.pop("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", None)
+        else:
+            os.environ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"] = old_env
+        _unwrap_ort_overrides()
+    _nvtx_noop()  # utils may have been imported fresh above
+    return ortmodule
+
+
+def _patch_export(ortmodule: types.ModuleType) -> None:
+    from onnxruntime.tools import pytorch_export_contrib_ops
+
+    from bnswap.ort import _symbolic
+
+    gtm = importlib.import_module(f"{_ORTM}._graph_transition_manager")
+    cls = gtm.GraphTransitionManager
+    original = cls.__dict__["_get_exported_model"].__func__
+
+    @functools.wraps(original)
+    def _get_exported_model(flattened_module, *args, **kwargs):
+        opset = kwargs.get("onnx_opset_version", ortmodule.ONNX_OPSET_VERSION)
+        if len(args) >= 7:
+            opset = args[6]
+        # The exporter's tracing forward runs on the real module (running-stat updates,
+        # num_batches_tracked) and its train/eval switch resets every submodule's flag.
+        state = [(b, b.detach().clone()) for b in flattened_module.buffers()]
+        modes = [(m, m.training) for m in flattened_module.modules()]
+        original_module = getattr(flattened_module, "_original_module", None)
+        try:
+            with ort_scope():
+                pytorch_export_contrib_ops.register()
+                importlib.import_module(f"{_ORTM}._custom_op_symbolic_registry") \
+                    .CustomOpSymbolicRegistry.register_all(opset)
+                ours = original_module is not None and original_module in BNSWAP_MODULES
+                if ours:
+                    _symbolic.register(opset)
+                result = original(flattened_module, *args, **kwargs)
+                if ours:
+                    _symbolic.keep_running_stat_aliases(result[0])
+                return result
+        finally:
+            with torch.no_grad():
+                for buf, saved in state:
+                    buf.copy_(saved)
+            for m, training in modes:
+                m.training = training
+
+    cls._get_exported_model = staticmethod(_get_exported_model)
+
+    gem = importlib.import_module(f"{_ORTM}._graph_execution_manager").GraphExecutionManager
+    original_cfg = gem._get_session_config
+
+    @functools.wraps(original_cfg)
+    def _get_session_config(self):
+        session_options, providers, provider_options = original_cfg(self)
+        hook = getattr(self, "_bnswap_session_hook", None)
+        if hook is not None:
+            hook(self, session_options)
+        return session_options, providers, provider_options
+
+    gem._get_session_config = _get_session_config
+
+
+def apply() -> types.ModuleType:
+    """Make ``onnxruntime.training.ortmodule`` usable on this torch; return it.
+
+    Idempotent and thread-safe. Builds the ``aten_op_executor`` extension on first use
+    (:func:`bnswap.ort._build.ensure_extension`).
+
+    Raises:
+        UnsupportedVersionError: untested ORT / torch (see :func:`check_versions`).
+        bnswap.ort._build.BuildError: the extension cannot be built.
+        ImportError: ORTModule still fails to import (message names the cause).
+    """
+    global _applied
+    with _lock:
+        if _applied:
+            return sys.modules[_ORTM]
+        check_versions()
+        if _ORTM not in sys.modules:
+            # A failed ``import onnxruntime.training`` (its __init__ swallows ORTModule's
+            # ImportError) leaves half-initialized submodules behind; start clean.
+            for name in [n for n in sys.modules if n.startswith(_ORTM + ".")]:
+                if not name.startswith(_EXT_PKG + "."):
+                    del sys.modules[name]
+        _load_extension()
+        ortmodule = _import_ortmodule()
+        init_error = ortmodule._FALLBACK_INIT_EXCEPTION
+        if init_error is not None and "extensions were not detected" in str(init_error):
+            ortmodule._FALLBACK_INIT_EXCEPTION = None
+        elif init_error is not None:
+            raise ImportError(f"ORTModule cannot initialize: {init_error}") from init_error
+        _patch_export(ortmodule)
+        _applied = True
+        logger.debug("bnswap.ort: ORT compatibility layer applied")
+        return ortmodule

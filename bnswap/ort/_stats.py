@@ -1,0 +1,226 @@
+"""PyTorch's running-statistics rule around an ORT training step.
+
+Under raw ORTModule the running statistics of a BatchNorm layer differ from eager
+PyTorch in four ways: the exporter's tracing forward applies one extra update, ORT never
+increments ``num_batches_tracked``, ORT blends in the *biased* batch variance, and
+``momentum=None`` is frozen at its trace-time value. bnswap exports every training-mode
+batch norm with ONNX ``momentum=0`` (:mod:`bnswap.ort._symbolic`), so after an ORT
+forward each ``running_mean`` / ``running_var`` buffer holds that step's batch mean /
+biased batch variance (``BatchNormInternal`` aliases its running-stat outputs to the
+input buffers). :class:`RunningStats` saves the old values before the call and then
+applies ``torch.nn.modules.batchnorm._BatchNorm``'s rule exactly::
+
+    num_batches_tracked += 1
+    m = momentum if momentum is not None else 1 / num_batches_tracked
+    running_mean = (1 - m) * old_mean + m * batch_mean
+    running_var  = (1 - m) * old_var  + m * batch_var_biased * n / (n - 1)
+
+with ``n = N * prod(spatial)`` the number of values per channel the layer saw. ``n`` is
+read from the layer's input shape, found by a shape-only pass of the model on the meta
+device (cached per input-shape signature; a real no-grad pass with buffers restored if
+the model cannot run on meta).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+
+logger = logging.getLogger("bnswap.ort")
+
+T = TypeVar("T")
+
+# Written into running_mean before a verifying step; ORT's momentum-0 update replaces it
+# with the batch mean (sentinel * 0 + mean), so a survivor means no write happened.
+_SENTINEL = 1.0e30
+
+__all__ = ["RunningStats", "tracked_layers"]
+
+
+def tracked_layers(root: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """(name, layer) for every BatchNorm layer with running statistics (tracked)."""
+    return [
+        (name, m) for name, m in root.named_modules()
+        if isinstance(m, _BatchNorm) and m.track_running_stats
+        and m.running_mean is not None and m.running_var is not None
+    ]
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return (str(spec), tuple(
+        (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else
+        (type(x).__name__, x if isinstance(x, (int, float, bool, str, type(None))) else id(x))
+        for x in leaves))
+
+
+class RunningStats:
+    """Applies eager PyTorch's running-statistics update to ``root``'s BatchNorm layers
+    around a call that ran them through ORT's ``BatchNormInternal`` with ONNX momentum 0.
+
+    Args:
+        root: the module ORT runs (the original, unflattened module).
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self._sizes: dict[tuple, list[int | None]] = {}
+
+    # ------------------------------------------------------------------ shapes
+    def _probe(self, args: tuple, kwargs: dict, layers: list[tuple[str, _BatchNorm]],
+               meta: bool) -> list[int | None]:
+        seen: dict[int, list[tuple[int, ...]]] = {}
+
+        def hook(i: int):
+            def pre(_mod: nn.Module, inputs: tuple) -> None:
+                seen.setdefault(i, []).append(tuple(inputs[0].shape))
+            return pre
+
+        handles = [m.register_forward_pre_hook(hook(i)) for i, (_, m) in enumerate(layers)]
+        try:
+            with torch.no_grad():
+                if meta:
+                    state: dict[str, torch.Tensor] = {}
+                    for name, p in self.root.named_parameters():
+                        state[name] = p.detach().to("meta")
+                    for name, b in self.root.named_buffers():
+                        # num_batches_tracked stays real: momentum=None reads it as a float.
+                        state[name] = (b.clone() if b.dtype == torch.long and b.dim() == 0
+                                       else b.to("meta"))
+                    margs, mkwargs = pytree.tree_map_only(
+                        torch.Tensor, lambda t: torch.empty_like(t, device="meta"),
+                        (args, kwargs))
+                    functional_call(self.root, state, margs, mkwargs, tie_weights=False,
+                                    strict=False)
+                else:
+                    saved = [(b, b.clone()) for b in self.root.buffers()]
+                    try:
+                        self.root(*args, **kwargs)
+                    finally:
+                        for b, old in saved:
+                            b.copy_(old)
+        finally:
+            for h in handles:
+                h.remove()
+        sizes: list[int | None] = []
+        for i, (name, _) in enumerate(layers):
+            shapes = seen.get(i, [])
+            if len(shapes) > 1:
+                raise RuntimeError(
+                    f"bnswap.ort: BatchNorm layer {name!r} runs {len(shapes)} times in one "
+                    "forward; ONNX Runtime updates its running statistics once per call site "
+                    "into the same buffers, which cannot reproduce PyTorch's sequential "
+                    "updates. Use one layer per call site, or backend='aten'.")
+            if not shapes:
+                sizes.append(None)  # not run by this forward: no update, as in eager
+                continue
+            shape = shapes[0]
+            n = 1
+            for s in (shape[:1] + shape[2:]):
+                n *= s
+            sizes.append(n)
+        return sizes
+
+    def reduction_sizes(self, args: tuple, kwargs: dict,
+                        layers: list[tuple[str, _BatchNorm]]) -> list[int | None]:
+        """Values per channel (``N * prod(spatial)``) each layer sees for these inputs;
+        None for a layer the forward does not run. Cached per input-shape signature.
+
+        Raises:
+            What the model raises for these inputs in eager mode (wrong rank, channel
+            count, one value per channel...), before ORT runs.
+            RuntimeError: a layer runs more than once per forward.
+        """
+        key = _signature(args, kwargs)
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            try:
+                sizes = self._probe(args, kwargs, layers, meta=True)
+            except Exception as err:  # noqa: BLE001 - any meta failure: use a real pass
+                if isinstance(err, RuntimeError) and "runs" in str(err) and "bnswap" in str(err):
+                    raise
+                logger.debug("bnswap.ort: meta shape pass failed (%s); using a real pass", err)
+                sizes = self._probe(args, kwargs, layers, meta=False)
+            if len(self._sizes) > 64:
+                self._sizes.clear()
+            self._sizes[key] = sizes
+        return sizes
+
+    # -------------------------------------------------------------------- step
+    def step(self, args: tuple, kwargs: dict, run: Callable[[], T], verify: bool = False) -> T:
+        """Run ``run()`` (an ORT training forward of ``root`` on ``args``/``kwargs``) and
+        leave every tracked layer's running_mean, running_var and num_batches_tracked
+        exactly as an eager forward would. On error, the statistics are restored.
+
+        Args:
+            verify: first step of a new ORT session: fill running_mean with a sentinel
+                before the call and check ORT overwrote it with the batch mean (ONNX
+                momentum 0), i.e. that its aliased in-place write reached the buffer.
+
+        Raises:
+            RuntimeError: ``verify`` and ORT did not write a layer's statistics (the
+                statistics are restored; nothing is silently wrong).
+        """
+        layers = tracked_layers(self.root)
+        if not layers:
+            return run()
+        sizes = self.reduction_sizes(args, kwargs, layers)
+        active = [(m, n) for (_, m), n in zip(layers, sizes) if n is not None]
+        if not active:
+            return run()
+        means = [m.running_mean for m, _ in active]
+        vars_ = [m.running_var for m, _ in active]
+        with torch.no_grad():
+            old_means = torch._foreach_mul(means, 1.0)
+            old_vars = torch._foreach_mul(vars_, 1.0)
+        if verify:
+            with torch.no_grad():
+                for t in means:
+                    t.fill_(_SENTINEL)
+        try:
+            out = run()
+            if verify:
+                missed = [name for (name, m) in layers
+                          if m.running_mean is not None and any(m is a for a, _ in active)
+                          and bool((m.running_mean == _SENTINEL).any())]
+                if missed:
+                    raise RuntimeError(
+                        "bnswap.ort: ONNX Runtime did not write the batch statistics of "
+                        f"{missed} into their running_mean buffers (BatchNormInternal's "
+                        "aliased outputs); their running statistics cannot follow PyTorch's "
+                        "rule. Use backend='aten' for this model.")
+        except BaseException:
+            with torch.no_grad():
+                torch._foreach_copy_(means, old_means)
+                torch._foreach_copy_(vars_, old_vars)
+            raise
+        with torch.no_grad():
+            ms: list[float] = []
+            for m, _ in active:
+                nbt = m.num_batches_tracked
+                if nbt is not None:
+                    nbt.add_(1)
+                if m.momentum is None:
+                    ms.append(1.0 / float(nbt) if nbt is not None else 0.0)
+                else:
+                    ms.append(float(m.momentum))
+            keep = [1.0 - w for w in ms]
+            scale_v = [w * n / (n - 1) for w, (_, n) in zip(ms, active)]
+            # running = m * batch + (1 - m) * old   (batch is in the buffer now)
+            torch._foreach_mul_(means, ms)
+            torch._foreach_add_(means, torch._foreach_mul(old_means, keep))
+            torch._foreach_mul_(vars_, scale_v)
+            torch._foreach_add_(vars_, torch._foreach_mul(old_vars, keep))
+        return out
+
+
+def detach_tree(out: Any) -> Any:
+    """``out`` with every tensor detached (outputs of a training graph run under no_grad)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)

@@ -1,0 +1,129 @@
+"""Shared helpers for the reliability tests (fuzz, bad inputs, atomic convert,
+checkpoints, isinstance-based torch functions, gradcheck).
+
+Every comparison is against stock ``torch.nn`` BatchNorm on an identical deepcopy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import bnswap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def swapped_copy(model: nn.Module) -> nn.Module:
+    """A converted deepcopy of ``model`` (``model`` is left stock)."""
+    out = copy.deepcopy(model)
+    bnswap.convert(out)
+    return out
+
+
+def pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(stock model, converted deepcopy): identical state, different classes."""
+    return model, swapped_copy(model)
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
+    """("ok", value) or ("err", (exception type, message))."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001 - we compare whatever is raised
+        return "err", (type(e), str(e))
+
+
+def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None, exact: bool = True,
+                **tol: float) -> bool:
+    """Bitwise (NaN at the same places counts as equal) or allclose, same dtype and shape."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a == b if type(a) is type(b) else False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if exact:
+        if a.is_floating_point() or a.is_complex():
+            an, bn = a.isnan(), b.isnan()
+            return torch.equal(an, bn) and torch.equal(a[~an], b[~bn])
+        return torch.equal(a, b)
+    return torch.allclose(a.double(), b.double(), equal_nan=True, **tol)
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | str | None:
+    if t is None:
+        return None
+    if isinstance(t, nn.parameter.UninitializedTensorMixin):
+        return "uninitialized"  # a lazy layer's placeholder has no data
+    return t.detach().clone()
+
+
+def state_of(m: nn.Module) -> dict[str, torch.Tensor | str | None]:
+    """Parameters, buffers (None ones included), and parameter grads, cloned."""
+    out: dict[str, torch.Tensor | str | None] = {}
+    for mod_name, mod in m.named_modules(remove_duplicate=False):
+        pre = mod_name + "." if mod_name else ""
+        for k, v in mod._buffers.items():
+            out[pre + k] = _copy(v)
+        for k, p in mod._parameters.items():
+            out[pre + k] = _copy(p)
+            g = None if p is None or isinstance(p, nn.parameter.UninitializedTensorMixin) else p.grad
+            out[pre + k + ".grad"] = _copy(g)
+    return out
+
+
+def state_diff(a: nn.Module, b: nn.Module, exact: bool = True, **tol: float) -> list[str]:
+    """Names whose tensors differ between two models (empty: identical)."""
+    sa, sb = state_of(a), state_of(b)
+    if sa.keys() != sb.keys():
+        return [f"keys: {sorted(sa.keys() ^ sb.keys())}"]
+    return [k for k in sa if not same_tensor(sa[k], sb[k], exact, **tol)]
+
+
+def stats_have_nan(m: nn.Module) -> bool:
+    return any(
+        b is not None and b.is_floating_point() and bool(b.isnan().any())
+        for b in m.buffers()
+    )
+
+
+def run_script(code: str, timeout: float = 120) -> tuple[int, str, str]:
+    """Run ``code`` in a fresh interpreter (anything that could kill the process).
+
+    Returns (returncode, stdout, stderr). A negative returncode is a signal (crash).
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def json_lines(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def few_threads():
+    """Run a module's tests with BNSWAP_TEST_THREADS intra-op threads (default 1).
+
+    The kernels here are tiny; on a shared 2-core CI machine OpenMP's thread hand-offs
+    make each call up to 1000x slower. Both sides of every comparison run with the
+    same setting; the previous setting is restored afterwards.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("BNSWAP_TEST_THREADS", "1")))
+    yield
+    torch.set_num_threads(old)

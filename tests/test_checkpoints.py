@@ -1,0 +1,255 @@
+"""Checkpoint matrix: state dicts and whole models move between stock and bnswap.
+
+Stock to bnswap and back with strict=True; an old (version 1) checkpoint without
+num_batches_tracked; a model built on the meta device and loaded with
+``load_state_dict(assign=True)``; ``torch.save`` / ``torch.load(weights_only=True)``
+of state dicts; ``copy.deepcopy`` and pickling of whole converted models. Every
+result is compared with the same operation on stock models (bitwise).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
+
+import bnswap
+from tests._helpers_reliab import few_threads, outcome, state_diff  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("few_threads")
+
+
+def build() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=None),
+        nn.Flatten(), nn.Linear(4 * 3 * 3, 5), nn.BatchNorm1d(5, affine=False),
+    )
+
+
+def trained(seed: int = 0, steps: int = 3) -> nn.Module:
+    torch.manual_seed(seed)
+    m = build()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(steps):
+        m(torch.randn(6, 3, 5, 5)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return m
+
+
+def converted(m: nn.Module) -> nn.Module:
+    return bnswap.convert(m)
+
+
+def assert_run_alike(a: nn.Module, b: nn.Module, steps: int = 3) -> None:
+    """Same outputs, gradients and statistics over train and eval steps."""
+    g = torch.Generator().manual_seed(123)
+    for i in range(steps):
+        x = torch.randn(6, 3, 5, 5, generator=g)
+        for m in (a, b):
+            m.train(i != 1)
+            m.zero_grad()
+        ya, yb = a(x), b(x)
+        assert torch.equal(ya, yb)
+        ya.sum().backward()
+        yb.sum().backward()
+        assert state_diff(a, b) == []
+
+
+def _bytes(sd) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_state_dicts_have_the_same_keys_metadata_and_values():
+    stock = trained()
+    swapped = converted(copy.deepcopy(stock))
+    ss, sb = stock.state_dict(), swapped.state_dict()
+    assert list(ss) == list(sb)
+    assert ss._metadata == sb._metadata
+    assert all(torch.equal(ss[k], sb[k]) and ss[k].dtype == sb[k].dtype for k in ss)
+
+
+def test_stock_checkpoint_into_bnswap_strict():
+    stock = trained()
+    fresh = converted(build())
+    result = fresh.load_state_dict(_load(stock.state_dict()), strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert all(bnswap.is_swapped(m) for m in fresh.modules() if isinstance(m, _BatchNorm))
+    assert state_diff(stock, fresh) == []
+    assert_run_alike(stock, fresh)
+
+
+def test_bnswap_checkpoint_into_stock_strict():
+    swapped = converted(trained())
+    fresh = build()
+    result = fresh.load_state_dict(_load(swapped.state_dict()), strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert state_diff(swapped, fresh) == []
+    assert_run_alike(fresh, swapped)
+
+
+def _load(sd):
+    """torch.save then torch.load(weights_only=True): what a checkpoint file gives."""
+    return torch.load(_bytes(sd), weights_only=True)
+
+
+def test_weights_only_round_trip_of_both_state_dicts():
+    stock = trained()
+    swapped = converted(copy.deepcopy(stock))
+    for src in (stock, swapped):
+        sd = _load(src.state_dict())
+        assert sd._metadata == stock.state_dict()._metadata
+        for dst in (build(), converted(build())):
+            dst.load_state_dict(sd, strict=True)
+            assert state_diff(dst, stock) == []
+
+
+def _old_checkpoint(model: nn.Module) -> dict:
+    """A pre-1.2 checkpoint: no num_batches_tracked, BatchNorm metadata version 1."""
+    sd = model.state_dict()
+    for k in [k for k in sd if k.endswith("num_batches_tracked")]:
+        del sd[k]
+        sd._metadata[k[: -len("num_batches_tracked")].rstrip(".")]["version"] = 1
+    return sd
+
+
+@pytest.mark.parametrize("into", ["stock", "bnswap"])
+def test_old_checkpoint_without_num_batches_tracked(into):
+    src = trained()
+    sd = _old_checkpoint(src)
+    stock_dst, dst = trained(seed=1), trained(seed=1)
+    if into == "bnswap":
+        converted(dst)
+    a = stock_dst.load_state_dict(copy.deepcopy(sd), strict=True)
+    b = dst.load_state_dict(copy.deepcopy(sd), strict=True)
+    assert (a.missing_keys, a.unexpected_keys) == (b.missing_keys, b.unexpected_keys) == ([], [])
+    # _NormBase keeps the layer's own counter for a version-1 checkpoint
+    assert state_diff(stock_dst, dst) == []
+    assert int(dst[1].num_batches_tracked) == 3
+    assert_run_alike(stock_dst, dst)
+
+
+def test_checkpoint_missing_num_batches_tracked_at_version_2_fails_as_stock():
+    sd = trained().state_dict()
+    del sd["1.num_batches_tracked"]
+    a = outcome(lambda: build().load_state_dict(copy.deepcopy(sd), strict=True))
+    b = outcome(lambda: converted(build()).load_state_dict(copy.deepcopy(sd), strict=True))
+    assert a[0] == "err" and a[1][0] is b[1][0] is RuntimeError
+    # the messages name the class: "Error(s) in loading state_dict for Sequential"
+    assert a[1][1] == b[1][1] and "1.num_batches_tracked" in a[1][1]
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_meta_device_model_loaded_with_assign(old):
+    src = trained()
+    sd = _old_checkpoint(src) if old else src.state_dict()
+    models = []
+    for convert_it in (False, True):
+        with torch.device("meta"):
+            m = build()
+        if convert_it:
+            bnswap.convert(m)
+            assert all(isinstance(x, bnswap.BNSwapLayer) for x in m.modules()
+                       if isinstance(x, _BatchNorm))
+        m.load_state_dict(copy.deepcopy(sd), strict=True, assign=True)
+        assert all(t.device.type == "cpu" for t in m.state_dict().values())
+        models.append(m)
+    stock, swapped = models
+    assert state_diff(stock, swapped) == []
+    if old:  # a meta layer has no counter to keep: stock starts it at 0
+        assert int(swapped[1].num_batches_tracked) == 0
+    else:
+        assert torch.equal(swapped[1].running_var, src[1].running_var)
+    assert_run_alike(stock, swapped)
+
+
+def test_meta_device_model_converted_then_materialized():
+    with torch.device("meta"):
+        stock = build()
+    swapped = converted(copy.deepcopy(stock))
+    assert [r.kernel for r in bnswap.plan(swapped).swapped] == ["n/a (meta)"] * 3
+    for m in (stock, swapped):
+        m.to_empty(device="cpu")
+        m.load_state_dict(trained().state_dict())
+    assert_run_alike(stock, swapped)
+
+
+def test_deepcopy_of_a_converted_model():
+    swapped = converted(trained())
+    clone = copy.deepcopy(swapped)
+    assert [type(m) for m in clone.modules()] == [type(m) for m in swapped.modules()]
+    for (k, a), (_, b) in zip(swapped.state_dict().items(), clone.state_dict().items()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), k
+    stock = trained()
+    assert_run_alike(stock, clone)
+    assert not torch.equal(clone[1].running_mean, swapped[1].running_mean)  # independent
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_pickling_a_whole_converted_model(how):
+    swapped = converted(trained())
+    if how == "pickle":
+        clone = pickle.loads(pickle.dumps(swapped))
+    else:
+        clone = torch.load(_bytes(swapped), weights_only=False)
+    assert [type(m) for m in clone.modules()] == [type(m) for m in swapped.modules()]
+    assert isinstance(clone[1], bnswap.BatchNorm2d)
+    assert state_diff(clone, swapped) == []
+    assert_run_alike(trained(), clone)
+
+
+def test_weights_only_load_of_a_whole_model_fails_as_stock():
+    a = outcome(lambda: torch.load(_bytes(trained()), weights_only=True))
+    b = outcome(lambda: torch.load(_bytes(converted(trained())), weights_only=True))
+    assert a[0] == b[0] == "err" and a[1][0] is b[1][0]
+
+
+def test_uninitialized_lazy_model_deepcopy_and_pickle_as_stock():
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyBatchNorm2d())
+    swapped = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyBatchNorm2d())
+    swapped.load_state_dict(stock.state_dict())
+    bnswap.convert(swapped)
+    for fn in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+        a, b = outcome(lambda: fn(stock)), outcome(lambda: fn(swapped))
+        assert a[0] == b[0]
+        if a[0] == "err":
+            assert a[1][0] is b[1][0]
+        else:
+            x = torch.randn(2, 3, 5, 5)
+            assert torch.equal(a[1](x), b[1](x))
+            assert isinstance(b[1][1], bnswap.BatchNorm2d)
+
+
+class _Positive(nn.Module):
+    def forward(self, w):
+        return w.abs() + 0.1
+
+
+def test_parametrized_converted_model_deepcopy_and_pickle_as_stock():
+    stock = trained()
+    parametrize.register_parametrization(stock[1], "weight", _Positive())
+    swapped = copy.deepcopy(stock)
+    bnswap.convert(swapped)
+    assert isinstance(swapped[1], bnswap.BatchNorm2d)
+    a, b = outcome(lambda: copy.deepcopy(stock)), outcome(lambda: copy.deepcopy(swapped))
+    assert a[0] == b[0] == "ok"
+    assert isinstance(b[1][1], bnswap.BatchNorm2d) and parametrize.is_parametrized(b[1][1])
+    assert_run_alike(a[1], b[1])
+    # pickling parametrized modules is refused by torch, for both
+    a, b = outcome(lambda: pickle.dumps(stock)), outcome(lambda: pickle.dumps(swapped))
+    assert a[0] == b[0] == "err" and a[1] == b[1]
+    # and the state dict moves across (parametrization keys included)
+    fresh = build()
+    parametrize.register_parametrization(fresh[1], "weight", _Positive())
+    fresh.load_state_dict(_load(swapped.state_dict()), strict=True)
+    assert state_diff(fresh, stock) == []

@@ -1,0 +1,270 @@
+"""bnswap's ONNX Runtime backend against eager stock nn.BatchNorm, on real ORTModule
+sessions (onnxruntime-training 1.19.2). Skipped where ORT training is not installed.
+
+The first test in a fresh cache builds ORT's aten_op_executor extension (~1 min,
+progress on stderr); ``python -m bnswap.ort build`` does it ahead of time.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import bnswap
+import bnswap.ort
+
+if not bnswap.ort.is_available():  # no import side effects (ORT would patch torch)
+    pytest.skip("onnxruntime-training / torch-ort not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.ort
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _bn(m: nn.Module) -> list[nn.Module]:
+    return [x for x in m.modules() if isinstance(x, nn.modules.batchnorm._BatchNorm)]
+
+
+def assert_stats_equal(model: nn.Module, ref: nn.Module) -> None:
+    for got, want in zip(_bn(model), _bn(ref), strict=True):
+        for name in ("running_mean", "running_var"):
+            g, w = getattr(got, name), getattr(want, name)
+            if w is None:
+                assert g is None
+                continue
+            torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=name)
+        if want.num_batches_tracked is not None:
+            assert int(got.num_batches_tracked) == int(want.num_batches_tracked)
+
+
+def train_pair(model: nn.Module, ref: nn.Module, wrapped: nn.Module, inputs, steps: int):
+    """SGD steps on the wrapped model and the eager stock copy; compares every step."""
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for i in range(steps):
+        x = inputs(i)
+        xr = x.clone().requires_grad_(True)
+        x = x.clone().requires_grad_(True)
+        out, out_ref = wrapped(x), ref(xr)
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=1e-5)
+        out.square().mean().backward()
+        out_ref.square().mean().backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=RTOL, atol=1e-5)
+        for (name, p), pr in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, pr.grad, rtol=RTOL, atol=1e-5, msg=name)
+        assert_stats_equal(model, ref)
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+
+
+def test_given_case1_conv_bn_relu_linear_five_steps():
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(8 * 6 * 6, 5))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    from torch_ort import ORTModule
+
+    assert isinstance(wrapped, ORTModule)
+    assert isinstance(model[1], bnswap.BatchNorm2d)
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 8, 8) * 3 + 1, steps=5)
+    assert int(model[1].num_batches_tracked) == 5
+    ops = bnswap.ort.executed_ops(wrapped)
+    assert isinstance(ops, Counter)
+    assert ops["BatchNormInternal"] == 1 and ops["BatchNormalizationGrad"] == 1
+    assert ops["BatchNormalization"] == 0
+
+
+def test_given_case2_momentum_none_bn1d_after_linear():
+    ref = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4, momentum=None))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(16, 6) * (i + 1) + i, steps=5)
+    assert int(model[1].num_batches_tracked) == 5
+    assert bnswap.ort.executed_ops(wrapped)["BatchNormInternal"] == 1
+
+
+def test_given_case3_eval_before_convert_stays_eval():
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    with torch.no_grad():
+        ref[1].running_mean.uniform_(-1, 1)
+        ref[1].running_var.uniform_(0.5, 2)
+    ref.eval()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    assert wrapped.training is False and model.training is False and model[1].training is False
+    before = [b.clone() for b in model.buffers()]
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    for b, old in zip(model.buffers(), before, strict=True):
+        assert torch.equal(b, old)
+    ops = bnswap.ort.executed_ops(wrapped)
+    assert ops["BatchNormalization"] == 1 and ops["BatchNormInternal"] == 0
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_network_ending_in_batchnorm(momentum):
+    # The BN output is the model output: ORT skips its in-place stat writes unless
+    # bnswap keeps them (see _symbolic.keep_running_stat_aliases).
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4, momentum=momentum))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(3, 3, 5, 5) + i, steps=3)
+
+
+@pytest.mark.parametrize("kw", [{"affine": False}, {"track_running_stats": False},
+                                {"affine": False, "track_running_stats": False}],
+                         ids=["no-affine", "no-tracking", "neither"])
+def test_affine_false_and_untracked_layers(kw):
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, **kw), nn.ReLU(),
+                        nn.Conv2d(4, 6, 1), nn.BatchNorm2d(6, **kw))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) * 2 + 1, steps=3)
+    assert bnswap.ort.executed_ops(wrapped)["BatchNormInternal"] == 2
+    wrapped.eval()
+    ref.eval()
+    x = torch.randn(4, 3, 6, 6)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    assert_stats_equal(model, ref)
+
+
+def test_eval_after_training_uses_running_stats_and_leaves_them():
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) + 2, steps=2)
+    wrapped.eval()
+    ref.eval()
+    before = [b.clone() for b in model.buffers()]
+    for _ in range(2):
+        x = torch.randn(5, 3, 6, 6)
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    for b, old in zip(model.buffers(), before, strict=True):
+        assert torch.equal(b, old)
+    assert bnswap.ort.executed_ops(wrapped)["BatchNormalization"] == 1
+    assert bnswap.ort.executed_ops(wrapped, training=True)["BatchNormInternal"] == 1
+
+
+def test_training_mode_under_no_grad_updates_like_eager():
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(4, 3, 6, 6)
+    with torch.no_grad():
+        out, out_ref = wrapped(x), ref(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=1e-5)
+    assert_stats_equal(model, ref)
+
+
+def test_varying_batch_size_uses_each_batch_count():
+    # The unbiased-variance factor n/(n-1) follows each batch's N*H*W.
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    sizes = [4, 2, 3]
+    train_pair(model, ref, wrapped, lambda i: torch.randn(sizes[i], 3, 4, 4) + 1, steps=3)
+
+
+def test_state_dict_parameters_and_revert():
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    model = copy.deepcopy(ref)
+    params = list(model.parameters())
+    wrapped = bnswap.convert(model, backend="ort")
+    assert list(wrapped.state_dict()) == list(ref.state_dict())
+    assert all(a is b for a, b in zip(wrapped.parameters(), params, strict=True))
+    wrapped(torch.randn(2, 3, 5, 5)).sum().backward()
+    bnswap.revert(wrapped)
+    assert type(model[1]) is nn.BatchNorm2d
+
+
+def test_plan_reports_ort_backend():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    rows = bnswap.plan(model, backend="ort").rows
+    assert [r.backend for r in rows] == ["ort"]
+    assert "BatchNormInternal" in rows[0].kernel
+
+
+def test_bad_input_raises_before_ort_and_keeps_stats():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    wrapped = bnswap.convert(model, backend="ort")
+    wrapped(torch.randn(2, 3, 5, 5))
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        wrapped(torch.randn(1, 3, 3, 3))  # one value per channel after the conv
+    with pytest.raises(RuntimeError):
+        wrapped(torch.randn(2, 5, 5, 5))  # wrong channel count
+    for b, old in zip(model.buffers(), before, strict=True):
+        assert torch.equal(b, old)
+
+
+def test_mixed_train_eval_layers_rejected():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4))
+    wrapped = bnswap.convert(model, backend="ort")
+    model[2].eval()
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(bnswap.ort.ORTRunError, match="eval mode while"):
+        wrapped(torch.randn(2, 3, 5, 5))
+    for b, old in zip(model.buffers(), before, strict=True):
+        assert torch.equal(b, old)
+
+
+class _FFT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.fft.rfft(self.bn(self.conv(x)), dim=-1).abs()  # no ONNX export
+
+
+def test_unexportable_model_raises_clearly_without_fallback():
+    model = _FFT()
+    wrapped = bnswap.convert(model, backend="ort")
+    with pytest.raises(bnswap.ort.ORTRunError, match="fallback='aten'"):
+        wrapped(torch.randn(2, 3, 6, 6))
+    assert int(model.bn.num_batches_tracked) == 0
+    assert torch.equal(model.bn.running_mean, torch.zeros(4))
+
+
+def test_fallback_aten_is_opt_in_and_warns():
+    ref = _FFT()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.ort.wrap(bnswap.convert(model), fallback="aten")
+    x = torch.randn(2, 3, 6, 6)
+    with pytest.warns(RuntimeWarning, match="falling back to the eager 'aten' backend"):
+        out = wrapped(x)
+    torch.testing.assert_close(out, ref(x), rtol=RTOL, atol=1e-5)
+    assert_stats_equal(model, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(x)  # warned once
+        ref(x)
+    assert_stats_equal(model, ref)
+
+
+def test_wrap_rejects_unswapped_and_non_float32_layers():
+    with pytest.raises(TypeError, match="not a bnswap layer"):
+        bnswap.ort.wrap(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    with pytest.raises(TypeError, match="float32"):
+        bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).double(),
+                       backend="ort")
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    with pytest.raises(TypeError):
+        bnswap.convert(model.double(), backend="ort")
+    assert type(model[1]) is nn.BatchNorm2d  # convert is atomic
+    same_width = nn.Sequential(nn.BatchNorm1d(4, affine=False), nn.Linear(4, 4),
+                               nn.BatchNorm1d(4, affine=False))
+    with pytest.raises(TypeError, match="affine=False with the same width"):
+        bnswap.convert(same_width, backend="ort")
+    assert type(same_width[0]) is nn.BatchNorm1d
+    with pytest.raises(ValueError, match="fallback"):
+        bnswap.ort.wrap(nn.Linear(2, 2), fallback="torch")

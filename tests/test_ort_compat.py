@@ -1,0 +1,135 @@
+"""bnswap.ort's compatibility layer and extension build: version gate, torch's public
+behaviour left unchanged, build errors, import isolation. Skipped without ORT training."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import bnswap
+import bnswap.ort
+
+if not bnswap.ort.is_available():
+    pytest.skip("onnxruntime-training / torch-ort not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.ort
+
+from bnswap.ort import _build, _compat  # noqa: E402
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ})
+
+
+def test_torch_public_behaviour_unchanged_after_ort_training():
+    import torch.utils.checkpoint
+
+    seed, ckpt = torch.manual_seed, torch.utils.checkpoint.checkpoint
+    export = torch.onnx.export
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    wrapped = bnswap.convert(model, backend="ort")
+    wrapped(torch.randn(2, 3, 5, 5)).sum().backward()
+    # (torch._dynamo, imported by the export, wraps manual_seed itself: compare unwrapped)
+    assert inspect.unwrap(torch.manual_seed) is inspect.unwrap(seed)
+    assert torch.manual_seed.__module__ == "torch.random"
+    assert inspect.unwrap(torch.utils.checkpoint.checkpoint) is inspect.unwrap(ckpt)
+    assert torch.onnx.export is export
+    assert inspect.signature(torch.onnx.export).parameters["dynamo"].default is True
+    for name in ("torch.onnx._internal.jit_utils", "torch.onnx._type_utils",
+                 "torch.onnx._globals", "torch.onnx._internal._beartype"):
+        assert name not in sys.modules
+    import torch.onnx.symbolic_opset9 as shim9
+
+    assert not hasattr(shim9, "_convolution")
+    reg = _compat._registry()
+    for op in ("aten::_batch_norm_with_update", "aten::_batch_norm_no_update"):
+        assert not reg.is_registered_op(op, 17)
+    conv = reg._registry.get("aten::convolution")
+    assert conv is None or not conv._functions._overrides  # ORT's override is scoped
+
+
+def test_plain_torchscript_export_still_standard_onnx(tmp_path):
+    bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend="ort")
+    onnx = pytest.importorskip("onnx")
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(m, (torch.randn(1, 3, 5, 5),), str(path), dynamo=False)
+    domains = {n.domain for n in onnx.load(str(path)).graph.node}
+    assert domains <= {"", "ai.onnx"}
+
+
+def test_version_gate(monkeypatch):
+    monkeypatch.setattr(_compat, "TESTED_ORT", ("0.0.1",))
+    monkeypatch.delenv(_compat.OVERRIDE_ENV, raising=False)
+    with pytest.raises(_compat.UnsupportedVersionError, match="BNSWAP_ORT_ALLOW_UNTESTED"):
+        _compat.check_versions()
+    monkeypatch.setenv(_compat.OVERRIDE_ENV, "1")
+    with pytest.warns(RuntimeWarning, match="not tested"):
+        _compat.check_versions()
+
+
+def test_cache_dir_honours_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("BNSWAP_CACHE_DIR", str(tmp_path / "c"))
+    d = _build.cache_dir()
+    assert d.parent == tmp_path / "c" / "ort-ext"
+    assert torch.__version__.replace("+", "_") in d.name
+    monkeypatch.delenv("BNSWAP_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert _build.cache_dir().parent == tmp_path / "x" / "bnswap" / "ort-ext"
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("BNSWAP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-bnswap")
+    with pytest.raises(_build.BuildError, match="No C\\+\\+ compiler found.*apt-get install g\\+\\+"):
+        _build.ensure_extension()
+    assert not _build.extension_path().exists()
+
+
+def test_missing_ort_names_install_command(monkeypatch):
+    monkeypatch.setattr(bnswap.ort, "is_available", lambda: False)
+    with pytest.raises(ImportError, match="pip install onnxruntime-training-cpu==1.19.2") as e:
+        bnswap.ort.wrap(bnswap.convert(nn.Sequential(nn.BatchNorm1d(3))))
+    assert "--no-deps torch-ort==1.19.2" in str(e.value)
+
+
+def test_extension_built_in_cache_not_site_packages():
+    path = _build.ensure_extension()
+    assert path.is_file()
+    import onnxruntime
+
+    assert not str(path).startswith(os.path.dirname(onnxruntime.__file__))
+    mod = sys.modules.get(f"{_compat._EXT_PKG}.aten_op_executor")
+    assert mod is not None and mod.__file__ == str(path)
+
+
+def test_import_bnswap_does_not_import_ort_and_failed_ort_import_recovers():
+    r = _run("""
+        import inspect, sys, torch, torch.nn as nn
+        import bnswap
+        m = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+        assert not any(k.startswith("onnxruntime") for k in sys.modules), "ort imported"
+        seed = torch.manual_seed
+        import onnxruntime.training  # fails inside (swallowed) on torch 2.13: ORT patches torch
+        w = bnswap.convert(m, backend="ort")
+        w(torch.randn(2, 3, 5, 5)).sum().backward()
+        assert inspect.unwrap(torch.manual_seed) is inspect.unwrap(seed), torch.manual_seed
+        assert int(m[1].num_batches_tracked) == 1
+        print("OK")
+    """)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_build_cli_info():
+    r = subprocess.run([sys.executable, "-m", "bnswap.ort", "info"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "onnxruntime 1.19.2" in r.stdout and "aten_op_executor" in r.stdout

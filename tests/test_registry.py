@@ -1,0 +1,367 @@
+"""The adapter registry: a custom BatchNorm subclass (the worked example of
+docs/adapters.md), ``bnswap.register`` errors, ``revert`` of adapted classes, and the
+lazy timm entry. Runs without torchvision / timm."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+import bnswap
+from bnswap import registry
+
+# --- the worked example (docs/adapters.md) -------------------------------------------
+
+
+class BatchNormSiLU2d(nn.BatchNorm2d):
+    """A user's BatchNorm2d subclass with extra behaviour: SiLU, then a fixed gain."""
+
+    def __init__(self, num_features: int, gain: float = 1.0, **kwargs):
+        super().__init__(num_features, **kwargs)
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(super().forward(x)) * self.gain
+
+
+class SwappedBatchNormSiLU2d(bnswap.BNSwapLayer, BatchNormSiLU2d):
+    """Its bnswap counterpart: the same forward with the batch norm on the bnswap core."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self._bnswap_normalize(x)) * self.gain
+
+
+class PlainSubclass(nn.BatchNorm2d):
+    """A subclass that adds nothing to forward (still needs registering)."""
+
+
+class SwappedPlainSubclass(bnswap.BNSwapLayer, PlainSubclass):
+    pass
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.bnact = BatchNormSiLU2d(8, gain=1.5, momentum=None)
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 1), BatchNormSiLU2d(8, gain=0.5),
+                                   nn.Dropout(0.3), PlainSubclass(8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.block(self.bnact(self.bn(self.conv(x))))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.fixture
+def clean_registry():
+    """Restore the registry as it was after each test."""
+    swaps, sources, lazy = dict(registry._SWAPS), dict(registry._SOURCES), dict(registry._LAZY)
+    yield
+    for d, saved in ((registry._SWAPS, swaps), (registry._SOURCES, sources),
+                     (registry._LAZY, lazy)):
+        d.clear()
+        d.update(saved)
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():  # non-trivial affine parameters
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return net
+
+
+def _qual(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def test_custom_subclass_skipped_until_registered(clean_registry):
+    table = bnswap.plan(_net())
+    by_name = {r.name: r for r in table}
+    assert by_name["bn"].action == "swap" and by_name["bn"].adapter == "bnswap.layers.BatchNorm2d"
+    for name in ("bnact", "block.1"):
+        assert by_name[name].action == "skip"
+        assert "BatchNormSiLU2d overrides forward" in by_name[name].reason
+        assert "bnswap.register(BatchNormSiLU2d, ...)" in by_name[name].reason
+        assert by_name[name].adapter == "-"
+    assert by_name["block.3"].action == "skip"
+    assert by_name["block.3"].reason == (
+        "PlainSubclass is not registered; use bnswap.register(PlainSubclass, ...)")
+    net = _net()
+    bnswap.convert(net)
+    assert type(net.bnact) is BatchNormSiLU2d and type(net.block[3]) is PlainSubclass
+
+
+def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
+    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
+    bnswap.register(PlainSubclass, SwappedPlainSubclass)
+    assert registry.lookup(BatchNormSiLU2d) is SwappedBatchNormSiLU2d
+    assert registry.source_of(SwappedBatchNormSiLU2d) is BatchNormSiLU2d
+
+    stock = _net()
+    converted = copy.deepcopy(stock)
+    keys = list(stock.state_dict())
+    table = bnswap.plan(converted)
+    assert len(table.swapped) == len(table) == 4
+    adapters = {r.name: r.adapter for r in table}
+    assert adapters == {
+        "bn": "bnswap.layers.BatchNorm2d",
+        "bnact": _qual(SwappedBatchNormSiLU2d),
+        "block.1": _qual(SwappedBatchNormSiLU2d),
+        "block.3": _qual(SwappedPlainSubclass),
+    }
+    assert bnswap.convert(converted) is converted
+    assert type(converted.bnact) is SwappedBatchNormSiLU2d
+    assert isinstance(converted.bnact, BatchNormSiLU2d)
+    assert converted.bnact.gain == 1.5 and converted.block[1].gain == 0.5
+    assert list(converted.state_dict()) == keys
+    assert repr(converted.bnact).startswith("bnswap.SwappedBatchNormSiLU2d(8,")
+
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, converted)]
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(3):  # momentum=None: the cumulative average over 3 batches
+        outs = []
+        for model, opt in zip((stock, converted), opts):
+            model.train()
+            opt.zero_grad()
+            torch.manual_seed(step)  # same dropout mask
+            out = model(x + step)
+            out.square().mean().backward()
+            opt.step()
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        for (n, a), (_, b) in zip(stock.named_parameters(), converted.named_parameters()):
+            assert torch.equal(a.grad, b.grad), n
+            assert torch.equal(a, b), n
+        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers()):
+            assert torch.equal(a, b), n
+    assert int(converted.bnact.num_batches_tracked) == 3
+    stock.eval()
+    converted.eval()
+    with torch.no_grad():
+        assert torch.equal(stock(x), converted(x))
+
+
+def test_revert_restores_adapted_classes_exactly(clean_registry):
+    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
+    bnswap.register(PlainSubclass, SwappedPlainSubclass)
+    net = _net()
+    net.block.add_module("p", BatchNormSiLU2d(8))
+    parametrize.register_parametrization(net.block.p, "weight", nn.Identity())
+    p_cls = type(net.block.p)
+    assert p_cls.__bases__ == (BatchNormSiLU2d,)
+    classes = [(n, type(m)) for n, m in net.named_modules()]
+    params = [(n, id(p)) for n, p in net.named_parameters()]
+    buffers = [(n, id(b)) for n, b in net.named_buffers()]
+    children = [id(m) for m in net.modules()]
+
+    bnswap.convert(net)
+    assert type(net.block.p).__bases__ == (SwappedBatchNormSiLU2d,)
+    assert bnswap.is_swapped(net.block.p)
+    assert bnswap.revert(net) is net
+    assert [(n, type(m)) for n, m in net.named_modules()] == classes
+    assert type(net.block.p) is p_cls
+    assert [(n, id(p)) for n, p in net.named_parameters()] == params
+    assert [(n, id(b)) for n, b in net.named_buffers()] == buffers
+    assert [id(m) for m in net.modules()] == children
+    assert not any(bnswap.is_swapped(m) for m in net.modules())
+    parametrize.remove_parametrizations(net.block.p, "weight")
+    assert type(net.block.p) is BatchNormSiLU2d
+
+    # convert / revert twice more: same classes each time.
+    for _ in range(2):
+        bnswap.convert(net)
+        assert type(net.bnact) is SwappedBatchNormSiLU2d
+        bnswap.revert(net)
+        assert type(net.bnact) is BatchNormSiLU2d and type(net.block[3]) is PlainSubclass
+
+
+def test_revert_keeps_parametrizations_added_while_converted(clean_registry):
+    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
+    layer = BatchNormSiLU2d(4)
+    parametrize.register_parametrization(layer, "weight", nn.Identity())
+    original = type(layer)
+    bnswap.convert(layer)
+    parametrize.register_parametrization(layer, "bias", nn.Identity())
+    bnswap.revert(layer)
+    # A class with both properties, on the stock base (the original lacks "bias").
+    assert type(layer) is not original and type(layer).__bases__ == (BatchNormSiLU2d,)
+    assert parametrize.is_parametrized(layer, "weight")
+    assert parametrize.is_parametrized(layer, "bias")
+    assert torch.equal(layer.bias, layer.parametrizations.bias.original)
+    parametrize.remove_parametrizations(layer, "bias")
+    parametrize.remove_parametrizations(layer, "weight")
+    assert type(layer) is BatchNormSiLU2d
+
+
+def test_register_replaces_an_earlier_adapter(clean_registry):
+    class Other(bnswap.BNSwapLayer, BatchNormSiLU2d):
+        def forward(self, x):
+            return F.silu(self._bnswap_normalize(x)) * self.gain
+
+    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
+    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)  # idempotent
+    bnswap.register(BatchNormSiLU2d, Other)
+    assert registry.lookup(BatchNormSiLU2d) is Other
+    assert registry.source_of(SwappedBatchNormSiLU2d) is None
+    assert registry.source_of(Other) is BatchNormSiLU2d
+    bnswap.unregister(BatchNormSiLU2d)
+    assert registry.lookup(BatchNormSiLU2d) is None and registry.source_of(Other) is None
+    bnswap.unregister(BatchNormSiLU2d)  # no-op
+
+
+class _NotBN(nn.Module):
+    pass
+
+
+class _SwappedNotSubclass(bnswap.BNSwapLayer, nn.BatchNorm2d):
+    pass
+
+
+class _NoMixin(BatchNormSiLU2d):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("source", "swapped", "error", "match"),
+    [
+        (_NotBN, SwappedBatchNormSiLU2d, TypeError, "source_cls must be a _BatchNorm subclass"),
+        ("BatchNormSiLU2d", SwappedBatchNormSiLU2d, TypeError, "source_cls must be a _Batch"),
+        (nn.SyncBatchNorm, SwappedBatchNormSiLU2d, TypeError, "SyncBatchNorm has its own"),
+        (bnswap.BatchNorm2d, SwappedBatchNormSiLU2d, TypeError, "already a bnswap layer"),
+        (BatchNormSiLU2d, _SwappedNotSubclass, TypeError, "must subclass both BatchNormSiLU2d"),
+        (BatchNormSiLU2d, _NoMixin, TypeError, "must subclass both BatchNormSiLU2d"),
+        (BatchNormSiLU2d, SwappedBatchNormSiLU2d(4), TypeError, "must subclass both"),
+        # bnswap's BatchNorm2d is a swapped nn.BatchNorm2d, not a PlainSubclass.
+        (PlainSubclass, bnswap.BatchNorm2d, TypeError, "must subclass both PlainSubclass"),
+    ],
+)
+def test_register_rejects_bad_classes(clean_registry, source, swapped, error, match):
+    before = (dict(registry._SWAPS), dict(registry._SOURCES))
+    with pytest.raises(error, match=match):
+        bnswap.register(source, swapped)
+    assert (registry._SWAPS, registry._SOURCES) == before
+
+
+def test_register_rejects_one_adapter_for_two_sources(clean_registry):
+    class Sub(BatchNormSiLU2d):
+        pass
+
+    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
+
+    class SwappedSub(SwappedBatchNormSiLU2d, Sub):
+        pass
+
+    bnswap.register(Sub, SwappedSub)
+    # SwappedSub also subclasses BatchNormSiLU2d, but it already stands for Sub.
+    with pytest.raises(ValueError, match="SwappedSub is already registered for Sub"):
+        bnswap.register(BatchNormSiLU2d, SwappedSub)
+    assert registry.lookup(BatchNormSiLU2d) is SwappedBatchNormSiLU2d
+    assert registry.source_of(SwappedSub) is Sub
+
+
+def test_builtin_registry_entries():
+    reg = registry.registered()
+    for src, dst in ((nn.BatchNorm1d, bnswap.BatchNorm1d), (nn.BatchNorm2d, bnswap.BatchNorm2d),
+                     (nn.BatchNorm3d, bnswap.BatchNorm3d)):
+        assert reg[src] is dst and registry.source_of(dst) is src
+
+
+def _run(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_import_bnswap_does_not_import_timm():
+    out = _run("""
+        import sys
+        import torch
+        import bnswap, bnswap.adapters
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+        bnswap.convert(net)
+        bnswap.revert(net)
+        print(sorted(m for m in sys.modules
+                     if m.split(".")[0] in ("timm", "torchvision") or m == "bnswap.adapters.timm"))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_timm_entry_is_resolved_only_when_a_model_holds_the_class():
+    """The lazy timm entry, exercised with a stand-in ``timm`` package (so that it runs
+    without timm): ``bnswap.adapters.timm`` is imported, and the adapter registered, the
+    first time a model holding ``timm.layers.norm_act.BatchNormAct2d`` is planned."""
+    out = _run("""
+        import sys, types
+        import torch
+        from torch import nn
+
+        import bnswap
+        from bnswap import registry
+
+        # A stand-in for timm's package, built before anything imports timm.
+        timm = types.ModuleType("timm")
+        layers = types.ModuleType("timm.layers")
+        norm_act = types.ModuleType("timm.layers.norm_act")
+        trace_utils = types.ModuleType("timm.layers.trace_utils")
+        trace_utils._assert = torch._assert
+        timm.layers, layers.norm_act, layers.trace_utils = layers, norm_act, trace_utils
+
+        class BatchNormAct2d(nn.BatchNorm2d):
+            def __init__(self, n):
+                super().__init__(n)
+                self.drop = nn.Dropout(0.5)
+                self.act = nn.ReLU(inplace=True)
+
+            def forward(self, x):
+                torch._assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")
+                return self.act(self.drop(super().forward(x)))
+
+        BatchNormAct2d.__module__ = "timm.layers.norm_act"
+        norm_act.BatchNormAct2d = BatchNormAct2d
+        sys.modules.update({"timm": timm, "timm.layers": layers,
+                            "timm.layers.norm_act": norm_act,
+                            "timm.layers.trace_utils": trace_utils})
+
+        bnswap.plan(nn.Sequential(nn.BatchNorm2d(3)))
+        assert "bnswap.adapters.timm" not in sys.modules
+        assert BatchNormAct2d not in registry.registered()
+
+        torch.manual_seed(0)
+        stock = nn.Sequential(nn.Conv2d(3, 6, 1), BatchNormAct2d(6))
+        converted = bnswap.convert(__import__("copy").deepcopy(stock))
+        assert "bnswap.adapters.timm" in sys.modules
+        from bnswap.adapters.timm import BatchNormAct2d as Adapter
+        assert registry.lookup(BatchNormAct2d) is Adapter
+        row, = bnswap.plan(converted)
+        print(row.cls, row.action, row.adapter)
+        assert type(converted[1]) is Adapter and converted[1].act is not None
+        x = torch.randn(4, 3, 5, 5)
+        for m in (stock, converted):
+            torch.manual_seed(1)
+            m.train()
+            y = m(x)
+            y.sum().backward()
+            m.eval()
+            print(y.sum().item(), m(x).sum().item(), m[0].weight.grad.sum().item(),
+                  m[1].running_var.sum().item())
+        bnswap.revert(converted)
+        assert type(converted[1]) is BatchNormAct2d
+    """)
+    lines = out.strip().splitlines()
+    assert lines[0] == "BatchNormAct2d swap bnswap.adapters.timm.BatchNormAct2d"
+    assert lines[1] == lines[2]  # train output, eval output, gradients, statistics

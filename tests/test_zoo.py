@@ -1,0 +1,318 @@
+"""bnswap on real architectures: torchvision and timm models, stock vs converted copy.
+
+Every test builds the stock model (random init, never downloaded), deep-copies it and
+converts the copy, so both start from the same weights and buffers; the RNG is seeded
+the same before each forward so dropout / drop-path draw the same masks. All checks are
+bitwise (``torch.equal``) in float32 on CPU.
+
+Needs torchvision (and timm for the timm models): the ``.venv-zoo`` environment
+(``make setup-zoo``). Elsewhere these tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import bnswap
+
+pytestmark = pytest.mark.zoo
+
+_BN_WITH_UPDATE = "aten._batch_norm_with_update.default"
+_BN_NO_UPDATE = "aten._batch_norm_no_update.default"
+_BN_WITH_UPDATE_FUNCTIONAL = "aten._batch_norm_with_update_functional.default"
+
+# (library, model name, BatchNorm layers the model has, classes of those layers).
+MODELS = [
+    ("torchvision", "resnet18", 20, {"BatchNorm2d"}),
+    ("torchvision", "mobilenet_v2", 52, {"BatchNorm2d"}),
+    ("torchvision", "efficientnet_b0", 49, {"BatchNorm2d"}),
+    ("timm", "mobilenetv2_100", 52, {"BatchNormAct2d"}),
+    ("timm", "efficientnet_b0", 49, {"BatchNormAct2d"}),
+    ("timm", "resnet50d", 55, {"BatchNorm2d"}),
+]
+IDS = [f"{lib}-{name}" for lib, name, _, _ in MODELS]
+ADAPTERS = {
+    "BatchNorm2d": "bnswap.layers.BatchNorm2d",
+    "BatchNormAct2d": "bnswap.adapters.timm.BatchNormAct2d",
+}
+NUM_CLASSES = 10
+INPUT_SHAPE = (2, 3, 64, 64)  # smallest feature maps: 2x2 (8 values per channel)
+
+
+def _import(lib: str) -> Any:
+    """Import torchvision / timm or skip with the reason (torchvision does not import
+    beside torch 2.13.0, so the main environment has neither)."""
+    try:
+        return importlib.import_module(lib)
+    except Exception as e:  # ImportError, or torchvision's operator errors on another torch
+        pytest.skip(
+            f"{lib} is not importable here ({type(e).__name__}: {e}); the zoo tests run in "
+            f".venv-zoo (make setup-zoo: torch 2.14.1, torchvision 0.29.1, timm)"
+        )
+
+
+_STOCK: dict[tuple[str, str], nn.Module] = {}
+
+
+def _stock(lib: str, name: str) -> nn.Module:
+    """A fresh copy of the stock model (built once per session, random init)."""
+    key = (lib, name)
+    if key not in _STOCK:
+        mod = _import(lib)
+        torch.manual_seed(0)
+        if lib == "timm":
+            # Dropout and drop-path on, so that the seeded-RNG equality means something
+            # (timm's DenseNet has no drop-path).
+            drop = {"drop_rate": 0.2}
+            if not name.startswith("densenet"):
+                drop["drop_path_rate"] = 0.1
+            model = mod.create_model(name, pretrained=False, num_classes=NUM_CLASSES, **drop)
+        else:
+            model = getattr(mod.models, name)(weights=None, num_classes=NUM_CLASSES)
+        _STOCK[key] = model
+    return copy.deepcopy(_STOCK[key])
+
+
+def _pair(lib: str, name: str) -> tuple[nn.Module, nn.Module]:
+    stock = _stock(lib, name)
+    converted = bnswap.convert(copy.deepcopy(stock))
+    return stock, converted
+
+
+def _input() -> torch.Tensor:
+    return torch.randn(INPUT_SHAPE, generator=torch.Generator().manual_seed(1))
+
+
+def _targets() -> torch.Tensor:
+    return torch.tensor([3, 7])
+
+
+def _bn_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def _assert_equal(what: str, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+    assert (a is None) == (b is None), what
+    if a is not None:
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        assert torch.equal(a, b), f"{what}: max |diff| {(a.double() - b.double()).abs().max()}"
+
+
+@pytest.mark.parametrize(("lib", "name", "count", "classes"), MODELS, ids=IDS)
+def test_plan_swaps_every_batchnorm(lib, name, count, classes):
+    stock, converted = _pair(lib, name)
+    layers = _bn_layers(stock)
+    assert len(layers) == count
+    assert {type(m).__name__ for _, m in layers} == classes
+
+    table = bnswap.plan(stock)
+    assert len(table) == count
+    assert [r.name for r in table] == [n for n, _ in layers]
+    assert len(table.swapped) == count, str(table)
+    for row in table:
+        assert row.adapter == ADAPTERS[row.cls], row
+
+    # The converted copy: every layer a bnswap layer of the planned class, still an
+    # instance of its stock class, with the same children (timm's drop / act) and the
+    # same state_dict keys; its plan says "already" swapped.
+    for (n, s), (n2, c) in zip(layers, _bn_layers(converted)):
+        assert n == n2
+        assert bnswap.is_swapped(c) and isinstance(c, type(s))
+        assert f"{type(c).__module__}.{type(c).__qualname__}" == ADAPTERS[type(s).__name__]
+        assert [k for k, _ in c.named_children()] == [k for k, _ in s.named_children()]
+        assert [type(v) for v in c.children()] == [type(v) for v in s.children()]
+    assert list(converted.state_dict()) == list(stock.state_dict())
+    assert len(bnswap.plan(converted).swapped) == count
+
+
+@pytest.mark.parametrize(("lib", "name", "count", "classes"), MODELS, ids=IDS)
+def test_train_step_and_eval_bitwise(lib, name, count, classes):
+    stock, converted = _pair(lib, name)
+    x, y = _input(), _targets()
+    results = []
+    for model in (stock, converted):
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        torch.manual_seed(1234)
+        out = model(x)
+        loss = nn.functional.cross_entropy(out, y)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        model.eval()
+        torch.manual_seed(99)
+        with torch.no_grad():
+            eval_out = model(x)
+        results.append((out.detach(), grads, eval_out))
+
+    (s_out, s_grads, s_eval), (c_out, c_grads, c_eval) = results
+    _assert_equal("training output", s_out, c_out)
+    assert list(s_grads) == list(c_grads)
+    for n in s_grads:
+        _assert_equal(f"gradient of {n}", s_grads[n], c_grads[n])
+    s_params, c_params = dict(stock.named_parameters()), dict(converted.named_parameters())
+    assert list(s_params) == list(c_params)
+    for n in s_params:
+        _assert_equal(f"parameter {n} after the step", s_params[n], c_params[n])
+    s_bufs, c_bufs = dict(stock.named_buffers()), dict(converted.named_buffers())
+    assert list(s_bufs) == list(c_bufs)
+    assert sum(n.endswith("num_batches_tracked") for n in s_bufs) == count
+    for n in s_bufs:
+        _assert_equal(f"buffer {n}", s_bufs[n], c_bufs[n])
+    for n in (n for n in s_bufs if n.endswith("num_batches_tracked")):
+        assert int(c_bufs[n]) == 1, n
+    _assert_equal("eval output", s_eval, c_eval)
+
+
+def _batch_norm_ops(graph: torch.fx.Graph) -> Counter:
+    return Counter(
+        str(node.target)
+        for node in graph.nodes
+        if node.op == "call_function" and "batch_norm" in str(node.target)
+    )
+
+
+@pytest.mark.parametrize(("lib", "name", "count", "classes"), MODELS, ids=IDS)
+def test_export_graph_has_consolidated_ops(lib, name, count, classes):
+    stock, converted = _pair(lib, name)
+    x = _input()
+    before = {n: b.clone() for n, b in converted.named_buffers()}
+
+    # Stock exports aten.batch_norm; the converted model one _batch_norm_with_update per
+    # layer in training, which core ATen keeps as _batch_norm_with_update_functional
+    # (backend-agnostic: cuDNN is chosen at run time), not
+    # _native_batch_norm_legit_functional.
+    assert _batch_norm_ops(torch.export.export(stock.train(), (x,)).graph) == Counter(
+        {"aten.batch_norm.default": count})
+    ep = torch.export.export(converted.train(), (x,))
+    assert _batch_norm_ops(ep.graph) == Counter({_BN_WITH_UPDATE: count})
+    assert _batch_norm_ops(ep.run_decompositions().graph) == Counter(
+        {_BN_WITH_UPDATE_FUNCTIONAL: count})
+
+    # Evaluation: one _batch_norm_no_update per layer.
+    ep_eval = torch.export.export(converted.eval(), (x,))
+    assert _batch_norm_ops(ep_eval.graph) == Counter({_BN_NO_UPDATE: count})
+
+    # Exporting traced with fake tensors: the real statistics did not move.
+    for n, b in converted.named_buffers():
+        _assert_equal(f"buffer {n} after export", before[n], b)
+
+
+@pytest.mark.parametrize(("lib", "name", "count", "classes"), MODELS, ids=IDS)
+def test_revert_restores_original_classes(lib, name, count, classes):
+    stock, converted = _pair(lib, name)
+    stock_classes = [(n, type(m)) for n, m in stock.named_modules()]
+    children = {n: list(m.children()) for n, m in converted.named_modules()}
+    assert bnswap.revert(converted) is converted
+    assert [(n, type(m)) for n, m in converted.named_modules()] == stock_classes
+    assert not any(bnswap.is_swapped(m) for m in converted.modules())
+    assert {n: list(m.children()) for n, m in converted.named_modules()} == children
+    assert bnswap.plan(converted).swapped == bnswap.plan(stock).swapped  # all swappable again
+    # Reverted layers run stock code: same output as the stock model.
+    x = _input()
+    for model in (stock, converted):
+        model.eval()
+    with torch.no_grad():
+        _assert_equal("output after revert", stock(x), converted(x))
+
+
+# --- timm's BatchNormAct2d, layer by layer ----------------------------------------------
+
+LAYER_CASES = {
+    "default": {},
+    "silu-dropout": {"act_layer": "silu", "drop_layer": nn.Dropout},
+    "no-act-cumulative": {"apply_act": False, "momentum": None},
+    "no-running-stats": {"track_running_stats": False, "act_layer": "relu6"},
+    "no-affine-hardswish": {"affine": False, "act_layer": "hard_swish", "inplace": False},
+}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("kwargs", list(LAYER_CASES.values()), ids=list(LAYER_CASES))
+def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
+    _import("torchvision")
+    timm = _import("timm")
+    torch.manual_seed(0)
+    stock = timm.layers.BatchNormAct2d(6, **kwargs)
+    if stock.affine:
+        with torch.no_grad():
+            stock.weight.uniform_(0.5, 1.5)
+            stock.bias.uniform_(-0.5, 0.5)
+    converted = bnswap.convert(copy.deepcopy(stock))
+    from bnswap.adapters.timm import BatchNormAct2d as Adapter
+
+    assert type(converted) is Adapter and isinstance(converted, type(stock))
+    assert type(converted.act) is type(stock.act) and type(converted.drop) is type(stock.drop)
+    assert list(converted.state_dict()) == list(stock.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):  # momentum=None: cumulative average over 3 batches
+        x = (torch.randn(4, 6, 5, 5, generator=gen) * 2 + step).to(memory_format=fmt)
+        g = torch.randn(4, 6, 5, 5, generator=gen)
+        results = []
+        for model in (stock, converted):
+            model.train()
+            xi = x.clone().requires_grad_()
+            torch.manual_seed(step)
+            out = model(xi)
+            out.backward(g)
+            results.append((out, xi.grad, [p.grad for p in model.parameters()]))
+        (s_out, s_gx, s_gp), (c_out, c_gx, c_gp) = results
+        _assert_equal("output", s_out, c_out)
+        assert c_out.is_contiguous(memory_format=fmt) == s_out.is_contiguous(memory_format=fmt)
+        _assert_equal("input gradient", s_gx, c_gx)
+        for a, b in zip(s_gp, c_gp):
+            _assert_equal("parameter gradient", a, b)
+        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers()):
+            _assert_equal(n, a, b)
+    for model in (stock, converted):
+        model.eval()
+    with torch.no_grad():
+        _assert_equal("eval output", stock(x), converted(x))
+
+    # timm asserts the rank; so does the adapter, before any state changes.
+    converted.train()
+    buffers = [b.clone() for b in converted.buffers()]
+    for model in (stock, converted):
+        with pytest.raises(AssertionError, match=r"expected 4D input \(got 3D input\)"):
+            model(torch.randn(4, 6, 5))
+    for a, b in zip(buffers, converted.buffers()):
+        _assert_equal("buffer after the error", a, b)
+    assert type(bnswap.revert(converted)) is type(stock)
+
+
+# --- more timm families built on BatchNormAct2d -----------------------------------------
+
+FAMILIES = [("regnety_002", 44), ("mobilenetv3_small_100", 34), ("densenet121", 121),
+            ("cspdarknet53", 67)]
+
+
+@pytest.mark.parametrize(("name", "count"), FAMILIES, ids=[n for n, _ in FAMILIES])
+def test_timm_batchnormact_family_swapped_and_bitwise(name, count):
+    stock, converted = _pair("timm", name)
+    table = bnswap.plan(stock)
+    assert len(table) == len(table.swapped) == count, str(table)
+    assert {(r.cls, r.adapter) for r in table} == {
+        ("BatchNormAct2d", ADAPTERS["BatchNormAct2d"])}
+    x, y = _input(), _targets()
+    results = []
+    for model in (stock, converted):
+        model.train()
+        torch.manual_seed(1234)
+        out = model(x)
+        nn.functional.cross_entropy(out, y).backward()
+        results.append((out, model))
+    (s_out, s), (c_out, c) = results
+    _assert_equal("training output", s_out, c_out)
+    for (n, a), (_, b) in zip(s.named_parameters(), c.named_parameters()):
+        _assert_equal(f"gradient of {n}", a.grad, b.grad)
+    for (n, a), (_, b) in zip(s.named_buffers(), c.named_buffers()):
+        _assert_equal(f"buffer {n}", a, b)
