@@ -48,6 +48,8 @@ def to_markdown(res: dict) -> str:
             lines.append(f"{c['status']}" + (f" ({c['detail']})" if c.get("detail") else ""))
             continue
         lines.append(f"Goal: {c['goal']}.")
+        if c.get("note"):
+            lines.append(f"Note: {c['note']}.")
         lines.append("")
         rows = c["rows"]
         if key in ("P1", "P4"):
