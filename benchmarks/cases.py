@@ -100,10 +100,10 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     return step
 
 
-def _ab_row(cmp, goal: float, **extra) -> dict:
+def _ab_row(cmp, goal: float | None, **extra) -> dict:
     d = cmp.to_dict()
     d["goal"] = goal
-    d["verdict"] = verdict(d["ratio_median"], goal, d["ratio_ci95"])
+    d["verdict"] = "info" if goal is None else verdict(d["ratio_median"], goal, d["ratio_ci95"])
     return {**extra, **d}
 
 
@@ -123,7 +123,17 @@ def p1_eager(s: Settings) -> dict:
         s.log(f"  P1 {net:12s} {dtype:9s} bnswap {row['a_median_ms']:8.2f} ms  stock "
               f"{row['b_median_ms']:8.2f} ms  ratio {row['ratio_median']:.3f} "
               f"[{row['ratio_ci95'][0]:.3f}, {row['ratio_ci95'][1]:.3f}]")
-    return {"status": "ok", "goal": "bnswap / stock <= 1.00", "rows": rows}
+    # A/A control: stock against an identical stock copy, timed the same way. Its
+    # distance from 1.00 is the harness's noise floor on this machine at this time.
+    _, b, x, y = _pair("convnet4")
+    b2 = copy.deepcopy(b)
+    pairs, warmup = _pairs_warmup(s, "convnet4", (10, 3), (5, 1))
+    cmp = interleaved(train_step(b2, x, y, "float32"), train_step(b, x, y, "float32"),
+                      pairs=pairs, warmup=warmup)
+    control = _ab_row(cmp, None, net="convnet4", dtype="float32")
+    s.log(f"  P1 control: stock / stock copy, convnet4 float32: ratio {control['ratio_median']:.3f} "
+          f"[{control['ratio_ci95'][0]:.3f}, {control['ratio_ci95'][1]:.3f}]")
+    return {"status": "ok", "goal": "bnswap / stock <= 1.00", "rows": rows, "control": control}
 
 
 # ---------------------------------------------------------------------------- P2
@@ -211,6 +221,7 @@ def p3_overhead(s: Settings) -> dict:
     aten = torch.ops.aten
     rows = []
     bw_rows = []
+    vs_stock = []  # context: the bnswap layer against stock nn.BatchNorm2d (no goal)
     for size, shape in P3_SHAPES.items():
         torch.manual_seed(0)
         layer = bnswap.convert(nn.BatchNorm2d(shape[1])).train()
@@ -249,6 +260,24 @@ def p3_overhead(s: Settings) -> dict:
             s.log(f"  P3 {size:6s} {mode:16s} layer {row['a_median_us']:10.1f} us  op "
                   f"{row['b_median_us']:10.1f} us  overhead {row['overhead_pct']:+6.2f} % "
                   f"[{(row['ratio_ci95'][0]-1)*100:+.2f}, {(row['ratio_ci95'][1]-1)*100:+.2f}]")
+        stock = nn.BatchNorm2d(shape[1]).train()
+
+        def stock_fwd():
+            return stock(x)
+
+        def stock_fb():
+            return torch.autograd.grad(stock(xg), (xg, stock.weight, stock.bias), g)
+
+        for mode, fa, fb in (("forward", layer_fwd, stock_fwd), ("forward+backward", layer_fb, stock_fb)):
+            cmp = interleaved(fa, fb, pairs=s.n_pairs(30 if tiny else 15, 5),
+                              warmup=3, min_sample_s=min_sample)
+            row = _ab_row(cmp, None, size=size, shape=list(shape), mode=mode)
+            row["verdict"] = "info"
+            row["a_median_us"] = row["a_median_ms"] * 1e3
+            row["b_median_us"] = row["b_median_ms"] * 1e3
+            vs_stock.append(row)
+            s.log(f"  P3 {size:6s} {mode:16s} layer {row['a_median_us']:10.1f} us  stock layer "
+                  f"{row['b_median_us']:10.1f} us  ratio {row['ratio_median']:.3f}")
         # bandwidth: bytes the op must move (fwd: read x, write y; bwd: read dy, x, write
         # dx) over its time, against clone() (read x, write copy) on the same tensor.
         nbytes = x.numel() * x.element_size()
@@ -264,7 +293,7 @@ def p3_overhead(s: Settings) -> dict:
             s.log(f"  P3 {size:6s} {mode:16s} op {op_bw:7.2f} GB/s  clone {clone_bw:7.2f} GB/s  "
                   f"({op_bw / clone_bw * 100:.0f} %)")
     return {"status": "ok", "goal": "layer / raw op <= 1.02 at ResNet size",
-            "rows": rows, "bandwidth": bw_rows}
+            "rows": rows, "bandwidth": bw_rows, "vs_stock": vs_stock}
 
 
 # ---------------------------------------------------------------------------- P4
