@@ -161,17 +161,24 @@ def compare(configs: list[str] = list(DEFAULT_CONFIGS), labels: list[str] | None
             label = f"{label} ({cfg})"
         results[label] = res
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, res in results.items():
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = [dict(marker="o", linestyle="-", markersize=7),
+              dict(marker="x", linestyle="--", markersize=9, linewidth=2)]
+    for i, (label, res) in enumerate(results.items()):
         epochs = [h["epoch"] + 1 for h in res["history"]]
-        ax_loss.plot(epochs, [h["val_loss"] for h in res["history"]], marker="o", label=label)
-        ax_acc.plot(epochs, [h["val_acc"] for h in res["history"]], marker="o", label=label)
-    ax_loss.set(xlabel="epoch", ylabel="validation loss", title="Validation loss")
+        style = styles[i % len(styles)]
+        ax_loss.plot(epochs, [h["val_loss"] for h in res["history"]], label=label, **style)
+        ax_acc.plot(epochs, [h["val_acc"] for h in res["history"]], label=label, **style)
+    ax_loss.set(xlabel="epoch", ylabel="validation loss (log scale)", title="Validation loss",
+                yscale="log")
     ax_acc.set(xlabel="epoch", ylabel="validation accuracy", title="Validation accuracy")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("MobileNetV2-style net on scikit-learn digits: stock BatchNorm vs bnswap")
+    histories = [res["history"] for res in results.values()]
+    same = len(histories) > 1 and all(h == histories[0] for h in histories)
+    fig.suptitle("MobileNetV2-style net on scikit-learn digits: stock BatchNorm vs bnswap"
+                 + ("\n(the curves coincide: identical figures at every epoch)" if same else ""))
     fig.tight_layout()
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
