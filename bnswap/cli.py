@@ -129,12 +129,14 @@ def run_train(args: Sequence[str]) -> BNSwapCLI:
     return BNSwapCLI(args=["train", *args])
 
 
-def compare(configs: list[str] = list(DEFAULT_CONFIGS), labels: list[str] | None = None,
+def compare(configs: list[str] | None = None, labels: list[str] | None = None,
             out: str = "runs/compare.png", overrides: list[str] | None = None) -> dict[str, Any]:
     """Train each config in turn and plot validation loss and accuracy per epoch.
 
     Args:
-        configs: ``bnswap train`` config files; by default stock BatchNorm, then bnswap.
+        configs: ``bnswap train`` config files; by default
+            ``configs/digits_mobilenetv2_stock.yaml`` then ``configs/digits_mobilenetv2.yaml``
+            (relative to the current folder).
         labels: legend labels (default: "stock" / "bnswap" from each run's callbacks).
         out: the PNG to write (parent folders are created); a JSON of the same name
             holds the figures.
@@ -149,6 +151,7 @@ def compare(configs: list[str] = list(DEFAULT_CONFIGS), labels: list[str] | None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    configs = list(DEFAULT_CONFIGS) if configs is None else configs
     results: dict[str, Any] = {}
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()

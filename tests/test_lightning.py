@@ -357,9 +357,10 @@ def test_validate_test_predict_run_on_swapped_layers(stage):
     model, out = results["bnswap"]
     assert model.seen[f"{'val' if stage == 'validate' else stage}_swapped"] == [[True] * 4] * 2
     stock_model, stock_out = results["stock"]
-    assert stock_model.seen[f"{'val' if stage == 'validate' else stage}_swapped"] == [[False] * 4] * 2
+    key = f"{'val' if stage == 'validate' else stage}_swapped"
+    assert stock_model.seen[key] == [[False] * 4] * 2
     if stage == "predict":
-        assert all(torch.equal(a, b) for a, b in zip(out, stock_out))
+        assert all(torch.equal(a, b) for a, b in zip(out, stock_out, strict=True))
     else:
         assert out == stock_out
 
@@ -594,13 +595,16 @@ def test_ort_backend_wraps_configure_model_children_before_the_optimizer():
         pl.seed_everything(0)
         model = M()
         cbs = [BNSwap("ort", revert_on_teardown=True)] if variant == "ort" else []
-        seen = {}
+        seen: dict = {}
 
         class Spy(pl.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                seen["net"] = pl_module.net
+            def __init__(self, seen):
+                self.seen = seen
 
-        trainer([*cbs, Spy()]).fit(model, data())
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                self.seen["net"] = pl_module.net
+
+        trainer([*cbs, Spy(seen)]).fit(model, data())
         states[variant] = state(model)
         if variant == "ort":
             assert model.seen["net_at_configure_optimizers"] == "BNSwapORTModule"
