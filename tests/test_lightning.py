@@ -643,3 +643,17 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager():
     assert (rows["side.1"].backend, rows["side.1"].kernel) == ("aten", "Native")
     assert "eager" in rows["side.1"].reason
     assert rows["side.2"].action == "skip"
+
+
+def test_a_failing_configure_model_leaves_no_global_hook_behind():
+    class Broken(Classifier):
+        def configure_model(self):
+            self.net = ConvNet4(channels=CH)
+            raise RuntimeError("boom in configure_model")
+
+    model = Broken(build="configure_model")
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer([BNSwap()]).fit(model, data())
+    assert global_registration_hooks() == 0
+    # what was attached before the failure was swapped as it was attached
+    assert all(isinstance(m, BNSwapLayer) for m in bn_layers(model).values())
