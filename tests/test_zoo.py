@@ -134,7 +134,7 @@ def test_plan_swaps_every_batchnorm(lib, name, count, classes):
     # The converted copy: every layer a bnswap layer of the planned class, still an
     # instance of its stock class, with the same children (timm's drop / act) and the
     # same state_dict keys; its plan says "already" swapped.
-    for (n, s), (n2, c) in zip(layers, _bn_layers(converted)):
+    for (n, s), (n2, c) in zip(layers, _bn_layers(converted), strict=True):
         assert n == n2
         assert bnswap.is_swapped(c) and isinstance(c, type(s))
         assert f"{type(c).__module__}.{type(c).__qualname__}" == ADAPTERS[type(s).__name__]
@@ -280,9 +280,9 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
         _assert_equal("output", s_out, c_out)
         assert c_out.is_contiguous(memory_format=fmt) == s_out.is_contiguous(memory_format=fmt)
         _assert_equal("input gradient", s_gx, c_gx)
-        for a, b in zip(s_gp, c_gp):
+        for a, b in zip(s_gp, c_gp, strict=True):
             _assert_equal("parameter gradient", a, b)
-        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers()):
+        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers(), strict=True):
             _assert_equal(n, a, b)
     for model in (stock, converted):
         model.eval()
@@ -295,7 +295,7 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
     for model in (stock, converted):
         with pytest.raises(AssertionError, match=r"expected 4D input \(got 3D input\)"):
             model(torch.randn(4, 6, 5))
-    for a, b in zip(buffers, converted.buffers()):
+    for a, b in zip(buffers, converted.buffers(), strict=True):
         _assert_equal("buffer after the error", a, b)
     assert type(bnswap.revert(converted)) is type(stock)
 
@@ -329,9 +329,9 @@ def test_timm_batchnormact_family_swapped(name, count, bitwise):
         results.append((out, model))
     (s_out, s), (c_out, c) = results
     _assert_equal("training output", s_out, c_out)
-    for (n, a), (_, b) in zip(s.named_parameters(), c.named_parameters()):
+    for (n, a), (_, b) in zip(s.named_parameters(), c.named_parameters(), strict=True):
         _assert_equal(f"gradient of {n}", a.grad, b.grad)
-    for (n, a), (_, b) in zip(s.named_buffers(), c.named_buffers()):
+    for (n, a), (_, b) in zip(s.named_buffers(), c.named_buffers(), strict=True):
         _assert_equal(f"buffer {n}", a, b)
 
 
