@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated subset of P1..P6 (default: all)")
     ap.add_argument("--quick", action="store_true",
                     help="CI-size run: one network, float32, 3 pairs")
+    ap.add_argument("--full", action="store_true",
+                    help="P2 also in bfloat16 for mobilenetv2 and resnet18 (adds ~4 inductor "
+                         "compiles of minutes each on a cold cache)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (default: $BNSWAP_BENCH_THREADS, else 1)")
     ap.add_argument("--pairs", type=int, default=None,
@@ -55,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown case(s) {unknown}; choose from {sorted(CASES)}", file=sys.stderr)
         return 2
-    settings = Settings(quick=args.quick, pairs=args.pairs,
+    settings = Settings(quick=args.quick, full=args.full, pairs=args.pairs,
                         log=lambda s: print(s, flush=True))
     res: dict = {
         "schema": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "config": {"cases": wanted, "quick": args.quick, "threads": threads, "pairs": args.pairs},
+        "config": {"cases": wanted, "quick": args.quick, "full": args.full, "threads": threads,
+                   "pairs": args.pairs},
         "machine": machine_info(),
         "note": args.note,
         "cases": {},

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import bnswap
-from benchmarks import nets
 from benchmarks.harness import interleaved
+from bnswap.models import ConvNet4, MobileNetV2, ResNet18
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @dataclass(frozen=True)
 class Settings:
     quick: bool = False
+    full: bool = False  # P2 also in bfloat16 for the two large nets (slow first compile)
     pairs: int | None = None  # override the per-case default number of pairs
     log: Callable[[str], None] = print
 
@@ -39,13 +40,21 @@ class Settings:
         return quick if self.quick else default
 
 
-# name -> (factory, batch, H=W): the networks of the issue.
+# name -> (factory, batch, H=W): the networks of the issue, from bnswap.models (the
+# MobileNetV2 is the main job's, width 1.0, here on 3-channel input).
 NETS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
-    "convnet4": (nets.convnet4, 32, 32),
-    "mobilenetv2": (nets.mobilenetv2, 32, 64),
-    "resnet18": (nets.resnet18, 16, 64),
+    "convnet4": (lambda: ConvNet4(num_classes=10, in_channels=3), 32, 32),
+    "mobilenetv2": (lambda: MobileNetV2(num_classes=10, in_channels=3), 32, 64),
+    "resnet18": (lambda: ResNet18(num_classes=10, in_channels=3), 16, 64),
 }
 DTYPES = ("float32", "bfloat16")
+# Train steps of the large nets take seconds on a CPU: fewer pairs (and warm-up steps).
+LARGE = ("mobilenetv2", "resnet18")
+
+
+def _pairs_warmup(s: Settings, net: str, small: tuple[int, int], large: tuple[int, int]):
+    pairs, warmup = large if net in LARGE else small
+    return s.n_pairs(pairs), (1 if s.quick else warmup)
 
 
 def verdict(value: float, goal: float, ci: tuple[float, float] | list[float] | None = None) -> str:
@@ -76,7 +85,7 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     under CPU autocast."""
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    fwd = forward or model
+    fwd = forward if forward is not None else model
     ctx: Callable[[], contextlib.AbstractContextManager] = (
         (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bfloat16"
         else contextlib.nullcontext)
@@ -91,10 +100,10 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     return step
 
 
-def _ab_row(cmp, goal: float, **extra) -> dict:
+def _ab_row(cmp, goal: float | None, **extra) -> dict:
     d = cmp.to_dict()
     d["goal"] = goal
-    d["verdict"] = verdict(d["ratio_median"], goal, d["ratio_ci95"])
+    d["verdict"] = "info" if goal is None else verdict(d["ratio_median"], goal, d["ratio_ci95"])
     return {**extra, **d}
 
 
@@ -106,14 +115,25 @@ def p1_eager(s: Settings) -> dict:
         combos = [("convnet4", "float32")]
     for net, dtype in combos:
         a, b, x, y = _pair(net)
+        pairs, warmup = _pairs_warmup(s, net, (10, 3), (5, 1))
         cmp = interleaved(train_step(a, x, y, dtype), train_step(b, x, y, dtype),
-                          pairs=s.n_pairs(10), warmup=1 if s.quick else 3)
+                          pairs=pairs, warmup=warmup)
         row = _ab_row(cmp, 1.00, net=net, dtype=dtype)
         rows.append(row)
         s.log(f"  P1 {net:12s} {dtype:9s} bnswap {row['a_median_ms']:8.2f} ms  stock "
               f"{row['b_median_ms']:8.2f} ms  ratio {row['ratio_median']:.3f} "
               f"[{row['ratio_ci95'][0]:.3f}, {row['ratio_ci95'][1]:.3f}]")
-    return {"status": "ok", "goal": "bnswap / stock <= 1.00", "rows": rows}
+    # A/A control: stock against an identical stock copy, timed the same way. Its
+    # distance from 1.00 is the harness's noise floor on this machine at this time.
+    _, b, x, y = _pair("convnet4")
+    b2 = copy.deepcopy(b)
+    pairs, warmup = _pairs_warmup(s, "convnet4", (10, 3), (5, 1))
+    cmp = interleaved(train_step(b2, x, y, "float32"), train_step(b, x, y, "float32"),
+                      pairs=pairs, warmup=warmup)
+    control = _ab_row(cmp, None, net="convnet4", dtype="float32")
+    s.log(f"  P1 control: stock / stock copy, convnet4 float32: ratio {control['ratio_median']:.3f} "
+          f"[{control['ratio_ci95'][0]:.3f}, {control['ratio_ci95'][1]:.3f}]")
+    return {"status": "ok", "goal": "bnswap / stock <= 1.00", "rows": rows, "control": control}
 
 
 # ---------------------------------------------------------------------------- P2
@@ -159,15 +179,17 @@ def p2_compile(s: Settings) -> dict:
     import torch._dynamo
 
     rows = []
-    combos = [(n, d) for n in NETS for d in DTYPES]
+    combos = [(n, d) for n in NETS for d in DTYPES
+              if s.full or d == "float32" or n not in LARGE]
     if s.quick:
         combos = [("convnet4", "float32")]
     for net, dtype in combos:
         torch._dynamo.reset()
         a, b, x, y = _pair(net)
-        sa, ca, ba, ga, ka = _compile_and_warm(a, x, y, dtype, 1 if s.quick else 2)
-        sb, cb, bb, gb, kb = _compile_and_warm(b, x, y, dtype, 1 if s.quick else 2)
-        cmp = interleaved(sa, sb, pairs=s.n_pairs(10), warmup=0)
+        pairs, warmup = _pairs_warmup(s, net, (10, 2), (4, 1))
+        sa, ca, ba, ga, ka = _compile_and_warm(a, x, y, dtype, warmup)
+        sb, cb, bb, gb, kb = _compile_and_warm(b, x, y, dtype, warmup)
+        cmp = interleaved(sa, sb, pairs=pairs, warmup=0)
         row = _ab_row(cmp, 1.00, net=net, dtype=dtype)
         row.update(graph_breaks_bnswap=ba, graph_breaks_stock=bb, graphs_bnswap=ga,
                    graphs_stock=gb, first_step_s_bnswap=ca, first_step_s_stock=cb,
@@ -181,7 +203,11 @@ def p2_compile(s: Settings) -> dict:
               f"[{row['ratio_ci95'][0]:.3f}, {row['ratio_ci95'][1]:.3f}]  breaks {ba}/{bb}  "
               f"compile {ca:.1f}/{cb:.1f} s  same C++ kernels: {row['same_kernels']}")
     torch._dynamo.reset()
-    return {"status": "ok", "goal": "bnswap / stock <= 1.00 and 0 graph breaks", "rows": rows}
+    out = {"status": "ok", "goal": "bnswap / stock <= 1.00 and 0 graph breaks", "rows": rows}
+    if not s.full and not s.quick:
+        out["note"] = ("bfloat16 autocast for mobilenetv2 / resnet18 under torch.compile runs "
+                       "with --full (their first inductor compile takes minutes on 2 cores)")
+    return out
 
 
 # ---------------------------------------------------------------------------- P3
@@ -195,6 +221,7 @@ def p3_overhead(s: Settings) -> dict:
     aten = torch.ops.aten
     rows = []
     bw_rows = []
+    vs_stock = []  # context: the bnswap layer against stock nn.BatchNorm2d (no goal)
     for size, shape in P3_SHAPES.items():
         torch.manual_seed(0)
         layer = bnswap.convert(nn.BatchNorm2d(shape[1])).train()
@@ -233,6 +260,24 @@ def p3_overhead(s: Settings) -> dict:
             s.log(f"  P3 {size:6s} {mode:16s} layer {row['a_median_us']:10.1f} us  op "
                   f"{row['b_median_us']:10.1f} us  overhead {row['overhead_pct']:+6.2f} % "
                   f"[{(row['ratio_ci95'][0]-1)*100:+.2f}, {(row['ratio_ci95'][1]-1)*100:+.2f}]")
+        stock = nn.BatchNorm2d(shape[1]).train()
+
+        def stock_fwd():
+            return stock(x)
+
+        def stock_fb():
+            return torch.autograd.grad(stock(xg), (xg, stock.weight, stock.bias), g)
+
+        for mode, fa, fb in (("forward", layer_fwd, stock_fwd), ("forward+backward", layer_fb, stock_fb)):
+            cmp = interleaved(fa, fb, pairs=s.n_pairs(30 if tiny else 15, 5),
+                              warmup=3, min_sample_s=min_sample)
+            row = _ab_row(cmp, None, size=size, shape=list(shape), mode=mode)
+            row["verdict"] = "info"
+            row["a_median_us"] = row["a_median_ms"] * 1e3
+            row["b_median_us"] = row["b_median_ms"] * 1e3
+            vs_stock.append(row)
+            s.log(f"  P3 {size:6s} {mode:16s} layer {row['a_median_us']:10.1f} us  stock layer "
+                  f"{row['b_median_us']:10.1f} us  ratio {row['ratio_median']:.3f}")
         # bandwidth: bytes the op must move (fwd: read x, write y; bwd: read dy, x, write
         # dx) over its time, against clone() (read x, write copy) on the same tensor.
         nbytes = x.numel() * x.element_size()
@@ -248,16 +293,19 @@ def p3_overhead(s: Settings) -> dict:
             s.log(f"  P3 {size:6s} {mode:16s} op {op_bw:7.2f} GB/s  clone {clone_bw:7.2f} GB/s  "
                   f"({op_bw / clone_bw * 100:.0f} %)")
     return {"status": "ok", "goal": "layer / raw op <= 1.02 at ResNet size",
-            "rows": rows, "bandwidth": bw_rows}
+            "rows": rows, "bandwidth": bw_rows, "vs_stock": vs_stock}
 
 
 # ---------------------------------------------------------------------------- P4
 def p4_ort(s: Settings) -> dict:
     try:
-        import bnswap.ort  # noqa: F401
-    except Exception as e:  # ImportError, or ORT present but broken
+        import bnswap.ort as bort
+    except Exception as e:  # no bnswap.ort on this branch, or it fails to import
         return {"status": "skipped: ORT backend not installed", "detail": f"{type(e).__name__}: {e}",
                 "rows": []}
+    if not bort.is_available():
+        return {"status": "skipped: ORT backend not installed",
+                "detail": f"onnxruntime-training missing: {bort.INSTALL}", "rows": []}
     rows = []
     for net in (["convnet4"] if s.quick else list(NETS)):
         a, b, x, y = _pair(net)
@@ -341,13 +389,20 @@ def p6_memory(s: Settings) -> dict:
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     for net, dtype in combos:
         res = {}
+        # The two processes run side by side: what is measured (allocations within the
+        # process) does not depend on what else runs.
+        procs = {}
         for variant in ("bnswap", "stock"):
             cmd = [sys.executable, "-m", "benchmarks.memory", "--net", net, "--dtype", dtype,
                    "--variant", variant, "--threads", str(torch.get_num_threads())]
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-            if p.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-            res[variant] = json.loads(p.stdout.strip().splitlines()[-1])
+            procs[variant] = (cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, text=True, env=env,
+                                                    cwd=ROOT))
+        for variant, (cmd, proc) in procs.items():
+            out, err = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+            res[variant] = json.loads(out.strip().splitlines()[-1])
         a, b = res["bnswap"], res["stock"]
         ratio = a["aten_peak_bytes"] / b["aten_peak_bytes"]
         row = {"net": net, "dtype": dtype,

@@ -63,10 +63,15 @@ class Comparison:
     b_times: list[float]
     inner: int
     warmup: int
+    inner_b: int | None = None  # calls per B sample when it differs from A's
+    a_cpu: list[float] = field(default_factory=list)  # process CPU time per call
+    b_cpu: list[float] = field(default_factory=list)
     ratios: list[float] = field(init=False)
+    cpu_ratios: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.ratios = [a / b for a, b in zip(self.a_times, self.b_times)]
+        self.cpu_ratios = [a / b for a, b in zip(self.a_cpu, self.b_cpu) if a > 0 and b > 0]
 
     @property
     def a_median(self) -> float:
@@ -93,7 +98,14 @@ class Comparison:
             "ratio_of_medians": self.a_median / self.b_median,
             "ratio_ci95": [lo, hi],
             "pairs": len(self.ratios),
+            # the same samples in process CPU time (time.process_time): time the process
+            # spent descheduled on a shared machine does not count.
+            "cpu_ratio_median": statistics.median(self.cpu_ratios) if self.cpu_ratios else None,
+            "cpu_ratio_ci95": list(median_ci(self.cpu_ratios)) if self.cpu_ratios else None,
+            "a_cpu_median_ms": statistics.median(self.a_cpu) * 1e3 if self.a_cpu else None,
+            "b_cpu_median_ms": statistics.median(self.b_cpu) * 1e3 if self.b_cpu else None,
             "inner": self.inner,
+            "inner_b": self.inner if self.inner_b is None else self.inner_b,
             "warmup": self.warmup,
         }
 
@@ -103,6 +115,17 @@ def _time_calls(fn: Callable[[], object], inner: int) -> float:
     for _ in range(inner):
         fn()
     return (time.perf_counter() - t0) / inner
+
+
+def _time_calls2(fn: Callable[[], object], inner: int) -> tuple[float, float]:
+    """(wall-clock, process CPU) seconds per call."""
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    t1 = time.perf_counter()
+    c1 = time.process_time()
+    return (t1 - t0) / inner, (c1 - c0) / inner
 
 
 def calibrate_inner(fn: Callable[[], object], min_sample_s: float, cap: int = 100_000) -> int:
@@ -131,32 +154,40 @@ def interleaved(
         fa, fb: the two variants; each call is one unit of work (a train step, one op).
         pairs: number of (A, B) samples.
         warmup: untimed calls of each, interleaved, before timing.
-        min_sample_s: when ``inner`` is None, choose it so one sample lasts at least this.
-        inner: calls per sample (overrides ``min_sample_s``).
+        min_sample_s: when ``inner`` is None, choose the calls per sample of each side so
+            that one sample lasts at least this (A and B may get different counts).
+        inner: calls per sample of both sides (overrides ``min_sample_s``).
         max_seconds: stop adding pairs after this long (at least 5 pairs are kept).
     """
     for _ in range(warmup):
         fa()
         fb()
-    if inner is None:
-        inner = max(calibrate_inner(fa, min_sample_s), calibrate_inner(fb, min_sample_s)) \
-            if min_sample_s > 0 else 1
+    if inner is not None:
+        inner_a = inner_b = inner
+    elif min_sample_s > 0:
+        inner_a, inner_b = calibrate_inner(fa, min_sample_s), calibrate_inner(fb, min_sample_s)
+    else:
+        inner_a = inner_b = 1
     a_times: list[float] = []
     b_times: list[float] = []
+    a_cpu: list[float] = []
+    b_cpu: list[float] = []
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     start = time.perf_counter()
     try:
         for i in range(pairs):
-            a_times.append(_time_calls(fa, inner))
-            b_times.append(_time_calls(fb, inner))
+            for f, n, wall, cpu in ((fa, inner_a, a_times, a_cpu), (fb, inner_b, b_times, b_cpu)):
+                w, c = _time_calls2(f, n)
+                wall.append(w)
+                cpu.append(c)
             if max_seconds is not None and i >= 4 and time.perf_counter() - start > max_seconds:
                 break
     finally:
         if was_enabled:
             gc.enable()
-    return Comparison(a_times, b_times, inner, warmup)
+    return Comparison(a_times, b_times, inner_a, warmup, inner_b, a_cpu, b_cpu)
 
 
 def _cpu_model() -> str:

@@ -12,6 +12,11 @@ def _ci(r: dict) -> str:
     return f"{lo:.3f}-{hi:.3f}"
 
 
+def _cpu(r: dict) -> str:
+    v = r.get("cpu_ratio_median")
+    return "-" if v is None else f"{v:.3f}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -35,8 +40,9 @@ def to_markdown(res: dict) -> str:
         f"commit {m['git_commit']}.",
         "",
         "Ratios are bnswap / reference: the median of per-pair ratios of interleaved runs "
-        "(A, B, A, B, ... in one process, after warm-up), with its 95 % confidence interval. "
-        "Lower is better; goals are upper bounds.",
+        "(A, B, A, B, ... in one process, after warm-up), with its 95 % confidence interval, "
+        "in wall-clock time (`time.perf_counter`); the CPU-time ratio is the same samples in "
+        "process CPU time. Lower is better; goals are upper bounds.",
     ]
     if res.get("note"):
         lines += ["", f"Note: {res['note']}"]
@@ -48,21 +54,30 @@ def to_markdown(res: dict) -> str:
             lines.append(f"{c['status']}" + (f" ({c['detail']})" if c.get("detail") else ""))
             continue
         lines.append(f"Goal: {c['goal']}.")
+        if c.get("note"):
+            lines.append(f"Note: {c['note']}.")
         lines.append("")
         rows = c["rows"]
         if key in ("P1", "P4"):
             lines += _table(
                 ["net", "dtype", "bnswap ms" if key == "P1" else "ORT ms", "stock ms",
-                 "ratio (median)", "95 % CI", "pairs", "verdict"],
+                 "ratio (median)", "95 % CI", "CPU-time ratio", "pairs", "verdict"],
                 [[r["net"], r["dtype"], f"{r['a_median_ms']:.2f}", f"{r['b_median_ms']:.2f}",
-                  f"{r['ratio_median']:.3f}", _ci(r), str(r["pairs"]), r["verdict"]] for r in rows])
+                  f"{r['ratio_median']:.3f}", _ci(r), _cpu(r), str(r["pairs"]), r["verdict"]]
+                 for r in rows])
+            if key == "P1" and c.get("control"):
+                r = c["control"]
+                lines += ["", f"A/A control (stock / an identical stock copy, convnet4 float32, "
+                          f"same harness): {r['ratio_median']:.3f} ({_ci(r)}): the noise floor "
+                          "of this run."]
         elif key == "P2":
             lines += _table(
-                ["net", "dtype", "bnswap ms", "stock ms", "ratio (median)", "95 % CI", "pairs",
-                 "graph breaks bnswap / stock", "first step s bnswap / stock",
+                ["net", "dtype", "bnswap ms", "stock ms", "ratio (median)", "95 % CI",
+                 "CPU-time ratio", "pairs", "graph breaks bnswap / stock",
+                 "first step s bnswap / stock",
                  "identical generated kernels", "verdict"],
                 [[r["net"], r["dtype"], f"{r['a_median_ms']:.2f}", f"{r['b_median_ms']:.2f}",
-                  f"{r['ratio_median']:.3f}", _ci(r), str(r["pairs"]),
+                  f"{r['ratio_median']:.3f}", _ci(r), _cpu(r), str(r["pairs"]),
                   f"{r['graph_breaks_bnswap']} / {r['graph_breaks_stock']}",
                   f"{r['first_step_s_bnswap']:.1f} / {r['first_step_s_stock']:.1f}",
                   {True: f"yes ({r['kernels_bnswap']})", False:
@@ -75,11 +90,20 @@ def to_markdown(res: dict) -> str:
         elif key == "P3":
             lines += _table(
                 ["input", "pass", "layer us", "raw op us", "overhead (median)", "95 % CI",
-                 "pairs x calls", "verdict"],
+                 "pairs x calls (layer/op)", "verdict"],
                 [[f"{r['size']} {tuple(r['shape'])}", r["mode"], f"{r['a_median_us']:.1f}",
                   f"{r['b_median_us']:.1f}", f"{r['overhead_pct']:+.2f} %",
                   f"{(r['ratio_ci95'][0] - 1) * 100:+.2f} to {(r['ratio_ci95'][1] - 1) * 100:+.2f} %",
-                  f"{r['pairs']} x {r['inner']}", r["verdict"]] for r in rows])
+                  f"{r['pairs']} x {r['inner']}/{r['inner_b']}", r["verdict"]] for r in rows])
+            if c.get("vs_stock"):
+                lines += ["", "For context (no goal), the bnswap layer against stock "
+                          "`nn.BatchNorm2d` on the same input:", ""]
+                lines += _table(
+                    ["input", "pass", "bnswap layer us", "stock layer us", "ratio (median)",
+                     "95 % CI", "pairs x calls"],
+                    [[f"{r['size']} {tuple(r['shape'])}", r["mode"], f"{r['a_median_us']:.1f}",
+                      f"{r['b_median_us']:.1f}", f"{r['ratio_median']:.3f}", _ci(r),
+                      f"{r['pairs']} x {r['inner']}/{r['inner_b']}"] for r in c["vs_stock"]])
             lines += ["", "Bandwidth of `aten._batch_norm_with_update` (bytes it must move: "
                       "forward reads x and writes y, backward reads dy and x and writes dx) "
                       "against `clone()` (reads and writes the tensor once) on the same tensor:", ""]

@@ -1,0 +1,300 @@
+"""Lightning integration: the :class:`BNSwap` callback.
+
+``Trainer(callbacks=[BNSwap()])`` runs every BatchNorm layer of the LightningModule on
+bnswap layers (PyTorch's consolidated batch-norm ops) for fit, validate, test and
+predict. Works with ``lightning`` (``lightning.pytorch``) and, when that is not
+installed, ``pytorch_lightning``; with both installed, :data:`BNSwapPL` is the callback
+for ``pytorch_lightning.Trainer``.
+
+When the swap happens
+---------------------
+Lightning 2.6 runs a stage in this order: ``Callback.setup``, ``LightningModule.setup``,
+``configure_model``, checkpoint restore (``ckpt_path``), ``strategy.setup`` (sync-BN
+conversion, precision, device move, DDP wrap, ``configure_optimizers``), then
+``on_fit_start`` / ``on_{validation,test,predict}_start``. No callback hook runs between
+``configure_model`` and ``strategy.setup``, and ``on_fit_start`` comes after the
+optimizers and the DDP wrapper exist. So the callback
+
+1. swaps the layers that already exist in ``Callback.setup``;
+2. from then until the stage starts, keeps a PyTorch global module-registration hook
+   (``torch.nn.modules.module.register_module_module_registration_hook``, public API):
+   when a submodule containing BatchNorm is attached to the LightningModule (in
+   ``LightningModule.setup`` or ``configure_model``), its layers are swapped right
+   there, with ``include`` / ``exclude`` matched against their qualified names;
+3. at ``on_{fit,validation,test,predict}_start`` removes the hook, swaps anything left
+   over (a no-op in practice), computes :attr:`BNSwap.plan` on the final model and logs
+   it on global rank zero, once per run.
+
+Hence checkpoints restore into bnswap layers, the optimizers are built over them, and
+DDP wraps them. Layers are swapped by ``__class__`` assignment (same module, Parameter
+and buffer objects), so the state_dict keys are those of stock BatchNorm: checkpoints
+move freely between stock and bnswap models.
+
+``Trainer(sync_batchnorm=True)``
+--------------------------------
+Lightning converts every ``_BatchNorm`` (bnswap layers included, they are subclasses)
+to ``torch.nn.SyncBatchNorm`` inside ``strategy.setup``. SyncBatchNorm runs its own
+cross-process kernel: bnswap leaves it alone. The callback logs a warning naming the
+number of SyncBatchNorm layers and the plan lists them as skipped; training proceeds on
+SyncBatchNorm (stock behaviour). Use ``sync_batchnorm=False`` to train on bnswap layers.
+
+Other guarantees
+----------------
+The callback never calls ``train()`` / ``eval()``: a submodule the user put in eval
+stays in eval. It never touches ``track_running_stats``, so Lightning's
+``BaseFinetuning`` / ``BackboneFinetuning`` freeze bnswap layers as they freeze stock
+ones (bnswap layers are ``_BatchNorm`` instances).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import register_module_module_registration_hook
+from torch.utils.hooks import RemovableHandle
+
+import bnswap
+from bnswap.plan import Plan
+from bnswap.plan import plan as make_plan
+from bnswap.walker import Patterns, check_backend, decide
+
+try:  # the unified package first, the standalone one otherwise
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - exercised only without `lightning`
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+__all__ = ["BNSwap", "pl"]
+
+log = logging.getLogger(__name__)  # "bnswap.lightning"
+# Same convention as lightning.pytorch's own logger: INFO by default, with a handler of
+# its own unless the application configured the root logger.
+log.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():
+    log.addHandler(logging.StreamHandler())
+    log.propagate = False
+
+_PATTERN_WARNING = r"bnswap: (include|exclude) pattern"
+_SYNC_REASON_CLASS = "SyncBatchNorm"
+
+
+def _has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, _BatchNorm) for m in module.modules())
+
+
+def _import_ort() -> Any:
+    """bnswap.ort, checked usable (it imports ONNX Runtime only when it wraps)."""
+    ort = importlib.import_module("bnswap.ort")
+    if not ort.is_available():
+        raise ort.ORTNotAvailableError(
+            "BNSwap(backend='ort') needs ONNX Runtime training and torch-ort: " + ort.INSTALL)
+    return ort
+
+
+class _BNSwapBase:
+    """The callback's logic, independent of which Lightning package provides the base."""
+
+    def __init__(
+        self,
+        backend: str = "aten",
+        *,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        revert_on_teardown: bool = False,
+    ) -> None:
+        """Swap the LightningModule's BatchNorm layers for bnswap layers.
+
+        Args:
+            backend: ``"aten"``: bnswap layers on ``aten._batch_norm_with_update`` /
+                ``_batch_norm_no_update`` / ``batch_norm_backward``. ``"ort"``: the
+                same layers, and each direct child of the LightningModule that holds
+                BatchNorm is wrapped with ``bnswap.ort.wrap`` (ONNX Runtime's
+                ``BatchNormInternal``).
+            include, exclude: glob pattern(s) on qualified names relative to the
+                LightningModule (as in ``pl_module.named_modules()``, e.g.
+                ``"backbone.*"``) and/or classes, as in :func:`bnswap.convert`.
+            revert_on_teardown: after each run (fit, validate, test, predict), give
+                every bnswap layer its stock class back (:func:`bnswap.revert`).
+
+        Raises:
+            ValueError: unknown ``backend``.
+            TypeError: a pattern is neither str nor class.
+            bnswap.ort.ORTNotAvailableError: (an ImportError, at ``setup``, before the model
+                changes) ``backend="ort"`` without ONNX Runtime training installed.
+        """
+        check_backend(backend)
+        with warnings.catch_warnings():  # validate the patterns now, not mid-run
+            warnings.filterwarnings("ignore", message=_PATTERN_WARNING)
+            decide(nn.Module(), backend, include, exclude)
+        self.backend = backend
+        self.include = include
+        self.exclude = exclude
+        self.revert_on_teardown = revert_on_teardown
+        #: The plan of the last run (set when the run starts), or None before any run.
+        self.plan: Plan | None = None
+        self._root: nn.Module | None = None
+        self._handle: RemovableHandle | None = None
+        self._busy = False
+        self._pending = False
+        self._swapped: dict[int, str] = {}  # id(layer) -> when this callback swapped it
+
+    def __repr__(self) -> str:
+        return (f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
+                f"exclude={self.exclude!r}, revert_on_teardown={self.revert_on_teardown})")
+
+    # ------------------------------------------------------------------ swapping
+    def _swap(self, root: nn.Module, when: str) -> None:
+        """Swap what the filters select and is not swapped yet; remember when."""
+        with warnings.catch_warnings():
+            # patterns may match layers that configure_model has not built yet; the
+            # final plan warns about patterns that match nothing.
+            warnings.filterwarnings("ignore", message=_PATTERN_WARNING)
+            todo = [d.module for d in decide(root, "aten", self.include, self.exclude)
+                    if d.action == "swap" and not d.already]
+            if todo:
+                bnswap.convert(root, "aten", include=self.include, exclude=self.exclude)
+        for m in todo:
+            self._swapped.setdefault(id(m), when)
+        if self.backend == "ort":
+            self._wrap_children(root)
+
+    def _wrap_children(self, root: nn.Module) -> None:
+        ort = _import_ort()
+        for name, child in list(root.named_children()):
+            if getattr(child, "_bnswap_inner", None) is None and _has_batchnorm(child):
+                self._busy = True
+                try:
+                    setattr(root, name, ort.wrap(child))
+                finally:
+                    self._busy = False
+
+    def _on_register(self, parent: nn.Module, name: str, sub: Any) -> Any:
+        """torch global module-registration hook, active from setup to the stage start."""
+        root = self._root
+        if self._busy or root is None or not isinstance(sub, nn.Module):
+            return None
+        if not _has_batchnorm(sub):
+            return None
+        if parent is not root and not any(parent is m for m in root.modules()):
+            return None  # built elsewhere (or not attached yet: its attach comes later)
+        self._busy = True
+        try:
+            # torch calls this hook just before it stores `sub`; store it first so the
+            # walk sees the qualified names that include / exclude are matched against.
+            parent._modules[name] = sub
+            self._swap(root, "swapped when configure_model attached it")
+        finally:
+            self._busy = False
+        if self.backend == "ort" and parent is root:
+            return root._modules[name]  # the wrapped child, if it was wrapped
+        return None
+
+    def _remove_hook(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _start(self, trainer: Any, pl_module: nn.Module) -> None:
+        """The stage starts: strategy.setup is done. Finish, record and log the plan."""
+        if not self._pending:
+            return
+        self._pending = False
+        self._remove_hook()
+        self._swap(pl_module, "swapped at stage start")
+        rows = []
+        names = dict(pl_module.named_modules())
+        p = make_plan(pl_module, self.backend, include=self.include, exclude=self.exclude)
+        for r in p.rows:
+            m = names.get("" if r.name == "(root)" else r.name)
+            when = self._swapped.get(id(m)) if m is not None else None
+            rows.append(replace(r, reason=when) if when is not None and r.action == "swap"
+                        else r)
+        self.plan = Plan(rows)
+        if getattr(trainer, "is_global_zero", True):
+            log.info("%s", self.plan)
+            n_sync = sum(1 for r in self.plan.rows if r.cls == _SYNC_REASON_CLASS)
+            if n_sync:
+                log.warning(
+                    "BNSwap: %d layer(s) are torch.nn.SyncBatchNorm (Trainer(sync_batchnorm=True) "
+                    "converts every BatchNorm, bnswap layers included, in strategy.setup). "
+                    "SyncBatchNorm runs its own cross-process kernel; bnswap leaves it alone. "
+                    "Use sync_batchnorm=False to train on bnswap layers.", n_sync)
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
+        self._remove_hook()
+        if self.backend == "ort":
+            _import_ort()  # fail before anything changes (ORTNotAvailableError)
+        self._root = pl_module
+        self._pending = True
+        self._swapped = {}
+        self._swap(pl_module, "swapped at setup")
+        self._handle = register_module_module_registration_hook(self._on_register)
+
+    def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        self._start(trainer, pl_module)
+
+    def on_sanity_check_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        self._start(trainer, pl_module)
+
+    def on_validation_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        self._start(trainer, pl_module)
+
+    def on_test_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        self._start(trainer, pl_module)
+
+    def on_predict_start(self, trainer: Any, pl_module: nn.Module) -> None:
+        self._start(trainer, pl_module)
+
+    def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
+        self._remove_hook()
+        self._pending = False
+
+    def teardown(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
+        self._remove_hook()
+        self._pending = False
+        self._root = None
+        if self.revert_on_teardown:
+            for name, child in list(pl_module.named_children()):
+                inner = getattr(child, "_bnswap_inner", None)
+                if isinstance(inner, nn.Module):  # undo bnswap.ort.wrap
+                    setattr(pl_module, name, inner)
+            bnswap.revert(pl_module)
+
+
+class BNSwap(_BNSwapBase, pl.Callback):
+    """Lightning callback: every BatchNorm layer of the LightningModule becomes a bnswap
+    layer before checkpoint restore, the optimizers and the DDP wrapper exist.
+
+    Shapes, dtypes and numerics are those of stock ``nn.BatchNorm1d/2d/3d``: input
+    (N, C, *) float16 / bfloat16 / float32 / float64, output the same.
+
+    Attributes:
+        plan: the :class:`bnswap.Plan` of the last run (one row per BatchNorm layer:
+            name, class, action swap / skip, reason, backend, kernel), set when the run
+            starts and logged on global rank zero by the ``bnswap.lightning`` logger.
+
+    See :meth:`_BNSwapBase.__init__` for the arguments and the module docstring for
+    when the swap happens and what ``sync_batchnorm=True`` does.
+    """
+
+    __init__ = _BNSwapBase.__init__
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BNSwapPL":  # the callback for pytorch_lightning.Trainer
+        import pytorch_lightning
+
+        if pl is pytorch_lightning:
+            return BNSwap
+        cls = type("BNSwap", (_BNSwapBase, pytorch_lightning.Callback),
+                   {"__doc__": BNSwap.__doc__, "__module__": __name__,
+                    "__init__": _BNSwapBase.__init__})
+        globals()["BNSwapPL"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,157 @@
+"""The benchmark suite's harness and the GPU check's dry mode (CPU only, < 60 s)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def gpu_dry(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry",
+                        "--json", str(out)], capture_output=True, text=True, env=_env(),
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "DRY ALL OK" in p.stdout
+    report = json.loads(out.read_text())
+    report["_stdout"] = p.stdout
+    return report
+
+
+def test_gpu_check_dry_backend_is_native_on_cpu(gpu_dry):
+    assert gpu_dry["info"]["dry"] is True
+    b = gpu_dry["sections"]["backend"]
+    assert b["status"] == "ok" and b["ok"] is True
+    assert b["cpu"] == "Native"
+    if not gpu_dry["info"]["cuda_available"]:
+        assert b["cuda"].startswith("skipped")
+
+
+def test_gpu_check_dry_graph_ops(gpu_dry):
+    g = gpu_dry["sections"]["graph_ops"]
+    assert g["status"] == "ok" and g["ok"] is True
+    bn, st = g["bnswap"], g["stock"]
+    assert "aten._batch_norm_with_update.default" in bn["export"]
+    assert bn["export_decomposed"] == ["aten._batch_norm_with_update_functional.default"]
+    assert bn["joint"] == ["aten._batch_norm_with_update_functional.default",
+                           "aten.batch_norm_backward.default"]
+    # training IR: stock keeps the legacy composite (aten.batch_norm in torch 2.13)
+    assert st["export"] and not any("_batch_norm_with_update" in o for o in st["export"])
+    assert st["export_decomposed"] == ["aten._native_batch_norm_legit_functional.default"]
+    assert st["joint"] == ["aten._native_batch_norm_legit_functional.default",
+                           "aten.native_batch_norm_backward.default"]
+
+
+def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
+    s = gpu_dry["sections"]
+    assert s["compile_inductor"]["status"].startswith("skipped")
+    assert "[SKIP ] compile_inductor" in gpu_dry["_stdout"]
+    # eager / compiled: the aten ops that ran (kernel names need CUDA)
+    assert "aten::batch_norm_backward" in s["eager"]["bnswap"]["aten_ops"]
+    assert "aten::native_batch_norm_backward" in s["eager"]["stock"]["aten_ops"]
+    assert "aten::_batch_norm_with_update_functional" in s["compile_aot_eager"]["bnswap"]["aten_ops"]
+    assert "aten::_native_batch_norm_legit_functional" in s["compile_aot_eager"]["stock"]["aten_ops"]
+    assert s["eager"]["ok"] is None and "need CUDA" in s["eager"]["note"]
+    # graphs captured on the CPU run on another device (meta) without CPU leftovers
+    assert s["exported"]["moved_to_meta"] == {"bnswap": "ok", "stock": "ok"}
+    # the exported joint graph trains exactly like eager on the CPU (same native kernel)
+    t = s["training"]["summary"]
+    assert t["exported_bnswap"]["max_abs_diff_vs_eager"] == 0.0
+    assert t["exported_stock"]["max_abs_diff_vs_eager"] == 0.0
+    assert gpu_dry["all_ok"] is True
+
+
+def test_kernel_name_classification():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_check import classify_kernel
+    finally:
+        sys.path.pop(0)
+    assert classify_kernel("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1, true>(...)") == "cudnn"
+    assert classify_kernel("void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 512, true, 1>(...)") == "cudnn"
+    assert classify_kernel("void cudnn::batchnorm_fwtr_nhwc_semiPersist<float, float, 512>(...)") == "cudnn"
+    assert classify_kernel("void at::native::batch_norm_collect_statistics_kernel<...>(...)") == "native"
+    assert classify_kernel("void at::native::batch_norm_backward_kernel<float, float>(...)") == "native"
+    assert classify_kernel("void at::native::batch_norm_transform_input_kernel<...>(...)") == "native"
+    assert classify_kernel("triton_red_fused__native_batch_norm_legit_functional_0") == "triton"
+    assert classify_kernel("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nchw") is None
+    assert classify_kernel("void cudnn::ops::nchwToNhwcKernel<float, float>(...)") is None
+
+
+def _finite_pos(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_suite_quick_writes_json_md_png_with_sane_numbers(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--cases", "P3,P4,P5,P6",
+                        "--pairs", "3", "--out", str(tmp_path)], capture_output=True, text=True,
+                       env=_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "latest.json").read_text())
+    assert (tmp_path / "latest.png").stat().st_size > 10_000
+    md = (tmp_path / "latest.md").read_text()
+    assert "## P3" in md and "## P5" in md and "torch" in md
+    assert res["schema"] == 1 and res["config"]["quick"] is True
+    m = res["machine"]
+    assert m["torch_threads"] >= 1 and m["torch"] and m["cpu"]
+    cases = res["cases"]
+    assert set(cases) == {"P3", "P4", "P5", "P6"}
+    # P3: overhead rows at both sizes and both passes, with positive finite figures
+    p3 = cases["P3"]
+    assert p3["status"] == "ok"
+    assert {(r["size"], r["mode"]) for r in p3["rows"]} == {
+        (s, m) for s in ("tiny", "resnet") for m in ("forward", "forward+backward")}
+    for r in p3["rows"]:
+        assert _finite_pos(r["ratio_median"]) and _finite_pos(r["a_median_ms"])
+        lo, hi = r["ratio_ci95"]
+        assert lo <= r["ratio_median"] <= hi
+    for r in p3["bandwidth"]:
+        assert _finite_pos(r["op_gbps"]) and _finite_pos(r["clone_gbps"])
+    # P4: the hook runs or says why not
+    p4 = cases["P4"]
+    try:
+        import bnswap.ort  # noqa: F401
+        has_ort = True
+    except Exception:
+        has_ort = False
+    if has_ort:
+        assert p4["status"] == "ok"
+    else:
+        assert p4["status"] == "skipped: ORT backend not installed" and p4["rows"] == []
+    # P5: convert/revert times at 10, 100, 1000 layers; revert restored the stock classes
+    p5 = cases["P5"]
+    assert [r["layers"] for r in p5["rows"]] == [10, 100, 1000]
+    for r in p5["rows"]:
+        assert _finite_pos(r["convert_ms"]) and _finite_pos(r["revert_ms"])
+    assert p5["rows"][-1]["verdict"] in ("met", "missed")
+    # P6: memory measured in subprocesses: identical peaks (same kernels, same buffers)
+    p6 = cases["P6"]["rows"][0]
+    assert _finite_pos(p6["bnswap_peak_mib"]) and _finite_pos(p6["stock_peak_mib"])
+    assert p6["ratio"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_median_ci_covers_the_median(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.harness import Comparison, median_ci
+
+    assert median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)
+    xs = list(range(1, 11))
+    lo, hi = median_ci([float(x) for x in xs])
+    assert (lo, hi) == (2.0, 9.0)  # order statistics 2 and 9 of 10: >= 95 % coverage
+    c = Comparison([2.0, 4.0, 6.0], [1.0, 2.0, 4.0], inner=1, warmup=0)
+    assert c.ratios == [2.0, 2.0, 1.5] and c.ratio_median == 2.0
