@@ -21,6 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/python $(PIP) $(TORCH)
 	$(VENV)/bin/python $(PIP) -e '.[lightning,ort-cpu,dev]'
 	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
+	$(VENV)/bin/python -m bnswap.ort build
 	touch $@
 
 $(ZOO)/.installed: pyproject.toml Makefile

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     everything else to :class:`BNSwapCLI` (``train`` / ``validate`` / ``test`` /
     ``predict``)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # Lightning 2.6 on torch 2.13 warns on every batch about torch's own pytree API.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     if args[:1] == ["compare"]:
         from jsonargparse import CLI
 

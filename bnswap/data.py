@@ -17,34 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from bnswap.digits import digits_split, load_digits_tensors
 from bnswap.lightning import pl
 
-__all__ = ["DigitsDataModule", "EpochShuffleSampler", "load_digits_tensors"]
-
-
-def load_digits_tensors(image_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """All 1,797 digits as ``(images, labels)``.
-
-    Returns:
-        images: (1797, 1, image_size, image_size) float32 in [0, 1] (bilinear upsampling
-            of the 8x8 originals, which hold 0..16); labels: (1797,) int64 in 0..9.
-
-    Raises:
-        ValueError: ``image_size`` < 8.
-    """
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
-
-    if image_size < 8:
-        raise ValueError(f"image_size must be >= 8 (the originals are 8x8), got {image_size}")
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    if image_size != 8:
-        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
-    y = torch.tensor(d.target, dtype=torch.int64)
-    return x.contiguous(), y
+__all__ = ["DigitsDataModule", "EpochShuffleSampler", "digits_split", "load_digits_tensors"]
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -117,15 +95,9 @@ class DigitsDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        x, y = load_digits_tensors(self.image_size)
-        g = torch.Generator().manual_seed(self.seed)
-        perm = torch.randperm(len(y), generator=g)
-        n_val = int(round(len(y) * self.val_fraction))
-        val_idx, train_idx = perm[:n_val], perm[n_val:]
-        mean, std = x[train_idx].mean(), x[train_idx].std()
-        x = (x - mean) / std
-        self.train_set = TensorDataset(x[train_idx], y[train_idx])
-        self.val_set = TensorDataset(x[val_idx], y[val_idx])
+        (xt, yt), (xv, yv) = digits_split(self.image_size, self.val_fraction, self.seed)
+        self.train_set = TensorDataset(xt, yt)
+        self.val_set = TensorDataset(xv, yv)
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "call setup() first"
@@ -151,7 +123,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
     # -- checkpointing: where in the epoch a mid-epoch checkpoint was taken ----------
     def state_dict(self) -> dict[str, Any]:
-        trainer = self._trainer
+        trainer = self.trainer
         if trainer is None or not trainer.training:
             return {}
         # Checkpoints are written after a batch was processed (on_train_batch_end) or at

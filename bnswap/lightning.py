@@ -88,16 +88,12 @@ def _has_batchnorm(module: nn.Module) -> bool:
 
 
 def _import_ort() -> Any:
-    try:
-        return importlib.import_module("bnswap.ort")
-    except ModuleNotFoundError as e:
-        if e.name not in ("bnswap.ort",):
-            raise
-        # TODO(ort): bnswap.ort is being written on the `ort` branch; once it exists,
-        # this branch wraps each BatchNorm-holding child with bnswap.ort.wrap.
-        raise NotImplementedError(
-            "BNSwap(backend='ort') needs bnswap.ort, which this build does not have yet"
-        ) from e
+    """bnswap.ort, checked usable (it imports ONNX Runtime only when it wraps)."""
+    ort = importlib.import_module("bnswap.ort")
+    if not ort.is_available():
+        raise ort.ORTNotAvailableError(
+            "BNSwap(backend='ort') needs ONNX Runtime training and torch-ort: " + ort.INSTALL)
+    return ort
 
 
 class _BNSwapBase:
@@ -128,6 +124,8 @@ class _BNSwapBase:
         Raises:
             ValueError: unknown ``backend``.
             TypeError: a pattern is neither str nor class.
+            bnswap.ort.ORTNotAvailableError: (an ImportError, at ``setup``, before the model
+                changes) ``backend="ort"`` without ONNX Runtime training installed.
         """
         check_backend(backend)
         with warnings.catch_warnings():  # validate the patterns now, not mid-run
@@ -230,6 +228,8 @@ class _BNSwapBase:
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         self._remove_hook()
+        if self.backend == "ort":
+            _import_ort()  # fail before anything changes (ORTNotAvailableError)
         self._root = pl_module
         self._pending = True
         self._swapped = {}

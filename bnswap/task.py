@@ -112,7 +112,8 @@ class DigitsClassifier(pl.LightningModule):
             opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         if hp.scheduler == "none":
             return opt
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        # OneCycleLR needs a few steps per phase; tiny smoke runs just end early.
+        total = max(8, int(self.trainer.estimated_stepping_batches))
         if hp.scheduler == "onecycle":
             sched: Any = torch.optim.lr_scheduler.OneCycleLR(
                 opt, max_lr=hp.lr, total_steps=total, pct_start=0.25)

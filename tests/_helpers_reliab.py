@@ -76,7 +76,8 @@ def state_of(m: nn.Module) -> dict[str, torch.Tensor | str | None]:
             out[pre + k] = _copy(v)
         for k, p in mod._parameters.items():
             out[pre + k] = _copy(p)
-            g = None if p is None or isinstance(p, nn.parameter.UninitializedTensorMixin) else p.grad
+            lazy = isinstance(p, nn.parameter.UninitializedTensorMixin)
+            g = None if p is None or lazy else p.grad
             out[pre + k + ".grad"] = _copy(g)
     return out
 

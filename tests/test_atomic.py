@@ -18,10 +18,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import bnswap
+from tests._helpers_reliab import few_threads, state_diff  # noqa: F401
 
 # bnswap.convert is the function (bnswap/__init__ re-exports it); the module is here:
 convert_mod = importlib.import_module("bnswap.convert")
-from tests._helpers_reliab import few_threads, state_diff  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 

@@ -22,7 +22,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
 from tests._helpers_reliab import (
@@ -525,7 +524,7 @@ def test_uninitialized_lazy_layer_becomes_bnswap_when_it_initializes():
     row = bnswap.plan(swapped)[0]
     assert row.action == "swap" and "when it initializes" in row.reason
     assert type(swapped[1]) is nn.LazyBatchNorm2d and bnswap.is_swapped(swapped[1])
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(4, 3, 5, 5)
         assert torch.equal(stock(x), swapped(x))
         assert state_diff(stock, swapped) == []
@@ -574,9 +573,7 @@ def test_sync_batchnorm_in_the_model_is_left_as_is():
     for train in (True, False):  # no process group: SyncBatchNorm runs F.batch_norm
         model.train(train), ref.train(train)
         x = torch.randn(4, 3, 6, 6)
-        a, b = outcome(lambda: ref(x)), outcome(lambda: model(x))
-        assert a[0] == b[0]
-        assert torch.equal(a[1], b[1]) if a[0] == "ok" else a[1] == b[1]
+        assert torch.equal(ref(x), model(x))
         assert state_diff(model, ref) == []
 
 
@@ -590,10 +587,19 @@ def test_non_positive_eps_raises_as_stock(eps, train, track):
     stock, swapped = pair(nn.BatchNorm2d(3, eps=eps, track_running_stats=track).train(train))
     x = torch.randn(2, 3, 4, 4)
     a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
+    if not bnswap._core._CHECK_EPS:  # a torch whose F.batch_norm does not check eps
+        assert a[0] == b[0] == "ok" and same_tensor(a[1], b[1])
+        return
     assert a[0] == "err" and b == a, (a, b)
     assert issubclass(a[1][0], ValueError) and "eps" in a[1][1]
     # stock increments num_batches_tracked before F.batch_norm raises; bnswap raises first
     assert state_diff(stock, swapped) == (["num_batches_tracked"] if train and track else [])
+
+
+def test_the_eps_probe_matches_this_torch():
+    a = outcome(lambda: torch.nn.functional.batch_norm(
+        torch.randn(4, 2), None, None, training=True, eps=0.0))
+    assert bnswap._core._CHECK_EPS == (a[0] == "err")
 
 
 def test_zero_eps_in_eval_runs_as_stock():

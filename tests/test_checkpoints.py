@@ -220,7 +220,7 @@ def test_uninitialized_lazy_model_deepcopy_and_pickle_as_stock():
     swapped.load_state_dict(stock.state_dict())
     bnswap.convert(swapped)
     for fn in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
-        a, b = outcome(lambda: fn(stock)), outcome(lambda: fn(swapped))
+        a, b = outcome(lambda fn=fn: fn(stock)), outcome(lambda fn=fn: fn(swapped))
         assert a[0] == b[0]
         if a[0] == "err":
             assert a[1][0] is b[1][0]

@@ -1,0 +1,76 @@
+"""Fit a small ConvNet4 on the digits with Trainer(strategy="ddp", accelerator="cpu",
+devices=2) (gloo), with or without BNSwap, and save every rank's final state.
+
+    python tests/ddp_fit.py {stock|bnswap} OUT_DIR
+
+Lightning's launcher re-runs this script for rank 1; each rank writes
+OUT_DIR/<variant>_rank<r>.pt with the state_dict, the BatchNorm classes and the plan.
+Used by tests/test_ddp.py.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+torch.set_num_threads(1)  # two processes on two cores
+warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")
+
+
+def main(variant: str, out_dir: str) -> None:
+    import lightning.pytorch as pl
+
+    from bnswap.data import DigitsDataModule
+    from bnswap.lightning import BNSwap
+    from bnswap.models import ConvNet4
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = None
+
+        def configure_model(self):
+            if self.net is None:
+                self.net = ConvNet4(channels=(8, 16, 16, 32))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+        def configure_optimizers(self):
+            self.classes_at_configure_optimizers = sorted(
+                {type(m).__module__ + "." + type(m).__name__ for m in self.modules()
+                 if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    pl.seed_everything(0)
+    callbacks = [BNSwap()] if variant == "bnswap" else []
+    trainer = pl.Trainer(
+        strategy="ddp", accelerator="cpu", devices=2, max_epochs=2, limit_train_batches=4,
+        limit_val_batches=2, num_sanity_val_steps=0, deterministic=True, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks)
+    model = Classifier()
+    trainer.fit(model, DigitsDataModule(batch_size=32, image_size=8))
+    rank = trainer.global_rank
+    plan = callbacks[0].plan if callbacks else None
+    torch.save({
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "classes": sorted({type(m).__module__ + "." + type(m).__name__
+                           for m in model.modules()
+                           if isinstance(m, nn.modules.batchnorm._BatchNorm)}),
+        "classes_at_configure_optimizers": model.classes_at_configure_optimizers,
+        "plan": None if plan is None else [(r.name, r.action) for r in plan.rows],
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+    }, os.path.join(out_dir, f"{variant}_rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,107 @@
+"""The `bnswap` console script (LightningCLI) and the examples, on the real digits data."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("lightning.pytorch")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "digits_mobilenetv2.yaml"
+STOCK = ROOT / "configs" / "digits_mobilenetv2_stock.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: the 2-core machines are shared, and oversubscribed OpenMP
+    threads spin (5x slower runs); results are bitwise the same either way here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(tmp: Path) -> list[str]:
+    """Overrides that shrink the main job to a smoke run."""
+    return ["--trainer.max_epochs=2", "--trainer.limit_train_batches=3",
+            "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            "--model.init_args.model_kwargs={width_mult: 0.25}",
+            f"--trainer.default_root_dir={tmp}", f"--trainer.logger.init_args.save_dir={tmp}"]
+
+
+def test_console_script_is_installed():
+    eps = importlib.metadata.entry_points(group="console_scripts", name="bnswap")
+    assert [ep.value for ep in eps] == ["bnswap.cli:main"]
+
+
+def test_configs_differ_only_by_the_callback():
+    a, b = yaml.safe_load(CONFIG.read_text()), yaml.safe_load(STOCK.read_text())
+    cbs = a["trainer"].pop("callbacks")
+    assert cbs == [{"class_path": "bnswap.lightning.BNSwap", "init_args": {"backend": "aten"}}]
+    assert "callbacks" not in b["trainer"]
+    for cfg in (a, b):
+        cfg["trainer"].pop("default_root_dir")
+        cfg["trainer"]["logger"]["init_args"].pop("name")
+    assert a == b
+    assert a["model"]["init_args"]["arch"] == "mobilenetv2"
+
+
+def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
+    exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "bnswap.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, "train", "--config", str(CONFIG), *tiny(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    # the plan table (logged once, on rank zero), then the figures
+    assert out.count("bnswap plan: 52 of 52 BatchNorm layers swapped, 0 skipped") == 2
+    assert out.count("layer  ") == 1 and "net.features.0.1" in out
+    assert "bnswap.layers.BatchNorm2d  swapped at setup" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("final validation accuracy:"))
+    acc = float(line.split()[3])
+    hist = json.loads(next(tmp_path.rglob("history.json")).read_text())
+    assert hist["batchnorm"] == "bnswap" and len(hist["history"]) == 2
+    assert acc == pytest.approx(hist["history"][-1]["val_acc"], abs=5e-5)
+    assert 0.0 <= acc <= 1.0
+
+
+def test_bnswap_compare_plots_stock_vs_bnswap(tmp_path, capsys):
+    from bnswap.cli import main
+
+    png = tmp_path / "cmp.png"
+    main(["compare", "--configs", json.dumps([str(STOCK), str(CONFIG)]), "--out", str(png),
+          "--overrides", json.dumps(tiny(tmp_path))])
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    res = json.loads(png.with_suffix(".json").read_text())
+    assert list(res) == ["stock", "bnswap"]
+    assert [len(r["history"]) for r in res.values()] == [2, 2]
+    assert res["bnswap"]["plan"].startswith("bnswap plan: 52 of 52")
+    for label in ("stock", "bnswap"):
+        f = res[label]["final"]
+        assert f"{label}: final val_acc {f['val_acc']:.4f}" in out
+    # the right value is stock's: on CPU both run the same native kernels
+    assert res["stock"]["history"] == res["bnswap"]["history"]
+
+
+def test_plain_pytorch_example_matches_stock():
+    spec = importlib.util.spec_from_file_location("plain_pytorch",
+                                                  ROOT / "examples" / "plain_pytorch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(epochs=1, width_mult=0.25, max_batches=3)
+    assert res["identical"] is True
+    assert res["stock"]["val_acc"] == res["bnswap"]["val_acc"]

@@ -1,0 +1,50 @@
+"""BNSwap under real DDP: Trainer(strategy="ddp", accelerator="cpu", devices=2) over gloo,
+two real processes (Lightning's own launcher re-runs tests/ddp_fit.py for rank 1)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning.pytorch")
+
+SCRIPT = Path(__file__).with_name("ddp_fit.py")
+
+
+def _run(variant: str, out: Path) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), variant, str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"{variant}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ddp_two_processes_fit_with_bnswap_like_stock(tmp_path):
+    swapped = _run("bnswap", tmp_path)
+    stock = _run("stock", tmp_path)
+    for r in swapped + stock:
+        assert r["world_size"] == 2 and r["global_step"] == 8
+    for r in swapped:
+        # swapped before configure_optimizers and the DDP wrap (configure_model net)
+        assert r["classes_at_configure_optimizers"] == ["bnswap.layers.BatchNorm2d"]
+        assert r["classes"] == ["bnswap.layers.BatchNorm2d"]
+    assert swapped[0]["plan"] == [(f"net.features.{i}", "swap") for i in (1, 4, 8, 11)]
+    assert swapped[1]["plan"] == swapped[0]["plan"]
+    assert stock[0]["classes"] == ["torch.nn.modules.batchnorm.BatchNorm2d"]
+    # the final weights (and, buffers being broadcast from rank 0 at every DDP forward
+    # and validation running last, the statistics) are identical on both ranks ...
+    s0, s1 = swapped[0]["state"], swapped[1]["state"]
+    assert s0.keys() == s1.keys()
+    assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
+    # ... and identical to stock BatchNorm's DDP run, bit for bit
+    t0 = stock[0]["state"]
+    assert [k for k in s0 if not torch.equal(s0[k], t0[k])] == []

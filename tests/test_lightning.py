@@ -1,0 +1,619 @@
+"""The BNSwap Lightning callback, with real Trainers on the real digits data.
+
+Every value is checked against the same run with stock BatchNorm (no callback): on CPU
+the consolidated ops run the same native kernels, so states must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import bnswap
+from bnswap.layers import BNSwapLayer
+
+pl = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # noqa: E402
+
+from bnswap.data import DigitsDataModule  # noqa: E402
+from bnswap.lightning import BNSwap  # noqa: E402
+from bnswap.models import ConvNet4  # noqa: E402
+
+CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: the 2-core machines are shared, and oversubscribed OpenMP
+    threads spin (5x slower runs); results are bitwise the same either way here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def bn_layers(module: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in module.named_modules() if isinstance(m, _BatchNorm)}
+
+
+def state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not diff, f"differ: {diff}"
+
+
+def data(**kw) -> DigitsDataModule:
+    kw.setdefault("batch_size", 32)
+    kw.setdefault("image_size", 8)
+    return DigitsDataModule(**kw)
+
+
+def trainer(callbacks=(), **kw) -> pl.Trainer:
+    args = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+                num_sanity_val_steps=0, max_epochs=1, limit_train_batches=4,
+                limit_val_batches=2)
+    args.update(kw)
+    return pl.Trainer(callbacks=list(callbacks), **args)
+
+
+class Classifier(pl.LightningModule):
+    """A ConvNet4 classifier; ``build="configure_model"`` builds the net there."""
+
+    def __init__(self, build: str = "init", lr: float = 0.05, sched: bool = False):
+        super().__init__()
+        self.build, self.lr, self.sched = build, lr, sched
+        self.net: nn.Module | None = ConvNet4(channels=CH) if build == "init" else None
+        self.seen: dict[str, object] = {}
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = ConvNet4(channels=CH)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.setdefault("val_swapped", []).append(
+            [isinstance(m, BNSwapLayer) for m in bn_layers(self).values()])
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.setdefault("test_swapped", []).append(
+            [isinstance(m, BNSwapLayer) for m in bn_layers(self).values()])
+        self.log("test_loss", nn.functional.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        self.seen.setdefault("predict_swapped", []).append(
+            [isinstance(m, BNSwapLayer) for m in bn_layers(self).values()])
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        self.seen["bn_classes_at_configure_optimizers"] = {
+            n: type(m) for n, m in bn_layers(self).items()}
+        params = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        if not self.sched:
+            return opt
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=self.lr, total_steps=int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Recorder(pl.Callback):
+    """Records what the model looks like when fit starts."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.bn_at_fit_start = bn_layers(pl_module)
+        self.opt_param_ids = {id(p) for g in trainer.optimizers[0].param_groups
+                              for p in g["params"]}
+
+
+def global_registration_hooks() -> int:
+    from torch.nn.modules import module as torch_module
+
+    return len(torch_module._global_module_registration_hooks)
+
+
+def fit_pair(make_model, make_trainer_kwargs=None, swap_kwargs=None, extra_callbacks=()):
+    """Fit the same model with stock BatchNorm and with BNSwap; return both models."""
+    out = {}
+    for variant in ("stock", "bnswap"):
+        pl.seed_everything(0)
+        model = make_model()
+        cbs = [*(cb() for cb in extra_callbacks)]
+        if variant == "bnswap":
+            cbs.insert(0, BNSwap(**(swap_kwargs or {})))
+        t = trainer(cbs, **(make_trainer_kwargs or {}))
+        t.fit(model, data())
+        out[variant] = (model, t)
+    return out
+
+
+# --------------------------------------------------------------------------- given case 1
+def test_configure_model_layers_are_swapped_before_the_optimizer_exists():
+    runs = fit_pair(lambda: Classifier(build="configure_model"), extra_callbacks=[Recorder])
+    model, t = runs["bnswap"]
+    # configure_optimizers (inside strategy.setup) already saw bnswap layers only
+    classes = model.seen["bn_classes_at_configure_optimizers"]
+    assert len(classes) == 4 and all(issubclass(c, BNSwapLayer) for c in classes.values())
+    rec = next(c for c in t.callbacks if isinstance(c, Recorder))
+    assert rec.bn_at_fit_start and all(isinstance(m, BNSwapLayer)
+                                       for m in rec.bn_at_fit_start.values())
+    # the optimizer holds exactly the model's parameters, the bnswap layers' included
+    assert rec.opt_param_ids == {id(p) for p in model.parameters()}
+    for m in rec.bn_at_fit_start.values():
+        assert {id(m.weight), id(m.bias)} <= rec.opt_param_ids
+    # the plan: every layer swapped as configure_model attached it; hook gone after fit
+    cb = next(c for c in t.callbacks if isinstance(c, BNSwap))
+    assert [r.action for r in cb.plan.rows] == ["swap"] * 4
+    assert {r.reason for r in cb.plan.rows} == {"swapped when configure_model attached it"}
+    assert global_registration_hooks() == 0
+    # the right value is stock's: same trained state, bit for bit
+    stock_model, _ = runs["stock"]
+    assert all(type(m) is nn.BatchNorm2d for m in bn_layers(stock_model).values())
+    assert_states_equal(state(model), state(stock_model))
+
+
+def test_layers_built_in_init_are_swapped_at_setup_and_plan_logged_once():
+    records: list[logging.LogRecord] = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    h = H(level=logging.INFO)
+    logging.getLogger("bnswap.lightning").addHandler(h)
+    try:
+        cb = BNSwap()
+        model = Classifier()
+        t = trainer([cb], max_epochs=2, limit_train_batches=2)
+        t.fit(model, data())
+    finally:
+        logging.getLogger("bnswap.lightning").removeHandler(h)
+    plans = [r.getMessage() for r in records if "bnswap plan:" in r.getMessage()]
+    assert len(plans) == 1, plans  # once per run, although validation starts twice
+    assert plans[0] == str(cb.plan)
+    assert cb.plan.summary() == "bnswap plan: 4 of 4 BatchNorm layers swapped, 0 skipped"
+    assert [r.name for r in cb.plan.rows] == [f"net.features.{i}" for i in (1, 4, 8, 11)]
+    assert {r.reason for r in cb.plan.rows} == {"swapped at setup"}
+    assert {r.kernel for r in cb.plan.rows} == {"Native"}
+    assert all(type(m) is bnswap.BatchNorm2d for m in bn_layers(model).values())
+
+
+# --------------------------------------------------------------------------- given case 2
+class FinetuneModel(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        net = ConvNet4(channels=CH)
+        self.backbone = net.features
+        self.head = net.head
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.backbone(x).mean((2, 3))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+class BNSnapshots(pl.Callback):
+    def __init__(self):
+        self.snaps: dict[str, dict] = {}
+        self.tracking: dict[int, list[bool]] = {}
+
+    def _snap(self, pl_module):
+        return {k: v.clone() for k, v in pl_module.backbone.state_dict().items()
+                if "running_" in k or "num_batches_tracked" in k}
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.snaps[f"start{trainer.current_epoch}"] = self._snap(pl_module)
+        self.tracking[trainer.current_epoch] = [
+            m.track_running_stats for m in bn_layers(pl_module.backbone).values()]
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.snaps[f"end{trainer.current_epoch}"] = self._snap(pl_module)
+
+
+class FrozenBNBackboneFinetuning(BackboneFinetuning):
+    """BackboneFinetuning whose first epochs also freeze the backbone's BatchNorm layers
+    when ``train_bn=False`` (stock ``freeze_before_training`` calls ``freeze(backbone)``
+    with its default ``train_bn=True``, so stock BN statistics keep moving)."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.backbone, train_bn=self.train_bn)
+
+
+def _finetune_runs(callback_cls):
+    return fit_pair(
+        FinetuneModel,
+        {"max_epochs": 2, "limit_train_batches": 3, "limit_val_batches": 0},
+        extra_callbacks=[lambda: callback_cls(unfreeze_backbone_at_epoch=1, train_bn=False),
+                         BNSnapshots])
+
+
+def _compare_variants(runs):
+    per_variant = {}
+    for variant, (model, t) in runs.items():
+        snap = next(c for c in t.callbacks if isinstance(c, BNSnapshots))
+        per_variant[variant] = (snap, state(model))
+    assert all(isinstance(m, BNSwapLayer) for m in bn_layers(runs["bnswap"][0]).values())
+    stock, swapped = per_variant["stock"], per_variant["bnswap"]
+    assert stock[0].tracking == swapped[0].tracking
+    for key in ("start0", "end0", "start1", "end1"):
+        assert_states_equal(stock[0].snaps[key], swapped[0].snaps[key])
+    assert_states_equal(stock[1], swapped[1])
+    return per_variant
+
+
+def test_backbone_finetuning_train_bn_false_freezes_bnswap_layers_like_stock():
+    """Given case 2: backbone (BatchNorm included) frozen for epoch 0, unfrozen at 1."""
+    per_variant = _compare_variants(_finetune_runs(FrozenBNBackboneFinetuning))
+    for variant, (snap, _) in per_variant.items():
+        assert snap.tracking == {0: [False] * 4, 1: [True] * 4}, variant
+        # frozen for epoch 0: running stats and counters bit-identical
+        assert_states_equal(snap.snaps["start0"], snap.snaps["end0"])
+        assert all(int(v) == 0 for k, v in snap.snaps["end0"].items()
+                   if k.endswith("num_batches_tracked"))
+        # unfrozen at epoch 1: they move (3 batches)
+        for k, v in snap.snaps["end1"].items():
+            if k.endswith("num_batches_tracked"):
+                assert int(v) == 3
+            else:
+                assert not torch.equal(v, snap.snaps["end0"][k]), k
+
+
+def test_stock_backbone_finetuning_keeps_bn_statistics_moving_as_stock():
+    """Lightning's own BackboneFinetuning freezes the backbone's weights but leaves its
+    BatchNorm layers tracking in the first epochs (whatever ``train_bn``): bnswap
+    layers do exactly what stock ones do."""
+    per_variant = _compare_variants(_finetune_runs(BackboneFinetuning))
+    for variant, (snap, _) in per_variant.items():
+        assert snap.tracking == {0: [True] * 4, 1: [True] * 4}, variant
+        assert all(int(v) == 3 for k, v in snap.snaps["end0"].items()
+                   if k.endswith("num_batches_tracked"))
+
+
+# --------------------------------------------------------------------------- eval submodule
+class PartlyEvalModel(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4))
+        self.side.eval()  # the user's choice: must survive the whole fit
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y) + self.side(x).pow(2).mean()
+
+
+def test_submodule_in_eval_stays_in_eval():
+    runs = fit_pair(PartlyEvalModel)
+    for variant, (model, _) in runs.items():
+        assert not model.side.training and not model.side[1].training, variant
+        assert model.net.training
+        assert int(model.side[1].num_batches_tracked) == 0
+        assert torch.equal(model.side[1].running_mean, torch.zeros(4))
+    assert isinstance(runs["bnswap"][0].side[1], BNSwapLayer)
+    assert_states_equal(state(runs["stock"][0]), state(runs["bnswap"][0]))
+
+
+# --------------------------------------------------------------------------- accumulation
+def test_accumulate_grad_batches_counts_every_forward_as_stock():
+    runs = fit_pair(Classifier, {"accumulate_grad_batches": 3, "limit_train_batches": 6})
+    for variant, (model, t) in runs.items():
+        assert t.global_step == 2, variant  # 6 batches / 3 per optimizer step
+        for m in bn_layers(model).values():
+            assert int(m.num_batches_tracked) == 6  # k = 3 per optimizer step
+    assert_states_equal(state(runs["stock"][0]), state(runs["bnswap"][0]))
+
+
+# --------------------------------------------------------------------------- revert
+def test_revert_on_teardown_gives_stock_classes_back():
+    model = Classifier()
+    params_before = {n: p for n, p in model.named_parameters()}
+    cb = BNSwap(revert_on_teardown=True)
+    seen = {}
+
+    class Spy(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen["classes"] = {type(m) for m in bn_layers(pl_module).values()}
+
+    trainer([cb, Spy()]).fit(model, data())
+    assert seen["classes"] == {bnswap.BatchNorm2d}
+    assert {type(m) for m in bn_layers(model).values()} == {nn.BatchNorm2d}
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    assert cb.plan is not None and len(cb.plan.swapped) == 4
+
+
+# --------------------------------------------------------------------------- other stages
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_validate_test_predict_run_on_swapped_layers(stage):
+    results = {}
+    for variant in ("stock", "bnswap"):
+        pl.seed_everything(0)
+        model = Classifier(build="configure_model")
+        cbs = [BNSwap()] if variant == "bnswap" else []
+        t = trainer(cbs, limit_test_batches=2, limit_predict_batches=2)
+        out = getattr(t, stage)(model, datamodule=data())
+        results[variant] = (model, out)
+    model, out = results["bnswap"]
+    assert model.seen[f"{'val' if stage == 'validate' else stage}_swapped"] == [[True] * 4] * 2
+    stock_model, stock_out = results["stock"]
+    assert stock_model.seen[f"{'val' if stage == 'validate' else stage}_swapped"] == [[False] * 4] * 2
+    if stage == "predict":
+        assert all(torch.equal(a, b) for a, b in zip(out, stock_out))
+    else:
+        assert out == stock_out
+
+
+# --------------------------------------------------------------------------- given case 3
+def test_resume_from_mid_epoch_checkpoint_is_bitwise_identical(tmp_path):
+    kw = {"max_epochs": 2, "limit_train_batches": 6, "limit_val_batches": 2}
+
+    def run(ckpt_dir=None, ckpt_path=None, swap=True):
+        pl.seed_everything(0)
+        model = Classifier(sched=True)
+        cbs = [BNSwap()] if swap else []
+        extra = {}
+        if ckpt_dir is not None:
+            cbs.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1,
+                                       filename="{epoch}-{step}"))
+            extra["enable_checkpointing"] = True
+        t = trainer(cbs, **kw, **extra)
+        t.fit(model, data(), ckpt_path=ckpt_path)
+        return model, t
+
+    full, _ = run(ckpt_dir=tmp_path)
+    ref = state(full)
+    stock, _ = run(swap=False)
+    assert_states_equal(state(stock), ref)  # the right value is stock's
+    # mid-epoch checkpoints: inside epoch 0 and inside epoch 1
+    for name in ("epoch=0-step=2.ckpt", "epoch=1-step=9.ckpt"):
+        resumed, t = run(ckpt_path=tmp_path / name)
+        assert t.global_step == 12
+        assert all(isinstance(m, BNSwapLayer) for m in bn_layers(resumed).values())
+        assert_states_equal(state(resumed), ref)
+
+
+# --------------------------------------------------------------------------- checkpoints
+def test_checkpoints_move_between_stock_and_bnswap(tmp_path):
+    kw = {"max_epochs": 1, "limit_train_batches": 3, "enable_checkpointing": True}
+
+    def fit(swap, ckpt_path=None, max_epochs=1, dirpath=None):
+        pl.seed_everything(0)
+        model = Classifier()
+        cbs = [BNSwap()] if swap else []
+        cbs.append(ModelCheckpoint(dirpath=dirpath or tmp_path / "x", save_last=True))
+        t = trainer(cbs, **{**kw, "max_epochs": max_epochs})
+        t.fit(model, data(), ckpt_path=ckpt_path)
+        return model
+
+    stock_1 = fit(False, dirpath=tmp_path / "stock")
+    swap_1 = fit(True, dirpath=tmp_path / "swap")
+    assert_states_equal(state(stock_1), state(swap_1))
+    # stock checkpoint -> bnswap model, training continues as the stock run does
+    from_stock = fit(True, ckpt_path=tmp_path / "stock" / "last.ckpt", max_epochs=2,
+                     dirpath=tmp_path / "a")
+    stock_2 = fit(False, ckpt_path=tmp_path / "stock" / "last.ckpt", max_epochs=2,
+                  dirpath=tmp_path / "b")
+    assert all(isinstance(m, BNSwapLayer) for m in bn_layers(from_stock).values())
+    assert_states_equal(state(from_stock), state(stock_2))
+    # bnswap checkpoint -> stock model (and through load_state_dict, strict)
+    from_swap = fit(False, ckpt_path=tmp_path / "swap" / "last.ckpt", max_epochs=2,
+                    dirpath=tmp_path / "c")
+    assert all(type(m) is nn.BatchNorm2d for m in bn_layers(from_swap).values())
+    assert_states_equal(state(from_swap), state(stock_2))
+    ckpt = torch.load(tmp_path / "swap" / "last.ckpt", weights_only=True)
+    plain = Classifier()
+    plain.load_state_dict(ckpt["state_dict"], strict=True)
+    assert_states_equal(state(plain), state(swap_1))
+
+
+# --------------------------------------------------------------------------- filters
+def test_include_exclude_are_matched_against_qualified_names():
+    class Two(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a = None
+            self.b = ConvNet4(channels=CH)
+
+        def configure_model(self):
+            if self.a is None:
+                self.a = ConvNet4(channels=CH)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.a(x) + self.b(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    model = Two()
+    cb = BNSwap(exclude=["a.features.1", "b.*"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
+    # "a.features.1" matches nothing before configure_model: no spurious warning
+    assert not [w for w in caught if str(w.message).startswith("bnswap")]
+    swapped = {n for n, m in bn_layers(model).items() if isinstance(m, BNSwapLayer)}
+    assert swapped == {"a.features.4", "a.features.8", "a.features.11"}
+    skipped = {r.name: r.reason for r in cb.plan.rows if r.action == "skip"}
+    assert skipped["a.features.1"] == "excluded by 'a.features.1'"
+    assert skipped["b.features.1"] == "excluded by 'b.*'"
+    # a pattern that matches nothing in the final model warns, once
+    model, cb = Two(), BNSwap(include=["nope.*"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
+    ours = [str(w.message) for w in caught if str(w.message).startswith("bnswap")]
+    assert ours == ["bnswap: include pattern 'nope.*' matches no BatchNorm layer"]
+    assert not any(isinstance(m, BNSwapLayer) for m in model.modules())
+
+
+def test_bad_arguments_are_refused_at_construction():
+    with pytest.raises(ValueError, match="unknown backend"):
+        BNSwap("cudnn")
+    with pytest.raises(TypeError, match="glob patterns"):
+        BNSwap(include=[3])
+
+
+# --------------------------------------------------------------------------- sync BN
+class _FakeTrainer:
+    is_global_zero = True
+
+
+def test_sync_batchnorm_is_left_alone_and_reported():
+    """Trainer(sync_batchnorm=True): Lightning's TorchSyncBatchNorm converts every
+    _BatchNorm, bnswap layers included, in strategy.setup (after the callback's setup).
+    SyncBatchNorm refuses CPU input in a process group, so this runs the conversion
+    steps of a fit by hand: setup -> layer sync -> stage start."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    model = Classifier()
+    weights = [m.weight for m in bn_layers(model).values()]
+    cb = BNSwap()
+    records = []
+    h = logging.Handler(level=logging.INFO)
+    h.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("bnswap.lightning").addHandler(h)
+    try:
+        cb.setup(_FakeTrainer(), model, "fit")
+        assert all(isinstance(m, BNSwapLayer) for m in bn_layers(model).values())
+        model = TorchSyncBatchNorm().apply(model)  # what DDPStrategy.setup does
+        cb.on_fit_start(_FakeTrainer(), model)
+    finally:
+        logging.getLogger("bnswap.lightning").removeHandler(h)
+        cb.teardown(_FakeTrainer(), model, "fit")
+    layers = bn_layers(model)
+    assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
+    assert [m.weight for m in layers.values()] == weights  # same Parameter objects
+    assert [r.action for r in cb.plan.rows] == ["skip"] * 4
+    assert {r.reason for r in cb.plan.rows} == {
+        "SyncBatchNorm runs its own cross-process kernel; left as is"}
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "4 layer(s) are torch.nn.SyncBatchNorm" in warned[0]
+    assert "sync_batchnorm=False" in warned[0]
+    assert global_registration_hooks() == 0
+
+
+# --------------------------------------------------------------------------- packaging
+def test_import_bnswap_does_not_import_lightning():
+    code = ("import sys, bnswap\n"
+            "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') "
+            "for m in sys.modules), sorted(m for m in sys.modules if 'lightning' in m)\n"
+            "from bnswap.lightning import BNSwap\n"
+            "assert bnswap.BNSwap is BNSwap\n"
+            "import lightning.pytorch as pl\n"
+            "assert issubclass(BNSwap, pl.Callback)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=env)
+
+
+def test_pytorch_lightning_trainer_works_with_BNSwapPL():
+    ptl = pytest.importorskip("pytorch_lightning")
+    from bnswap.lightning import BNSwapPL
+
+    class M(ptl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = ConvNet4(channels=CH)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    model, cb = M(), BNSwapPL()
+    t = ptl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=1,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[cb])
+    loader = data()
+    loader.setup()
+    t.fit(model, train_dataloaders=loader.train_dataloader())
+    assert all(isinstance(m, BNSwapLayer) for m in bn_layers(model).values())
+    assert len(cb.plan.swapped) == 4
+
+
+def test_ort_backend_without_onnxruntime_fails_before_changing_the_model(monkeypatch):
+    import bnswap.ort
+
+    monkeypatch.setattr(bnswap.ort, "is_available", lambda: False)
+    model, cb = Classifier(), BNSwap("ort")
+    with pytest.raises(bnswap.ort.ORTNotAvailableError, match="onnxruntime-training-cpu"):
+        cb.setup(_FakeTrainer(), model, "fit")
+    assert not any(isinstance(m, BNSwapLayer) for m in model.modules())
+    assert global_registration_hooks() == 0
+
+
+def _ort_available() -> bool:
+    import bnswap.ort
+
+    return bnswap.ort.is_available()
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_wraps_configure_model_children_before_the_optimizer():
+    """backend="ort": each BatchNorm-holding child of the LightningModule is wrapped with
+    bnswap.ort.wrap before configure_optimizers; training matches stock within float32
+    rounding (ORT's kernels differ), the counters exactly; revert unwraps."""
+    import bnswap.ort
+
+    class M(Classifier):
+        def __init__(self):
+            super().__init__(build="configure_model")
+            self.plain = nn.Linear(2, 2)  # no BatchNorm: not wrapped
+
+        def configure_optimizers(self):
+            self.seen["net_at_configure_optimizers"] = type(self.net).__name__
+            self.seen["plain_at_configure_optimizers"] = type(self.plain).__name__
+            return super().configure_optimizers()
+
+    states = {}
+    for variant in ("stock", "ort"):
+        pl.seed_everything(0)
+        model = M()
+        cbs = [BNSwap("ort", revert_on_teardown=True)] if variant == "ort" else []
+        seen = {}
+
+        class Spy(pl.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen["net"] = pl_module.net
+
+        trainer([*cbs, Spy()]).fit(model, data())
+        states[variant] = state(model)
+        if variant == "ort":
+            assert model.seen["net_at_configure_optimizers"] == "BNSwapORTModule"
+            assert model.seen["plain_at_configure_optimizers"] == "Linear"
+            ops = bnswap.ort.executed_ops(seen["net"], training=True)  # ORT really ran it
+            assert ops["BatchNormInternal"] == 4 and ops["BatchNormalizationGrad"] == 4
+            assert {r.kernel for r in cbs[0].plan.rows} == {"BatchNormInternal (ORT)"}
+            assert type(model.net) is ConvNet4  # unwrapped and reverted at teardown
+            assert {type(m) for m in bn_layers(model).values()} == {nn.BatchNorm2d}
+    a, b = states["stock"], states["ort"]
+    assert a.keys() == b.keys()
+    for k in a:
+        if k.endswith("num_batches_tracked"):
+            assert torch.equal(a[k], b[k])
+        else:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
