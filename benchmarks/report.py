@@ -147,9 +147,16 @@ def to_markdown(res: dict) -> str:
                   f"{r['convert_over_traversal']:.1f}", f"{r['revert_over_traversal']:.1f}",
                   r.get("verdict", "")] for r in rows])
             g = c["per_layer_growth"]
+            rel = c.get("growth_relative_to_traversal")
             lines += ["", f"Per-layer cost at {g['to']:,} layers / at {g['from']:,}: convert "
-                      f"{g['convert']:.2f}, revert {g['revert']:.2f} "
-                      f"({'linear' if c['linear'] else 'NOT linear'}: threshold 1.5)."]
+                      f"{g['convert']:.2f}, revert {g['revert']:.2f}"
+                      + (f", a bare `list(model.modules())` {g['traversal']:.2f} per module"
+                         if "traversal" in g else "")
+                      + (f"; relative to that traversal: convert {rel['convert']:.2f}, revert "
+                         f"{rel['revert']:.2f}" if rel else "")
+                      + f". {'Linear' if c['linear'] else 'NOT linear'} (per-layer growth < 1.5, "
+                      "or < 1.2 relative to the traversal, which slows per module as the model "
+                      "outgrows the CPU caches)."]
         elif key == "P6":
             lines += _table(
                 ["net", "dtype", "bnswap step peak MiB", "stock step peak MiB", "ratio",
