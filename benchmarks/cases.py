@@ -344,11 +344,13 @@ def p4_ort(s: Settings) -> dict:
     rows = []
     for net in (["convnet4"] if s.quick else list(NETS)):
         a, b, x, y = _pair(net)
-        bnswap.revert(a)
-        wrapped = bnswap.convert(a, backend="ort")
+        # ORT with as many intra-op threads as torch has (ORT's default is all cores).
+        threads = torch.get_num_threads()
+        wrapped = bort.wrap(a, session_options={"intra_op_num_threads": threads})
+        pairs, warmup = _pairs_warmup(s, net, (10, 3), (5, 2))
         cmp = interleaved(train_step(wrapped, x, y, "float32"), train_step(b, x, y, "float32"),
-                          pairs=s.n_pairs(10), warmup=2 if s.quick else 3)
-        row = _ab_row(cmp, 1.00, net=net, dtype="float32")
+                          pairs=pairs, warmup=max(2, warmup))  # ORT exports on its first call
+        row = _ab_row(cmp, None, net=net, dtype="float32", ort_intra_op_threads=threads)
         rows.append(row)
         s.log(f"  P4 {net:12s} ORT {row['a_median_ms']:8.2f} ms  eager stock "
               f"{row['b_median_ms']:8.2f} ms  ratio {row['ratio_median']:.3f}")

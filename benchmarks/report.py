@@ -203,7 +203,8 @@ def to_png(res: dict, path: str) -> None:
             labels = [r[0] for r in ratio_rows][::-1]
             med = [r[1] for r in ratio_rows][::-1]
             err = [[r[1] - r[2] for r in ratio_rows][::-1], [r[3] - r[1] for r in ratio_rows][::-1]]
-            colors = ["tab:green" if r[1] <= r[4] else "tab:red" for r in ratio_rows][::-1]
+            colors = ["tab:gray" if r[4] is None else "tab:green" if r[1] <= r[4] else "tab:red"
+                      for r in ratio_rows][::-1]
             ax.barh(range(len(labels)), [m - 1 for m in med], left=1, xerr=err, color=colors,
                     alpha=0.8, capsize=3)
             ax.set_yticks(range(len(labels)), labels, fontsize=8)
