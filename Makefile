@@ -28,7 +28,7 @@ $(ZOO)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(ZOO)
 	$(ZOO)/bin/python $(PIP) --upgrade pip
 	$(ZOO)/bin/python $(PIP) $(ZOO_TORCH)
-	$(ZOO)/bin/python $(PIP) -e '.[lightning,dev]' timm
+	$(ZOO)/bin/python $(PIP) -e '.[lightning,dev]' timm==1.0.31
 	touch $@
 
 setup: $(VENV)/.installed

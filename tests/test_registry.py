@@ -134,7 +134,7 @@ def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
     x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1))
     for step in range(3):  # momentum=None: the cumulative average over 3 batches
         outs = []
-        for model, opt in zip((stock, converted), opts):
+        for model, opt in zip((stock, converted), opts, strict=True):
             model.train()
             opt.zero_grad()
             torch.manual_seed(step)  # same dropout mask
@@ -143,10 +143,11 @@ def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
             opt.step()
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
-        for (n, a), (_, b) in zip(stock.named_parameters(), converted.named_parameters()):
+        pairs = zip(stock.named_parameters(), converted.named_parameters(), strict=True)
+        for (n, a), (_, b) in pairs:
             assert torch.equal(a.grad, b.grad), n
             assert torch.equal(a, b), n
-        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers()):
+        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers(), strict=True):
             assert torch.equal(a, b), n
     assert int(converted.bnact.num_batches_tracked) == 3
     stock.eval()
