@@ -12,6 +12,10 @@ def _ci(r: dict) -> str:
     return f"{lo:.3f}-{hi:.3f}"
 
 
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+
+
 def _cpu(r: dict) -> str:
     v = r.get("cpu_ratio_median")
     return "-" if v is None else f"{v:.3f}"
@@ -58,18 +62,34 @@ def to_markdown(res: dict) -> str:
             lines.append(f"Note: {c['note']}.")
         lines.append("")
         rows = c["rows"]
-        if key in ("P1", "P4"):
+        if key == "P1":
             lines += _table(
-                ["net", "dtype", "bnswap ms" if key == "P1" else "ORT ms", "stock ms",
-                 "ratio (median)", "95 % CI", "CPU-time ratio", "pairs", "verdict"],
-                [[r["net"], r["dtype"], f"{r['a_median_ms']:.2f}", f"{r['b_median_ms']:.2f}",
-                  f"{r['ratio_median']:.3f}", _ci(r), _cpu(r), str(r["pairs"]), r["verdict"]]
-                 for r in rows])
-            if key == "P1" and c.get("control"):
+                ["net", "dtype", "BN layers", "bnswap ms", "stock ms", "ratio (median)", "95 % CI",
+                 "CPU-time ratio", "pairs", "fixed-cost estimate", "verdict"],
+                [[r["net"], r["dtype"], str(r.get("bn_layers", "")), f"{r['a_median_ms']:.2f}",
+                  f"{r['b_median_ms']:.2f}", f"{r['ratio_median']:.3f}", _ci(r), _cpu(r),
+                  str(r["pairs"]), f"{r['fixed_cost_estimate']:.4f}" if "fixed_cost_estimate" in r
+                  else "-", r["verdict"]] for r in rows])
+            f = c.get("fixed_layer_cost")
+            if f:
+                lines += ["", f"Fixed-cost estimate: 1 + BN layers x (bnswap - stock layer time, "
+                          f"forward+backward on a (4,8,2,2) input: {f['bnswap_us']:.1f} - "
+                          f"{f['stock_us']:.1f} = {f['delta_us']:+.1f} us) / stock step time. "
+                          "Both variants run the same ATen kernels, so this size-independent "
+                          "per-layer cost (Python and op dispatch) is the whole expected "
+                          "difference; it is not subject to the step-time noise."]
+            if c.get("control"):
                 r = c["control"]
                 lines += ["", f"A/A control (stock / an identical stock copy, convnet4 float32, "
                           f"same harness): {r['ratio_median']:.3f} ({_ci(r)}): the noise floor "
                           "of this run."]
+        elif key == "P4":
+            lines += _table(
+                ["net", "dtype", "ORT ms", "stock ms",
+                 "ratio (median)", "95 % CI", "CPU-time ratio", "pairs", "verdict"],
+                [[r["net"], r["dtype"], f"{r['a_median_ms']:.2f}", f"{r['b_median_ms']:.2f}",
+                  f"{r['ratio_median']:.3f}", _ci(r), _cpu(r), str(r["pairs"]), r["verdict"]]
+                 for r in rows])
         elif key == "P2":
             lines += _table(
                 ["net", "dtype", "bnswap ms", "stock ms", "ratio (median)", "95 % CI",
@@ -90,11 +110,15 @@ def to_markdown(res: dict) -> str:
         elif key == "P3":
             lines += _table(
                 ["input", "pass", "layer us", "raw op us", "overhead (median)", "95 % CI",
-                 "pairs x calls (layer/op)", "verdict"],
+                 "fixed-cost estimate", "pairs x calls (layer/op)", "verdict"],
                 [[f"{r['size']} {tuple(r['shape'])}", r["mode"], f"{r['a_median_us']:.1f}",
                   f"{r['b_median_us']:.1f}", f"{r['overhead_pct']:+.2f} %",
                   f"{(r['ratio_ci95'][0] - 1) * 100:+.2f} to {(r['ratio_ci95'][1] - 1) * 100:+.2f} %",
+                  (f"{r['fixed_overhead_us']:.1f} us = {r['fixed_cost_overhead_pct']:+.3f} %"
+                   if "fixed_cost_overhead_pct" in r else "-"),
                   f"{r['pairs']} x {r['inner']}/{r['inner_b']}", r["verdict"]] for r in rows])
+            lines += ["", "Fixed-cost estimate: the layer's extra time over the op at tiny size "
+                      "(size-independent work) divided by the op's time at ResNet size."]
             if c.get("vs_stock"):
                 lines += ["", "For context (no goal), the bnswap layer against stock "
                           "`nn.BatchNorm2d` on the same input:", ""]
@@ -123,9 +147,16 @@ def to_markdown(res: dict) -> str:
                   f"{r['convert_over_traversal']:.1f}", f"{r['revert_over_traversal']:.1f}",
                   r.get("verdict", "")] for r in rows])
             g = c["per_layer_growth"]
+            rel = c.get("growth_relative_to_traversal")
             lines += ["", f"Per-layer cost at {g['to']:,} layers / at {g['from']:,}: convert "
-                      f"{g['convert']:.2f}, revert {g['revert']:.2f} "
-                      f"({'linear' if c['linear'] else 'NOT linear'}: threshold 1.5)."]
+                      f"{g['convert']:.2f}, revert {g['revert']:.2f}"
+                      + (f", a bare `list(model.modules())` {g['traversal']:.2f} per module"
+                         if "traversal" in g else "")
+                      + (f"; relative to that traversal: convert {rel['convert']:.2f}, revert "
+                         f"{rel['revert']:.2f}" if rel else "")
+                      + f". {'Linear' if c['linear'] else 'NOT linear'} (per-layer growth < 1.5, "
+                      "or < 1.2 relative to the traversal, which slows per module as the model "
+                      "outgrows the CPU caches)."]
         elif key == "P6":
             lines += _table(
                 ["net", "dtype", "bnswap step peak MiB", "stock step peak MiB", "ratio",
@@ -152,10 +183,10 @@ def to_png(res: dict, path: str) -> None:
     ratio_rows = []  # (label, median, lo, hi, goal)
     for key in ("P1", "P2", "P4"):
         for r in ok.get(key, {}).get("rows", []):
-            ratio_rows.append((f"{key} {r['net']} {r['dtype'][:4]}", r["ratio_median"],
+            ratio_rows.append((f"{key} {r['net']} {_short(r['dtype'])}", r["ratio_median"],
                                *r["ratio_ci95"], r["goal"]))
     for r in ok.get("P6", {}).get("rows", []):
-        ratio_rows.append((f"P6 mem {r['net']} {r['dtype'][:4]}", r["ratio"], r["ratio"], r["ratio"], 1.0))
+        ratio_rows.append((f"P6 mem {r['net']} {_short(r['dtype'])}", r["ratio"], r["ratio"], r["ratio"], 1.0))
     if ratio_rows:
         panels.append("ratios")
     if "P3" in ok:
@@ -172,7 +203,8 @@ def to_png(res: dict, path: str) -> None:
             labels = [r[0] for r in ratio_rows][::-1]
             med = [r[1] for r in ratio_rows][::-1]
             err = [[r[1] - r[2] for r in ratio_rows][::-1], [r[3] - r[1] for r in ratio_rows][::-1]]
-            colors = ["tab:green" if r[1] <= r[4] else "tab:red" for r in ratio_rows][::-1]
+            colors = ["tab:gray" if r[4] is None else "tab:green" if r[1] <= r[4] else "tab:red"
+                      for r in ratio_rows][::-1]
             ax.barh(range(len(labels)), [m - 1 for m in med], left=1, xerr=err, color=colors,
                     alpha=0.8, capsize=3)
             ax.set_yticks(range(len(labels)), labels, fontsize=8)
@@ -180,7 +212,8 @@ def to_png(res: dict, path: str) -> None:
             ax.set_xlabel("bnswap / reference (median of pair ratios, 95 % CI)")
             ax.set_title("P1/P2/P4 time ratios, P6 memory ratio")
         elif panel == "P3":
-            rows = ok["P3"]["rows"]
+            rows = [r for r in ok["P3"]["rows"] if r["size"] != "tiny"]
+            tiny = [r for r in ok["P3"]["rows"] if r["size"] == "tiny"]
             labels = [f"{r['size']} {'fwd' if r['mode'] == 'forward' else 'fwd+bwd'}" for r in rows]
             vals = [r["overhead_pct"] for r in rows]
             err = [[(r["ratio_median"] - r["ratio_ci95"][0]) * 100 for r in rows],
@@ -190,23 +223,34 @@ def to_png(res: dict, path: str) -> None:
                           ("tab:green" if r["ratio_median"] <= r["goal"] else "tab:red") for r in rows])
             ax.axhline(2.0, color="tab:red", ls="--", lw=1, label="goal (ResNet size): 2 %")
             ax.set_xticks(range(len(rows)), labels, fontsize=8)
-            ax.set_ylabel("layer overhead over raw aten op, %")
+            ax.set_ylabel("layer overhead over raw aten op, % (95 % CI)")
+            ax.set_ylim(min(-5.0, ax.get_ylim()[0]), max(10.0, ax.get_ylim()[1]) * 1.6)
+            for i, r in enumerate(rows):
+                if "fixed_cost_overhead_pct" in r:
+                    ax.plot([i], [r["fixed_cost_overhead_pct"]], "kD", ms=5,
+                            label="fixed-cost estimate" if i == 0 else None)
             bw = ok["P3"].get("bandwidth", [])
-            txt = "\n".join(f"{b['size']} {'fwd' if b['mode'] == 'forward' else 'f+b'}: "
-                            f"{b['op_gbps']:.1f} GB/s = {b['fraction_of_clone'] * 100:.0f} % of clone"
-                            for b in bw)
+            txt = "\n".join(
+                [f"tiny {'fwd' if r['mode'] == 'forward' else 'f+b'}: layer {r['a_median_us']:.0f} us, "
+                 f"op {r['b_median_us']:.0f} us ({r['overhead_pct']:+.0f} %)" for r in tiny]
+                + [f"{b['size']} {'fwd' if b['mode'] == 'forward' else 'f+b'} op: "
+                   f"{b['op_gbps']:.3g} GB/s = {b['fraction_of_clone'] * 100:.0f} % of clone"
+                   for b in bw])
             if txt:
                 ax.text(0.02, 0.98, txt, transform=ax.transAxes, va="top", fontsize=7,
                         family="monospace", bbox={"facecolor": "white", "alpha": 0.8})
             ax.legend(loc="upper right", fontsize=8)
-            ax.set_title("P3 layer overhead (tiny: info only)")
+            ax.set_title("P3 layer overhead over the raw op, ResNet size")
         elif panel == "P5":
             rows = ok["P5"]["rows"]
             n = [r["layers"] for r in rows]
             ax.loglog(n, [r["convert_ms"] for r in rows], "o-", label="convert")
             ax.loglog(n, [r["revert_ms"] for r in rows], "s-", label="revert")
-            ax.loglog(n, [rows[0]["convert_ms"] * k / n[0] for k in n], "k:", lw=1,
-                      label="linear from 10 layers")
+            ref = next((r for r in rows if r["layers"] == 1000), rows[-1])
+            ax.loglog(n, [ref["convert_ms"] * k / ref["layers"] for k in n], "k:", lw=1,
+                      label="linear through convert at 1,000")
+            ax.loglog(n, [r["traversal_ms"] for r in rows], "^--", color="gray", lw=1,
+                      label="list(model.modules())")
             ax.axhline(20, color="tab:red", ls="--", lw=1, label="20 ms goal (at 1,000)")
             ax.set_xlabel("BatchNorm layers")
             ax.set_ylabel("ms")
