@@ -34,7 +34,6 @@ synthetic).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os

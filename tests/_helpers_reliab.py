@@ -15,7 +15,6 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
@@ -114,17 +113,3 @@ def run_script(code: str, timeout: float = 120) -> tuple[int, str, str]:
 
 def json_lines(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-
-
-@pytest.fixture(scope="module")
-def few_threads():
-    """Run a module's tests with BNSWAP_TEST_THREADS intra-op threads (default 1).
-
-    The kernels here are tiny; on a shared 2-core CI machine OpenMP's thread hand-offs
-    make each call up to 1000x slower. Both sides of every comparison run with the
-    same setting; the previous setting is restored afterwards.
-    """
-    old = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("BNSWAP_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(old)

@@ -18,12 +18,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import bnswap
-from tests._helpers_reliab import few_threads, state_diff  # noqa: F401
+from tests._helpers_reliab import state_diff
 
 # bnswap.convert is the function (bnswap/__init__ re-exports it); the module is here:
 convert_mod = importlib.import_module("bnswap.convert")
 
-pytestmark = pytest.mark.usefixtures("few_threads")
 
 CALLS: list[str] = []
 

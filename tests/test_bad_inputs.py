@@ -25,7 +25,6 @@ from torch import nn
 
 import bnswap
 from tests._helpers_reliab import (
-    few_threads,  # noqa: F401 - module fixture
     json_lines,
     outcome,
     pair,
@@ -35,7 +34,6 @@ from tests._helpers_reliab import (
     stats_have_nan,
 )
 
-pytestmark = pytest.mark.usefixtures("few_threads")
 
 # --- layer-level rows, run in a subprocess ---------------------------------------------
 

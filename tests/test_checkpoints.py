@@ -20,9 +20,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 import bnswap
-from tests._helpers_reliab import few_threads, outcome, state_diff  # noqa: F401
+from tests._helpers_reliab import outcome, state_diff
 
-pytestmark = pytest.mark.usefixtures("few_threads")
 
 
 def build() -> nn.Module:

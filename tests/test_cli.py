@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 pytest.importorskip("lightning.pytorch")
@@ -21,15 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "digits_mobilenetv2.yaml"
 STOCK = ROOT / "configs" / "digits_mobilenetv2_stock.yaml"
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: the 2-core machines are shared, and oversubscribed OpenMP
-    threads spin (5x slower runs); results are bitwise the same either way here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny(tmp: Path) -> list[str]:

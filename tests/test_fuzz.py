@@ -38,9 +38,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import bnswap
-from tests._helpers_reliab import few_threads, same_tensor, state_diff  # noqa: F401
+from tests._helpers_reliab import same_tensor, state_diff
 
-pytestmark = pytest.mark.usefixtures("few_threads")
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 PROFILES = {

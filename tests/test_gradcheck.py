@@ -17,9 +17,7 @@ from torch.autograd import gradcheck, gradgradcheck
 from torch.func import functional_call
 
 import bnswap
-from tests._helpers_reliab import few_threads  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("few_threads")
 
 SHAPES = {"1d_rank2": (nn.BatchNorm1d, (5, 3)), "1d_rank3": (nn.BatchNorm1d, (3, 3, 2)),
           "2d": (nn.BatchNorm2d, (3, 3, 2, 2)), "3d": (nn.BatchNorm3d, (2, 3, 2, 2, 1))}

@@ -15,15 +15,13 @@ from torch.func import functional_call, jacrev, replace_all_batch_norm_modules_,
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
-from tests._helpers_reliab import (  # noqa: F401 - few_threads: module fixture
-    few_threads,
+from tests._helpers_reliab import (
     outcome,
     pair,
     same_tensor,
     state_diff,
 )
 
-pytestmark = pytest.mark.usefixtures("few_threads")
 
 
 def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:

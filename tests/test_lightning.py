@@ -30,15 +30,6 @@ from bnswap.models import ConvNet4  # noqa: E402
 CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: the 2-core machines are shared, and oversubscribed OpenMP
-    threads spin (5x slower runs); results are bitwise the same either way here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def bn_layers(module: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in module.named_modules() if isinstance(m, _BatchNorm)}

@@ -268,3 +268,30 @@ def test_wrap_rejects_unswapped_and_non_float32_layers():
     assert type(same_width[0]) is nn.BatchNorm1d
     with pytest.raises(ValueError, match="fallback"):
         bnswap.ort.wrap(nn.Linear(2, 2), fallback="torch")
+
+
+def test_train_mode_restored_by_attribute_after_eval_runs_training_graph():
+    """Lightning (2.x ``_ModuleMode.restore``) puts a model back in train mode after
+    validation by assigning ``.training`` on every module of ``named_modules()``, not by
+    calling ``train()``. ORTModule's hidden ``_flattened_module`` (which picks the training
+    or inference graph) is not among them and stayed in eval: the training step then ran
+    the inference graph and the running statistics were never written (ORTRunError). The
+    wrapper follows the wrapped model's own ``training`` flag."""
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model = copy.deepcopy(ref)
+    parent = nn.Module()
+    parent.net = bnswap.convert(model, backend="ort")
+    wrapped = parent.net
+    modes = {name: m.training for name, m in parent.named_modules()}  # _ModuleMode.capture
+    parent.eval()
+    ref.eval()
+    with torch.inference_mode():  # Lightning's sanity-check validation
+        for _ in range(2):
+            x = torch.randn(4, 3, 6, 6)
+            torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    for name, m in parent.named_modules():  # _ModuleMode.restore
+        m.training = modes[name]
+    ref.train()
+    assert model.training  # the ORTModule itself and its _flattened_module are not visited
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) + 2, steps=2)
+    assert bnswap.ort.executed_ops(wrapped, training=True)["BatchNormInternal"] == 1

@@ -47,16 +47,6 @@ NUM_CLASSES = 10
 INPUT_SHAPE = (2, 3, 64, 64)  # smallest feature maps: 2x2 (8 values per channel)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these small inputs gain nothing from two, and on a shared
-    2-core machine OpenMP's spinning threads made steps 10-40x slower. Stock and
-    converted models always run under the same setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _import(lib: str) -> Any:
     """Import torchvision / timm or skip with the reason (torchvision does not import

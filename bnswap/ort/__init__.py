@@ -228,6 +228,7 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 module = self._bnswap_inner
                 if self._bnswap_eager:
                     return module(*args, **kwargs)
+                self._bnswap_sync_mode(module.training)
                 if module.training:
                     for name, m in _bn_layers(module):
                         if not m.training:
@@ -264,6 +265,24 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                     return self._bnswap_call(args, kwargs)
                 except ORTRunError as err:
                     return self._bnswap_maybe_fallback(err, args, kwargs)
+
+            def _bnswap_sync_mode(self, training: bool) -> None:
+                """Make ORT's mode follow the wrapped model's ``training`` flag.
+
+                ORT picks its training or inference graph from the hidden
+                ``_torch_module._flattened_module.training``, which only
+                ``ORTModule.train()`` / ``eval()`` update. Code that sets ``.training``
+                on every module of ``named_modules()`` instead (Lightning 2.x restores
+                the train mode after validation that way, ``_ModuleMode.restore``)
+                never reaches it nor the ORTModule itself (``named_modules`` yields the
+                wrapped model's modules), so ORT kept running its inference graph in a
+                training step. The wrapped model's own flag is the one bnswap reads.
+                """
+                if self.__dict__.get("training") is not training:
+                    self.__dict__["training"] = training
+                flat = getattr(self._torch_module, "_flattened_module", None)
+                if flat is not None and flat.training is not training:
+                    flat.training = training  # its only child is the wrapped model
 
             def _bnswap_call(self, args: tuple, kwargs: dict) -> Any:
                 try:
