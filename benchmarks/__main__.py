@@ -35,6 +35,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.path.join(HERE, "results"),
                     help="output folder (default: benchmarks/results)")
     ap.add_argument("--name", default="latest", help="output file stem (default: latest)")
+    ap.add_argument("--nets", default=None,
+                    help="comma-separated nets to run (default: all of each case's nets); P1 "
+                         "also has the zoo nets timm_mobilenetv2_100, tv_resnet18 (need timm / "
+                         "torchvision)")
     ap.add_argument("--note", default=None, help="free text stored with the results")
     return ap.parse_args(argv)
 
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
 
     from benchmarks import report
-    from benchmarks.cases import CASES, Settings
+    from benchmarks.cases import ALL_NETS, CASES, Settings
     from benchmarks.harness import load_average, machine_info, python_loop_ms
 
     wanted = [c.strip().upper() for c in args.cases.split(",") if c.strip()]
@@ -58,14 +62,21 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown case(s) {unknown}; choose from {sorted(CASES)}", file=sys.stderr)
         return 2
-    settings = Settings(quick=args.quick, full=args.full, pairs=args.pairs,
+    nets = None
+    if args.nets:
+        nets = tuple(n.strip() for n in args.nets.split(",") if n.strip())
+        bad = [n for n in nets if n not in ALL_NETS]
+        if bad:
+            print(f"unknown net(s) {bad}; choose from {list(ALL_NETS)}", file=sys.stderr)
+            return 2
+    settings = Settings(quick=args.quick, full=args.full, pairs=args.pairs, nets=nets,
                         log=lambda s: print(s, flush=True))
     res: dict = {
         "schema": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": {"cases": wanted, "quick": args.quick, "full": args.full, "threads": threads,
-                   "pairs": args.pairs},
+                   "pairs": args.pairs, "nets": list(nets) if nets else None},
         "machine": machine_info(),
         "note": args.note,
         "cases": {},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import json
 import os
 import subprocess
@@ -32,7 +33,11 @@ class Settings:
     quick: bool = False
     full: bool = False  # P2 also in bfloat16 for the two large nets (slow first compile)
     pairs: int | None = None  # override the per-case default number of pairs
+    nets: tuple[str, ...] | None = None  # run only these nets (None: every net of the case)
     log: Callable[[str], None] = print
+
+    def want(self, net: str) -> bool:
+        return self.nets is None or net in self.nets
 
     def n_pairs(self, default: int, quick: int = 3) -> int:
         if self.pairs is not None:
@@ -47,9 +52,33 @@ NETS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
     "mobilenetv2": (lambda: MobileNetV2(num_classes=10, in_channels=3), 32, 64),
     "resnet18": (lambda: ResNet18(num_classes=10, in_channels=3), 16, 64),
 }
+# Real-zoo nets (P1 only), each run only where its package imports: name -> (package,
+# factory, batch, H=W). timm's MobileNetV2 has 52 BatchNormAct2d layers, which
+# bnswap.convert swaps through its timm adapter (bnswap.adapters.timm).
+ZOO_NETS: dict[str, tuple[str, Callable[[], nn.Module], int, int]] = {
+    "timm_mobilenetv2_100": ("timm", lambda: importlib.import_module("timm").create_model(
+        "mobilenetv2_100", pretrained=False, num_classes=10), 16, 64),
+    "tv_resnet18": ("torchvision", lambda: importlib.import_module("torchvision").models.resnet18(
+        weights=None, num_classes=10), 16, 64),
+}
+ZOO_SKIP = "skipped: needs {pkg} — run with .venv-zoo"
+ALL_NETS = (*NETS, *ZOO_NETS)
 DTYPES = ("float32", "bfloat16")
 # Train steps of the large nets take seconds on a CPU: fewer pairs (and warm-up steps).
+# The zoo nets downsample early (stride-2 stems): ~0.4 s steps, the small nets' pair counts.
 LARGE = ("mobilenetv2", "resnet18")
+
+
+def zoo_missing(net: str) -> str | None:
+    """The package a zoo net needs when it does not import here, else None."""
+    if net not in ZOO_NETS:
+        return None
+    pkg = ZOO_NETS[net][0]
+    try:
+        importlib.import_module(pkg)
+    except Exception:
+        return pkg
+    return None
 
 
 def _pairs_warmup(s: Settings, net: str, small: tuple[int, int], large: tuple[int, int]):
@@ -69,7 +98,7 @@ def verdict(value: float, goal: float, ci: tuple[float, float] | list[float] | N
 
 def _pair(net: str, seed: int = 0) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     """(bnswap model, stock model) with identical weights, and a batch (x, y)."""
-    factory, batch, hw = NETS[net]
+    factory, batch, hw = NETS[net] if net in NETS else ZOO_NETS[net][1:]
     torch.manual_seed(seed)
     stock = factory()
     swapped = bnswap.convert(copy.deepcopy(stock))
@@ -130,10 +159,16 @@ def p1_eager(s: Settings) -> dict:
           f"{fixed['bnswap_us']:.1f} us, stock {fixed['stock_us']:.1f} us, "
           f"delta {fixed['delta_us']:+.1f} us")
     rows = []
-    combos = [(n, d) for n in NETS for d in DTYPES]
+    combos = [(n, d) for n in ALL_NETS for d in DTYPES]
     if s.quick:
         combos = [("convnet4", "float32")]
-    for net, dtype in combos:
+    for net, dtype in [c for c in combos if s.want(c[0])]:
+        missing = zoo_missing(net)
+        if missing:
+            rows.append({"net": net, "dtype": dtype, "goal": 1.00,
+                         "verdict": ZOO_SKIP.format(pkg=missing)})
+            s.log(f"  P1 {net:12s} {dtype:9s} {rows[-1]['verdict']}")
+            continue
         a, b, x, y = _pair(net)
         pairs, warmup = _pairs_warmup(s, net, (10, 3), (5, 1))
         cmp = interleaved(train_step(a, x, y, dtype), train_step(b, x, y, dtype),
@@ -208,7 +243,7 @@ def p2_compile(s: Settings) -> dict:
               if s.full or d == "float32" or n not in LARGE]
     if s.quick:
         combos = [("convnet4", "float32")]
-    for net, dtype in combos:
+    for net, dtype in [c for c in combos if s.want(c[0])]:
         torch._dynamo.reset()
         a, b, x, y = _pair(net)
         pairs, warmup = _pairs_warmup(s, net, (10, 2), (4, 1))
@@ -342,7 +377,7 @@ def p4_ort(s: Settings) -> dict:
         return {"status": "skipped: ORT backend not installed",
                 "detail": f"onnxruntime-training missing: {bort.INSTALL}", "rows": []}
     rows = []
-    for net in (["convnet4"] if s.quick else list(NETS)):
+    for net in [n for n in (["convnet4"] if s.quick else NETS) if s.want(n)]:
         a, b, x, y = _pair(net)
         # ORT with as many intra-op threads as torch has (ORT's default is all cores).
         threads = torch.get_num_threads()
@@ -430,7 +465,7 @@ def p6_memory(s: Settings) -> dict:
         combos = [("convnet4", "float32")]
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    for net, dtype in combos:
+    for net, dtype in [c for c in combos if s.want(c[0])]:
         res = {}
         # The two processes run side by side: what is measured (allocations within the
         # process) does not depend on what else runs.

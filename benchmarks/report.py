@@ -69,7 +69,8 @@ def to_markdown(res: dict) -> str:
                 [[r["net"], r["dtype"], str(r.get("bn_layers", "")), f"{r['a_median_ms']:.2f}",
                   f"{r['b_median_ms']:.2f}", f"{r['ratio_median']:.3f}", _ci(r), _cpu(r),
                   str(r["pairs"]), f"{r['fixed_cost_estimate']:.4f}" if "fixed_cost_estimate" in r
-                  else "-", r["verdict"]] for r in rows])
+                  else "-", r["verdict"]] if "ratio_median" in r else  # a skipped zoo net
+                 [r["net"], r["dtype"], *["-"] * 8, r["verdict"]] for r in rows])
             f = c.get("fixed_layer_cost")
             if f:
                 lines += ["", f"Fixed-cost estimate: 1 + BN layers x (bnswap - stock layer time, "
@@ -183,6 +184,8 @@ def to_png(res: dict, path: str) -> None:
     ratio_rows = []  # (label, median, lo, hi, goal)
     for key in ("P1", "P2", "P4"):
         for r in ok.get(key, {}).get("rows", []):
+            if "ratio_median" not in r:  # skipped (a zoo net without its package)
+                continue
             ratio_rows.append((f"{key} {r['net']} {_short(r['dtype'])}", r["ratio_median"],
                                *r["ratio_ci95"], r["goal"]))
     for r in ok.get("P6", {}).get("rows", []):
