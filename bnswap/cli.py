@@ -209,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         CLI(compare, args=args[1:], as_positional=False)
         return
-    BNSwapCLI(args=args)
+    # LightningCLI reads sys.argv itself; pass args only when called from Python (passing
+    # both makes Lightning warn on every command-line run).
+    BNSwapCLI(args=None if argv is None else args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -174,11 +174,13 @@ def decide(
             out.append(Decision(
                 shown, m, cls, "skip",
                 f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
-                f"187298); register an adapter with bnswap.register({cls.__name__}, ...)"))
+                f"187298); register an adapter: bnswap.register({cls.__name__}, <bnswap subclass>), "
+                "see docs/adapters.md"))
         else:
             out.append(Decision(
                 shown, m, cls, "skip",
-                f"{cls.__name__} is not registered; use bnswap.register({cls.__name__}, ...)"))
+                f"{cls.__name__} is not registered; use bnswap.register({cls.__name__}, "
+                "<bnswap subclass>), see docs/adapters.md"))
     for kind, pats in (("include", inc), ("exclude", exc)):
         for i, p in enumerate(pats):
             if (kind[:3], i) not in used:

@@ -95,11 +95,12 @@ def test_custom_subclass_skipped_until_registered(clean_registry):
     for name in ("bnact", "block.1"):
         assert by_name[name].action == "skip"
         assert "BatchNormSiLU2d overrides forward" in by_name[name].reason
-        assert "bnswap.register(BatchNormSiLU2d, ...)" in by_name[name].reason
+        assert "bnswap.register(BatchNormSiLU2d, <bnswap subclass>), see docs/adapters.md" in by_name[name].reason
         assert by_name[name].adapter == "-"
     assert by_name["block.3"].action == "skip"
     assert by_name["block.3"].reason == (
-        "PlainSubclass is not registered; use bnswap.register(PlainSubclass, ...)")
+        "PlainSubclass is not registered; use bnswap.register(PlainSubclass, "
+        "<bnswap subclass>), see docs/adapters.md")
     net = _net()
     bnswap.convert(net)
     assert type(net.bnact) is BatchNormSiLU2d and type(net.block[3]) is PlainSubclass
