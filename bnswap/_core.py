@@ -74,10 +74,6 @@ _C10_NAMES = {
 }
 
 
-def _is_compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def _stock_checks_eps() -> bool:
     """Whether this torch's ``F.batch_norm`` rejects a non-positive eps in training
     (newer releases raise ValueError; older ones run the kernel)."""
@@ -229,7 +225,8 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         if momentum is None:
             cumulative = True
 
-    if not _is_compiling() and torch._C._are_functorch_transforms_active():
+    compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
+    if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
         # rules for aten::batch_norm but none for the consolidated ops, so run exactly
         # what stock runs (same results, same errors).
@@ -268,7 +265,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
             input, weight, bias, scratch_mean, scratch_var, 0.0, bn.eps
         )[0]
     if cumulative:
-        if not _is_compiling():
+        if not compiling:
             factor = 1.0 / float(nbt)  # as _BatchNorm.forward
         else:
             # Graph-friendly cumulative average: batch statistics via momentum=1 on
