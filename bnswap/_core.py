@@ -51,7 +51,18 @@ from torch import Tensor
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["module_batch_norm", "check_batch_norm_input"]
+__all__ = ["module_batch_norm", "check_batch_norm_input", "TRACE_WEIGHT", "TRACE_BIAS"]
+
+#: Names of optional per-layer buffers holding an affine=False layer's constant ones /
+#: zeros, used instead of freshly made ones / zeros only while the TorchScript tracer
+#: records the layer. A traced constant is the same value for every layer of one width,
+#: and ONNX Runtime training merges equal constants (its common-subexpression pass),
+#: after which its gradient builder defines the merged tensor's gradient once per layer
+#: ("Duplicate definition of name ..._grad"); a buffer is a per-layer graph input that
+#: is never merged. :func:`bnswap.ort.wrap` registers them (non-persistent: never in the
+#: state_dict) and :func:`bnswap.revert` removes them.
+TRACE_WEIGHT = "_bnswap_trace_weight"
+TRACE_BIAS = "_bnswap_trace_bias"
 
 _aten = torch.ops.aten
 # The OpOverloads, not the packets: ``torch.ops.aten._batch_norm_with_update(...)`` resolves
@@ -249,9 +260,13 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     num_features = input.shape[1]
     pdtype = _param_dtype(input, weight, bias, running_mean)
     if weight is None:
-        weight = torch.ones(num_features, dtype=pdtype, device=input.device)
+        traced = bn._buffers.get(TRACE_WEIGHT) if torch.jit.is_tracing() else None
+        weight = traced if traced is not None else torch.ones(
+            num_features, dtype=pdtype, device=input.device)
     if bias is None:
-        bias = torch.zeros(num_features, dtype=pdtype, device=input.device)
+        traced = bn._buffers.get(TRACE_BIAS) if torch.jit.is_tracing() else None
+        bias = traced if traced is not None else torch.zeros(
+            num_features, dtype=pdtype, device=input.device)
 
     if not use_batch_stats:
         return _no_update(

@@ -120,18 +120,6 @@ def _check_layers(module: nn.Module) -> None:
 
     from bnswap import is_swapped
 
-    no_affine: dict[int, list[str]] = {}
-    for name, m in _bn_layers(module):
-        if not m.affine:
-            no_affine.setdefault(int(m.num_features), []).append(name or type(m).__name__)
-    for width, names in no_affine.items():
-        if len(names) > 1:
-            raise TypeError(
-                f"bnswap.ort.wrap: layers {names} are affine=False with the same width "
-                f"({width}). ONNX Runtime 1.19.2 merges their constant ones/zeros scale and "
-                "shift into one initializer and then cannot build the gradient graph "
-                "('Duplicate definition of name ..._grad'). Give all but one of them "
-                "affine=True, or use backend='aten'.")
     for name, m in _bn_layers(module):
         label = name or type(m).__name__
         if not is_swapped(m):
@@ -151,6 +139,34 @@ def _check_layers(module: nn.Module) -> None:
             if t is not None and t.device.type != "cpu" and t.device.type != "cuda":
                 raise TypeError(f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
                                 "ORTModule runs on CPU or CUDA.")
+
+
+def _trace_constants(module: nn.Module, add: bool) -> None:
+    """Register (``add``) or remove each affine=False layer's per-layer ones / zeros
+    buffers (:data:`bnswap._core.TRACE_WEIGHT` / ``TRACE_BIAS``, non-persistent).
+
+    Traced as constants, the ones / zeros of two affine=False layers of the same width
+    are one value; ORT 1.19.2's pre-gradient optimizations merge them, and its gradient
+    builder then emits the merged tensor's gradient once per BatchNormalizationGrad
+    ("Duplicate definition of name ..._grad"). Buffers are graph inputs, one per layer,
+    which ORT never merges; ORTModule feeds them by name.
+    """
+    import torch
+
+    from bnswap._core import TRACE_BIAS, TRACE_WEIGHT
+
+    for _, m in _bn_layers(module):
+        if m.affine:
+            continue
+        if not add:
+            m._buffers.pop(TRACE_WEIGHT, None)
+            m._buffers.pop(TRACE_BIAS, None)
+            continue
+        like = next((t for t in (m.running_mean, m.running_var) if t is not None), None)
+        device = like.device if like is not None else torch.device("cpu")
+        c = int(m.num_features)
+        m.register_buffer(TRACE_WEIGHT, torch.ones(c, device=device), persistent=False)
+        m.register_buffer(TRACE_BIAS, torch.zeros(c, device=device), persistent=False)
 
 
 def _wrapper_class(ortmodule_pkg: Any) -> type:
@@ -355,6 +371,7 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
         raise TypeError("ORTModule cannot wrap a LightningModule: wrap its child modules "
                         "(bnswap.BNSwap(backend='ort') does this).")
     _check_layers(module)
+    _trace_constants(module, add=True)
     try:
         ortmodule_pkg = _require()
         cls = _wrapper_class(ortmodule_pkg)
@@ -369,9 +386,10 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
 
         onnxruntime.set_seed(int(__import__("torch").initial_seed() % sys.maxsize))
         return cls(module, fallback=fallback, session_options=opts, debug_options=debug_options)
-    except ORTNotAvailableError:
-        raise
-    except Exception as err:
+    except BaseException as err:
+        _trace_constants(module, add=False)
+        if not isinstance(err, Exception) or isinstance(err, ORTNotAvailableError):
+            raise
         if fallback == "aten":
             warnings.warn(f"bnswap.ort: ONNX Runtime unavailable ({err}); using the eager "
                           "'aten' backend (fallback='aten').", RuntimeWarning, stacklevel=2)

@@ -59,6 +59,8 @@ from typing import Any
 
 import torch
 
+from bnswap._core import TRACE_BIAS, TRACE_WEIGHT
+
 logger = logging.getLogger("bnswap.ort")
 
 TESTED_ORT = ("1.19.2",)
@@ -333,6 +335,7 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
         state = [(b, b.detach().clone()) for b in flattened_module.buffers()]
         modes = [(m, m.training) for m in flattened_module.modules()]
         original_module = getattr(flattened_module, "_original_module", None)
+        trace_bufs: list[tuple[torch.nn.Module, str]] = []
         try:
             with ort_scope():
                 pytorch_export_contrib_ops.register()
@@ -341,11 +344,20 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
                 ours = original_module is not None and original_module in BNSWAP_MODULES
                 if ours:
                     _symbolic.register(opset)
+                    # The exporter makes graph inputs of state_dict entries only; a
+                    # non-persistent buffer would be traced as a constant again.
+                    trace_bufs = [(m, name) for m in flattened_module.modules()
+                                  for name in (TRACE_WEIGHT, TRACE_BIAS)
+                                  if name in m._buffers and name in m._non_persistent_buffers_set]
+                    for m, name in trace_bufs:
+                        m._non_persistent_buffers_set.discard(name)
                 result = original(flattened_module, *args, **kwargs)
                 if ours:
                     _symbolic.keep_running_stat_aliases(result[0])
                 return result
         finally:
+            for m, name in trace_bufs:
+                m._non_persistent_buffers_set.add(name)
             with torch.no_grad():
                 for buf, saved in state:
                     buf.copy_(saved)
