@@ -1,7 +1,8 @@
 """Fit a small ConvNet4 on the digits with Trainer(strategy="ddp", accelerator="cpu",
-devices=2) (gloo), with or without BNSwap, and save every rank's final state.
+devices=2) (gloo), with or without BNSwap (``ort``: BNSwap(backend="ort"), ORTModule children
+inside Lightning's DDP wrapper), and save every rank's final state.
 
-    python tests/ddp_fit.py {stock|bnswap} OUT_DIR
+    python tests/ddp_fit.py {stock|bnswap|ort} OUT_DIR
 
 Lightning's launcher re-runs this script for rank 1; each rank writes
 OUT_DIR/<variant>_rank<r>.pt with the state_dict, the BatchNorm classes and the plan.
@@ -50,7 +51,7 @@ def main(variant: str, out_dir: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     pl.seed_everything(0)
-    callbacks = [BNSwap()] if variant == "bnswap" else []
+    callbacks = {"stock": [], "bnswap": [BNSwap()], "ort": [BNSwap(backend="ort")]}[variant]
     trainer = pl.Trainer(
         strategy="ddp", accelerator="cpu", devices=2, max_epochs=2, limit_train_batches=4,
         limit_val_batches=2, num_sanity_val_steps=0, deterministic=True, logger=False,
@@ -60,7 +61,14 @@ def main(variant: str, out_dir: str) -> None:
     trainer.fit(model, DigitsDataModule(batch_size=32, image_size=8))
     rank = trainer.global_rank
     plan = callbacks[0].plan if callbacks else None
+    ort_ops = None
+    if variant == "ort":
+        import bnswap.ort
+
+        ort_ops = dict(bnswap.ort.executed_ops(model.net, training=True))
     torch.save({
+        "ort_ops": ort_ops,
+        "net_type": type(model.net).__name__,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "classes": sorted({type(m).__module__ + "." + type(m).__name__
                            for m in model.modules()
