@@ -1,12 +1,14 @@
-"""Train-step time of bnswap's ORT backend vs eager stock PyTorch, same process.
+"""ORT session settings for bnswap's ORT backend: train step ORT / eager stock, same
+process, one row per setting.
 
-    python benchmarks/bench_ort.py [--steps 30] [--warmup 5] [--batch 32] [--threads N]
-                                   [--config NAME ...]
+    python benchmarks/bench_ort.py [--net convnet4|mobilenetv2|resnet18] [--steps 10]
+                                   [--warmup 3] [--threads N] [--config NAME ...]
 
-Model: a 4-block CNN (Conv-BN-ReLU x4, pooling, Linear) on (batch, 3, 32, 32) float32.
-One step = zero_grad, forward, cross-entropy, backward, SGD step. After warm-up, the
+Nets, batches and the train step are P4's (``benchmarks/cases.py``). After warm-up the
 eager and ORT steps are interleaved pairwise (order alternating) and the median of the
-per-pair ratios ORT/eager is printed per ORT configuration (below 1.0 = ORT faster).
+per-pair ratios ORT/eager is printed per setting (below 1.0 = ORT faster). P4 itself
+(``python -m benchmarks --cases P4``) uses ORT intra-op threads = torch's threads and
+adds the per-kernel-family breakdown that explains the ratio.
 """
 
 from __future__ import annotations
@@ -22,24 +24,14 @@ import torch
 from torch import nn
 
 CONFIGS = {
-    # name: (session_options, environment for ORTModule)
-    "default": ({}, {}),
-    "threads=cores": ({"intra_op_num_threads": os.cpu_count() or 1}, {}),
-    "threads=cores,seq,mem": ({"intra_op_num_threads": os.cpu_count() or 1,
-                               "enable_mem_pattern": True, "enable_mem_reuse": True}, {}),
-    "threads=1": ({"intra_op_num_threads": 1}, {}),
+    # name: session_options (on top of bnswap.ort.DEFAULT_SESSION_OPTIONS)
+    "default": {},
+    "threads=1": {"intra_op_num_threads": 1},
+    "threads=cores": {"intra_op_num_threads": os.cpu_count() or 1},
+    "threads=1,mem-pattern": {"intra_op_num_threads": 1, "enable_mem_pattern": True},
+    "threads=cores,no-spin": {"intra_op_num_threads": os.cpu_count() or 1,
+                              "config:session.intra_op.allow_spinning": "0"},
 }
-
-
-def make_model(width: int = 32) -> nn.Module:
-    layers, c = [], 3
-    for i in range(4):
-        layers += [nn.Conv2d(c, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
-                   nn.ReLU()]
-        if i % 2 == 1:
-            layers.append(nn.MaxPool2d(2))
-        c = width
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
 
 
 def step_fn(model: nn.Module, opt: torch.optim.Optimizer, x, y):
@@ -54,57 +46,50 @@ def step_fn(model: nn.Module, opt: torch.optim.Optimizer, x, y):
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import bnswap
     import bnswap.ort
+    from benchmarks.cases import _pair
 
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--net", default="convnet4", choices=["convnet4", "mobilenetv2", "resnet18"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--config", nargs="*", default=list(CONFIGS))
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     if not bnswap.ort.is_available():
         print(f"ORT not installed: {bnswap.ort.INSTALL}")
         return 0
-    torch.manual_seed(0)
-    x = torch.randn(args.batch, 3, 32, 32)
-    y = torch.randint(0, 10, (args.batch,))
-    base = make_model()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
-          f"batch {args.batch}, 4-block CNN 32x32")
+    _, base, x, y = _pair(args.net)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {args.net}, "
+          f"input {tuple(x.shape)}")
     for name in args.config:
-        so, env = CONFIGS[name]
-        old_env = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        eager = copy.deepcopy(base)
+        ort_model = bnswap.ort.wrap(bnswap.convert(copy.deepcopy(base)),
+                                    session_options=CONFIGS[name])
+        e_step = step_fn(eager, torch.optim.SGD(eager.parameters(), lr=0.01), x, y)
+        o_step = step_fn(ort_model, torch.optim.SGD(ort_model.parameters(), lr=0.01), x, y)
         try:
-            eager = copy.deepcopy(base)
-            ort_model = bnswap.ort.wrap(bnswap.convert(copy.deepcopy(base)), session_options=so)
-            e_step = step_fn(eager, torch.optim.SGD(eager.parameters(), lr=0.01), x, y)
-            o_step = step_fn(ort_model, torch.optim.SGD(ort_model.parameters(), lr=0.01), x, y)
             for _ in range(args.warmup):
                 e_step()
                 o_step()
-            ratios, te, to = [], [], []
-            for i in range(args.steps):
-                if i % 2:
-                    a, b = o_step(), e_step()
-                else:
-                    b, a = e_step(), o_step()
-                ratios.append(a / b)
-                te.append(b)
-                to.append(a)
-            print(f"{name:24s} ORT/eager median ratio {statistics.median(ratios):.3f}  "
-                  f"(eager {statistics.median(te) * 1e3:.2f} ms, ORT "
-                  f"{statistics.median(to) * 1e3:.2f} ms)", flush=True)
-        finally:
-            for k, v in old_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        except bnswap.ort.ORTRunError as err:
+            print(f"{name:24s} fails: {str(err)[:200]}", flush=True)
+            continue
+        ratios, te, to = [], [], []
+        for i in range(args.steps):
+            if i % 2:
+                a, b = o_step(), e_step()
+            else:
+                b, a = e_step(), o_step()
+            ratios.append(a / b)
+            te.append(b)
+            to.append(a)
+        print(f"{name:24s} ORT/eager median ratio {statistics.median(ratios):.3f}  "
+              f"(eager {statistics.median(te) * 1e3:.2f} ms, ORT "
+              f"{statistics.median(to) * 1e3:.2f} ms)", flush=True)
     return 0
 
 

@@ -91,6 +91,24 @@ def to_markdown(res: dict) -> str:
                 [[r["net"], r["dtype"], f"{r['a_median_ms']:.2f}", f"{r['b_median_ms']:.2f}",
                   f"{r['ratio_median']:.3f}", _ci(r), _cpu(r), str(r["pairs"]), r["verdict"]]
                  for r in rows])
+            for b in c.get("breakdown", []):
+                fams = b["families"]
+                tot_o, tot_a = sum(f["ort_ms"] for f in fams), sum(f["aten_ms"] for f in fams)
+                lines += ["", f"Where the time goes, {b['net']} ({b['threads']} thread(s), ms "
+                          f"per train step, mean of {b['steps']}): ORT kernel time by its "
+                          "session profiler, eager ATen self time by the torch profiler.", ""]
+                lines += _table(
+                    ["kernel family", "ORT ms", "eager ATen ms", "ORT - eager ms"],
+                    [[f["family"], f"{f['ort_ms']:.2f}", f"{f['aten_ms']:.2f}",
+                      f"{f['ort_ms'] - f['aten_ms']:+.2f}"] for f in fams]
+                    + [["total", f"{tot_o:.2f}", f"{tot_a:.2f}", f"{tot_o - tot_a:+.2f}"]])
+            m = c.get("relu_grad")
+            if m:
+                lines += ["", f"ReLU backward kernel alone, {tuple(m['shape'])} float32, one "
+                          f"thread: ORT `ReluGrad` {m['ort_relugrad_ms']:.2f} ms, ATen "
+                          f"`threshold_backward` {m['aten_threshold_backward_ms']:.2f} ms "
+                          f"(ratio {m['ratio_median']:.1f}, 95 % CI "
+                          f"{m['ratio_ci95'][0]:.1f}-{m['ratio_ci95'][1]:.1f}); outputs equal."]
         elif key == "P2":
             lines += _table(
                 ["net", "dtype", "bnswap ms", "stock ms", "ratio (median)", "95 % CI",

@@ -155,3 +155,38 @@ def test_p4_hook_skips_without_onnxruntime(monkeypatch):
     out = p4_ort(Settings(quick=True, log=lambda s: None))
     assert out["status"] == "skipped: ORT backend not installed" and out["rows"] == []
     assert "onnxruntime-training" in out["detail"]
+
+
+@pytest.mark.ort
+def test_p4_breakdown_splits_both_steps_by_kernel_family(monkeypatch):
+    """P4's explanation: per-family kernel time of the ORT and eager steps of one net,
+    and ORT's ReluGrad against ATen's threshold_backward on the same tensors."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    import bnswap.ort
+
+    if not bnswap.ort.is_available():
+        pytest.skip("onnxruntime-training / torch-ort not installed")
+    import torch
+
+    from benchmarks.cases import ort_breakdown, relu_grad_micro
+    from benchmarks.report import to_markdown
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        b = ort_breakdown("convnet4", steps=1)
+        m = relu_grad_micro(shape=(4, 8, 16, 16), reps=3)
+    finally:
+        torch.set_num_threads(threads)
+    fams = {f["family"]: f for f in b["families"]}
+    # every conv / BN / ReLU of ConvNet4 shows up on both sides, with real time
+    for fam in ("conv", "conv backward", "batch norm", "activation", "activation backward"):
+        assert fams[fam]["ort_ms"] > 0 and fams[fam]["aten_ms"] > 0, fam
+    assert _finite_pos(m["ort_relugrad_ms"]) and _finite_pos(m["aten_threshold_backward_ms"])
+    machine = {k: "x" for k in ("cpu", "logical_cpus", "memory_gib", "os", "python", "torch",
+                                 "torch_threads", "load_average_start", "git_commit")}
+    res = {"schema": 1, "created": "now", "command": "test", "machine": machine,
+           "config": {"quick": False}, "cases": {"P4": {
+        "status": "ok", "goal": "<= 1.00", "rows": [], "breakdown": [b], "relu_grad": m}}}
+    md = to_markdown(res)
+    assert "| batch norm |" in md and "ReluGrad" in md

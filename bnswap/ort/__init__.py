@@ -13,6 +13,17 @@ within float32 rounding, and running_mean / running_var / num_batches_tracked fo
 PyTorch's rule (momentum or cumulative average, unbiased variance) step by step
 (:mod:`bnswap.ort._stats`). A model wrapped in eval stays in eval.
 
+Works with affine=False and track_running_stats=False layers (any number, any widths),
+momentum=None, eval mode, ``torch.no_grad`` training forwards, varying batch sizes, and
+under DDP (tested with two gloo processes under Lightning). Limits (each raises a clear
+error, before any state changes): BatchNorm parameters must be float32 (ORT's CPU
+kernels); a layer may run only once per forward; all layers must share the model's
+train/eval mode; every BatchNorm layer must be a bnswap layer.
+
+Speed on the CPU (benchmarks P4): ORT's own batch-norm kernels are faster than ATen's,
+but its convolution (MLAS) and ``ReluGrad`` kernels are slower, so whole train steps are
+slower than eager for conv/ReLU-heavy nets; see ``benchmarks/README.md``.
+
 Needs onnxruntime-training 1.19.2 (``pip install onnxruntime-training-cpu==1.19.2`` and
 ``pip install --no-deps torch-ort==1.19.2``) and a C++ compiler once: ORT's
 ``aten_op_executor`` extension is built into ``$BNSWAP_CACHE_DIR/ort-ext/`` on first use
