@@ -106,6 +106,7 @@ class BNSwapCLI(LightningCLI):
         swap = next((c for c in self.trainer.callbacks if isinstance(c, BNSwap)), None)
         self.results = {
             "batchnorm": "bnswap" if swap is not None else "stock",
+            "backend": swap.backend if swap is not None else None,
             "plan": swap.plan.summary() if swap is not None and swap.plan is not None
             else "no BNSwap callback: stock torch.nn BatchNorm",
             "final": metrics, "history": history, "epochs": self.trainer.current_epoch,
@@ -120,7 +121,8 @@ class BNSwapCLI(LightningCLI):
         if metrics:
             print(f"final validation accuracy: {metrics.get('val_acc', float('nan')):.4f}  "
                   f"(val_loss {metrics.get('val_loss', float('nan')):.4f}, "
-                  f"{self.trainer.current_epoch} epochs, {self.results['batchnorm']} BatchNorm)")
+                  f"{self.trainer.current_epoch} epochs, {self.results['batchnorm']} BatchNorm"
+                  + (f", backend {swap.backend}" if swap is not None else "") + ")")
 
 
 def run_train(args: Sequence[str]) -> BNSwapCLI:

@@ -63,7 +63,8 @@ def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     line = next(ln for ln in out.splitlines() if ln.startswith("final validation accuracy:"))
     acc = float(line.split()[3])
     hist = json.loads(next(tmp_path.rglob("history.json")).read_text())
-    assert hist["batchnorm"] == "bnswap" and len(hist["history"]) == 2
+    assert hist["batchnorm"] == "bnswap" and hist["backend"] == "aten" and len(hist["history"]) == 2
+    assert line.endswith("bnswap BatchNorm, backend aten)")
     assert acc == pytest.approx(hist["history"][-1]["val_acc"], abs=5e-5)
     assert 0.0 <= acc <= 1.0
 

@@ -349,3 +349,74 @@ def test_mobilenetv2_step_as_close_to_float64_as_eager_float32():
     torch.testing.assert_close(out_ort, out64, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(stats_ort, stats64, rtol=1e-5, atol=1e-5)
     assert bnswap.ort.executed_ops(wrapped)["BatchNormInternal"] == 52
+
+
+def _step_both(wrapped, ref, x):
+    out, out_ref = wrapped(x), ref(x)
+    out.square().mean().backward()
+    out_ref.square().mean().backward()
+    return out, out_ref
+
+
+def _small():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 6 * 6, 2))
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["freeze", "unfreeze"])
+def test_flag_changes_after_export_follow_eager(first):
+    """Lightning's BaseFinetuning.freeze_module / make_trainable flip track_running_stats
+    and requires_grad between steps; the exported graph bakes them in, and ORT 1.19.2
+    does not look again after its first call (it kept writing the statistics of a
+    layer that stopped tracking them: silently wrong running_mean). bnswap re-exports."""
+    torch.manual_seed(0)
+    ref = _small()
+    ref[1].track_running_stats = first
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    for i in range(4):
+        if i == 2:  # flip after two steps: freeze / unfreeze the BN layer and the conv
+            for m in (ref, model):
+                m[1].track_running_stats = not first
+                m[0].weight.requires_grad_(not first)
+                m[1].eps = 1e-3
+        x = torch.randn(8, 3, 8, 8) * 2 + i
+        out, out_ref = _step_both(wrapped, ref, x)
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=1e-5)
+        for p, pr in zip(model.parameters(), ref.parameters(), strict=True):
+            assert (p.grad is None) == (pr.grad is None)
+            if pr.grad is not None:
+                torch.testing.assert_close(p.grad, pr.grad, rtol=RTOL, atol=1e-5)
+        assert_stats_equal(model, ref)
+        wrapped.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert int(model[1].num_batches_tracked) == 2  # two tracked steps either way
+
+
+def test_input_starting_to_require_grad_gets_its_gradient():
+    ref = _small()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(8, 3, 8, 8)
+    _step_both(wrapped, ref, x)  # exported with an input that needs no gradient
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    wrapped(xa).sum().backward()
+    ref(xb).sum().backward()
+    assert xa.grad is not None
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=RTOL, atol=1e-6)
+    assert_stats_equal(model, ref)
+
+
+def test_eval_forward_with_grad_enabled_warns_once_that_outputs_have_no_gradient():
+    model = _small()
+    wrapped = bnswap.convert(model, backend="ort")
+    wrapped(torch.randn(4, 3, 8, 8))
+    wrapped.eval()
+    with pytest.warns(UserWarning, match="no gradient"):
+        out = wrapped(torch.randn(4, 3, 8, 8))
+    assert not out.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(torch.randn(4, 3, 8, 8))  # once per model
+        with torch.no_grad():
+            wrapped(torch.randn(4, 3, 8, 8))

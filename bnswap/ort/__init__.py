@@ -186,6 +186,7 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
         if _cls is not None:
             return _cls
         import torch
+        from torch.utils import _pytree as pytree
 
         from bnswap.ort import _compat
         from bnswap.ort._stats import RunningStats, detach_tree
@@ -256,13 +257,26 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 if self._bnswap_eager:
                     return module(*args, **kwargs)
                 self._bnswap_sync_mode(module.training)
+                layers = _bn_layers(module)
                 if module.training:
-                    for name, m in _bn_layers(module):
+                    for name, m in layers:
                         if not m.training:
                             raise ORTRunError(
                                 f"bnswap.ort: BatchNorm layer {name!r} is in eval mode while "
-                                "the model trains; ORT exports the whole model in one mode. "
-                                "Freeze it with backend='aten', or put the model in eval.")
+                                "the model trains; ORT exports the whole model in one mode, so "
+                                "frozen (eval-mode) BatchNorm layers inside a training model "
+                                "need backend='aten' (bnswap.convert(model)).")
+                self._bnswap_check_export(layers, args, kwargs, module.training)
+                if not module.training and torch.is_grad_enabled() and \
+                        not self.__dict__.get("_bnswap_warned_eval_grad") and \
+                        any(p.requires_grad for p in module.parameters()):
+                    self.__dict__["_bnswap_warned_eval_grad"] = True
+                    warnings.warn(
+                        "bnswap.ort: the model is in eval mode with gradients enabled; ORT runs "
+                        "its inference graph, whose outputs carry no gradient (eager's would). "
+                        "Evaluate under torch.no_grad(), or use backend='aten' to backpropagate "
+                        "through an eval-mode model.", UserWarning, stacklevel=4)
+                if module.training:
                     stats = self._bnswap_stats
                     grad = torch.is_grad_enabled()
 
@@ -292,6 +306,35 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                     return self._bnswap_call(args, kwargs)
                 except ORTRunError as err:
                     return self._bnswap_maybe_fallback(err, args, kwargs)
+
+            def _bnswap_check_export(self, layers: list, args: tuple, kwargs: dict,
+                                     training: bool) -> None:
+                """Re-export when something the exported graph baked in has changed.
+
+                The graph fixes each BatchNorm layer's ``track_running_stats``, ``eps``
+                and whether it has running statistics (Lightning's ``BaseFinetuning``
+                flips ``track_running_stats`` when it freezes / unfreezes), and, in
+                training, which inputs and parameters require grad. ORT 1.19.2 checks
+                none of this after its first call (its default ``ORTMODULE_SKIP_CHECK``),
+                so it kept writing the statistics of a layer that stopped tracking them,
+                returned no gradient for an input that started requiring one, and would
+                return none for parameters unfrozen later. When this key changes bnswap
+                makes ORT export again (:func:`bnswap.ort._compat.force_reexport`).
+                """
+                key = tuple((m.track_running_stats, float(m.eps), m.running_mean is None,
+                             m.running_var is None) for _, m in layers)
+                if training:
+                    key += tuple(t.requires_grad for t in pytree.tree_leaves((args, kwargs))
+                                 if isinstance(t, torch.Tensor))
+                    key += tuple(p.requires_grad for p in self._bnswap_inner.parameters())
+                keys = self.__dict__.setdefault("_bnswap_export_keys", {})
+                old = keys.get(training)
+                keys[training] = key
+                if old is not None and old != key:
+                    logger.info("bnswap.ort: layer flags or input requires_grad changed; "
+                                "ONNX Runtime re-exports the %s graph",
+                                "training" if training else "inference")
+                    _compat.force_reexport(self, training)
 
             def _bnswap_sync_mode(self, training: bool) -> None:
                 """Make ORT's mode follow the wrapped model's ``training`` flag.

@@ -396,6 +396,9 @@ def apply() -> types.ModuleType:
         if _applied:
             return sys.modules[_ORTM]
         check_versions()
+        # ORT's ZeRO-offload hooks try to import DeepSpeed on the first forward and warn
+        # when it is absent; bnswap never uses ZeRO, so that warning is noise.
+        warnings.filterwarnings("ignore", message="DeepSpeed import error", category=UserWarning)
         if _ORTM not in sys.modules:
             # A failed ``import onnxruntime.training`` (its __init__ swallows ORTModule's
             # ImportError) leaves half-initialized submodules behind; start clean.
@@ -413,3 +416,20 @@ def apply() -> types.ModuleType:
         _applied = True
         logger.debug("bnswap.ort: ORT compatibility layer applied")
         return ortmodule
+
+
+def force_reexport(ortmodule: Any, training: bool) -> None:
+    """Make ``ortmodule`` export, build its graph and create its session again on its
+    next call in that mode (``training``: the training graph, else the inference one).
+
+    ``GraphTransitionManager.signal_model_changed`` (what ``ORTModule.__setattr__`` uses)
+    alone has no effect in onnxruntime-training 1.19.2: by default
+    (``ORTMODULE_SKIP_CHECK``: ``SKIP_CHECK_BUILD_GRADIENT | SKIP_CHECK_EXECUTION_AGENT``)
+    the managers stop checking for changes after their first call, so the previous
+    export info and execution agent are dropped as well, which is what makes them look.
+    """
+    manager = ortmodule._torch_module._execution_manager(training)
+    gtm = manager._graph_transition_manager
+    gtm.signal_model_changed()
+    gtm._exported_model_info = None
+    manager._execution_agent = None
