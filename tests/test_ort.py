@@ -420,3 +420,33 @@ def test_eval_forward_with_grad_enabled_warns_once_that_outputs_have_no_gradient
         wrapped(torch.randn(4, 3, 8, 8))  # once per model
         with torch.no_grad():
             wrapped(torch.randn(4, 3, 8, 8))
+
+
+def test_deepcopy_and_torch_save_of_a_wrapped_model():
+    """copy.deepcopy (AveragedModel, EMA) and torch.save of the whole wrapper: ORT 1.19.2's
+    own __getstate__ raised KeyError '_torch_alloc' on CPU, and the wrapper class was
+    not importable. The copy trains on its own and follows eager."""
+    import io
+
+    torch.manual_seed(0)
+    ref = _small()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    _step_both(wrapped, ref, torch.randn(8, 3, 8, 8))
+    for clone in (copy.deepcopy(wrapped), None):
+        if clone is None:
+            buf = io.BytesIO()
+            torch.save(wrapped, buf)
+            buf.seek(0)
+            clone = torch.load(buf, weights_only=False)
+        assert type(clone) is bnswap.ort.BNSwapORTModule and clone.module is not model
+        clone_ref = copy.deepcopy(ref)
+        clone.zero_grad()
+        clone_ref.zero_grad()
+        out, out_ref = _step_both(clone, clone_ref, torch.randn(8, 3, 8, 8) + 1)
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=1e-5)
+        assert_stats_equal(clone.module, clone_ref)
+        assert bnswap.ort.executed_ops(clone)["BatchNormInternal"] == 1
+    assert int(model[1].num_batches_tracked) == 1  # the original is untouched
+    averaged = torch.optim.swa_utils.AveragedModel(wrapped)
+    assert type(averaged.module) is bnswap.ort.BNSwapORTModule

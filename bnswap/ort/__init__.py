@@ -375,13 +375,44 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 self.__dict__["_bnswap_eager"] = True
                 return self._bnswap_inner(*args, **kwargs)
 
+            def __getstate__(self) -> dict:
+                state = super().__getstate__()
+                for key in ("_bnswap_tmp", "_bnswap_graph_files", "_bnswap_ops",
+                            "_bnswap_export_keys"):
+                    state.pop(key, None)
+                # Bound methods are rebuilt by __setstate__. The keys stay (as None): ORT's
+                # __setstate__ assigns self.forward, and ORTModule.__setattr__ forwards a
+                # name that is not in __dict__ to the wrapped model.
+                state["forward"] = state["_bnswap_ort_forward"] = None
+                return state
+
             def __setstate__(self, state: dict) -> None:
+                # copy.deepcopy / pickle / torch.save: ORT rebuilds its managers; the
+                # copy exports and verifies afresh on its first call.
                 with _compat.ort_scope():
                     super().__setstate__(state)
+                d = self.__dict__
+                _compat.BNSWAP_MODULES.add(d["_bnswap_inner"])  # export with our symbolics
+                d["_bnswap_verify"] = True
+                tmp = tempfile.mkdtemp(prefix="bnswap-ort-")
+                d["_bnswap_tmp"] = tmp
+                d["_bnswap_graph_files"] = {}
+                d["_bnswap_ops"] = {}
+                weakref.finalize(self, shutil.rmtree, tmp, True)
                 self._bnswap_install()
 
+        # Importable as bnswap.ort.BNSwapORTModule (module __getattr__), so pickle and
+        # torch.save find the class.
+        BNSwapORTModule.__module__ = __name__
+        BNSwapORTModule.__qualname__ = "BNSwapORTModule"
         _cls = BNSwapORTModule
         return _cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BNSwapORTModule":  # built on first use: it subclasses ORT's ORTModule
+        return _wrapper_class(_require())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def wrap(module: nn.Module, *, fallback: str | None = None,

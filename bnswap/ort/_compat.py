@@ -366,6 +366,26 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
 
     cls._get_exported_model = staticmethod(_get_exported_model)
 
+    # GraphExecutionManager.__getstate__ deletes _torch_alloc / _torch_free /
+    # _torch_empty_cache, which exist only with a CUDA torch allocator: copy.deepcopy,
+    # pickle and torch.save of any ORTModule on a CPU machine raised KeyError.
+    gem_cls = importlib.import_module(f"{_ORTM}._graph_execution_manager").GraphExecutionManager
+    original_getstate = gem_cls.__getstate__
+
+    @functools.wraps(original_getstate)
+    def __getstate__(self):
+        missing = [k for k in ("_torch_alloc", "_torch_free", "_torch_empty_cache")
+                   if k not in self.__dict__]
+        for k in missing:
+            self.__dict__[k] = None
+        try:
+            return original_getstate(self)
+        finally:
+            for k in missing:
+                self.__dict__.pop(k, None)
+
+    gem_cls.__getstate__ = __getstate__
+
     gem = importlib.import_module(f"{_ORTM}._graph_execution_manager").GraphExecutionManager
     original_cfg = gem._get_session_config
 
