@@ -58,11 +58,11 @@ INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
            "pip install --no-deps torch-ort==1.19.2")
 
 #: ``onnxruntime.SessionOptions`` attributes bnswap sets on every ORT session; override per
-#: model with ``wrap(session_options=)``. Empty: ORT's defaults (all cores, sequential
-#: execution; ORTModule turns memory patterns off). On the shared 2-core CI machine no
-#: setting won consistently (benchmarks/bench_ort.py); ``{"intra_op_num_threads": 1}``
-#: helps when other processes load the cores. ``execution_mode=ORT_PARALLEL`` fails in
-#: ORT 1.19.2's training session (forward pass error, raised as ORTRunError).
+#: model with ``wrap(session_options=)``. Empty: ORT's defaults (intra-op threads = all
+#: cores, spinning; ORTModule turns memory patterns off), its fastest setting measured
+#: here (benchmarks/README.md, "ORT (P4)"): ``enable_mem_pattern`` and no spinning were
+#: slower. ``{"intra_op_num_threads": 1}`` helps when other processes load the cores.
+#: ``execution_mode=ORT_PARALLEL`` fails in ORT 1.19.2's training session.
 DEFAULT_SESSION_OPTIONS: dict[str, Any] = {}
 
 

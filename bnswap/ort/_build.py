@@ -58,7 +58,8 @@ def cache_dir() -> Path:
     """Folder holding the built extension for the installed torch / ORT / Python.
 
     ``$BNSWAP_CACHE_DIR`` (else ``$XDG_CACHE_HOME/bnswap``, else ``~/.cache/bnswap``)
-    ``/ort-ext/<torch version>-<ort version>-<cpython tag>``.
+    ``/ort-ext/<torch version>-<ort version>-<cpython tag>``, made absolute (a relative
+    ``$BNSWAP_CACHE_DIR`` is taken from the current directory at the call).
     """
     root = os.environ.get("BNSWAP_CACHE_DIR")
     if not root:
@@ -66,7 +67,7 @@ def cache_dir() -> Path:
         root = os.path.join(xdg, "bnswap")
     tv, ov = _versions()
     tag = sys.implementation.cache_tag or f"py{sys.version_info[0]}{sys.version_info[1]}"
-    return Path(root) / "ort-ext" / f"{tv}-{ov}-{tag}".replace("+", "_")
+    return Path(root).absolute() / "ort-ext" / f"{tv}-{ov}-{tag}".replace("+", "_")
 
 
 def extension_path() -> Path:
