@@ -128,8 +128,11 @@ def rows_from(decisions: Sequence[Decision], backend: str,
             be = backend
         else:
             kernel, adapter, be = "-", "-", "-"
-        rows.append(PlanRow(d.name, d.source.__name__, d.action, d.reason or "-", be,
-                            kernel, adapter))
+        reason = d.reason or "-"
+        if backend == "ort" and d.action == "skip":
+            reason += ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
+                       "backend='ort') refuses the model, BNSwap keeps its child eager")
+        rows.append(PlanRow(d.name, d.source.__name__, d.action, reason, be, kernel, adapter))
     return Plan(rows)
 
 

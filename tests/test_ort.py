@@ -210,6 +210,13 @@ def test_plan_reports_ort_backend():
     rows = bnswap.plan(model, backend="ort").rows
     assert [r.backend for r in rows] == ["ort"]
     assert "BatchNormInternal" in rows[0].kernel
+    # a layer the plan skips makes convert(backend="ort") refuse: the plan says so
+    mixed = nn.Sequential(nn.BatchNorm1d(4), nn.SyncBatchNorm(4))
+    skip = [r for r in bnswap.plan(mixed, backend="ort").rows if r.action == "skip"]
+    assert len(skip) == 1 and "refuses the model" in skip[0].reason
+    with pytest.raises(TypeError, match="not a bnswap layer"):
+        bnswap.convert(mixed, backend="ort")
+    assert type(mixed[0]) is nn.BatchNorm1d
 
 
 def test_bad_input_raises_before_ort_and_keeps_stats():

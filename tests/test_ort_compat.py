@@ -102,6 +102,7 @@ def test_missing_ort_names_install_command(monkeypatch):
 
 
 def test_extension_built_in_cache_not_site_packages():
+    _compat.apply()  # loads the extension (also when this test runs alone)
     path = _build.ensure_extension()
     assert path.is_file()
     import onnxruntime
