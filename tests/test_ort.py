@@ -457,3 +457,90 @@ def test_deepcopy_and_torch_save_of_a_wrapped_model():
     assert int(model[1].num_batches_tracked) == 1  # the original is untouched
     averaged = torch.optim.swa_utils.AveragedModel(wrapped)
     assert type(averaged.module) is bnswap.ort.BNSwapORTModule
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, scale: float = 1.0, pool: bool = True):
+        feats = self.body(x) * scale
+        pooled = feats.mean((2, 3)) if pool else -feats.mean((2, 3))
+        return self.head(pooled), feats
+
+
+def test_returned_activation_is_not_overwritten_by_backward():
+    """ORT 1.19.2's backward reused the memory of a returned ReLU activation (stock BN
+    under raw ORTModule too): after backward it held gradient-like values."""
+    ref = _TwoOutputs()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    for i in range(2):
+        x = torch.randn(8, 3, 8, 8) + i
+        (logits, feats), (logits_r, feats_r) = wrapped(x), ref(x)
+        before = feats.detach().clone()
+        logits.square().mean().backward()
+        logits_r.square().mean().backward()
+        assert torch.equal(feats.detach(), before)
+        torch.testing.assert_close(feats, feats_r, rtol=RTOL, atol=1e-5)
+
+
+def test_changes_the_exported_graph_depends_on_trigger_a_new_export():
+    """Non-tensor forward arguments, a replaced head, reassigned buffers / Parameters:
+    ORT 1.19.2 kept running its first graph (skip checks); bnswap exports again."""
+    torch.manual_seed(0)
+    ref = _TwoOutputs()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step(**kw):
+        x = torch.randn(8, 3, 8, 8)
+        out, out_ref = wrapped(x, **kw)[0], ref(x, **kw)[0]
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=1e-5)
+        out.square().mean().backward()
+        out_ref.square().mean().backward()
+        for (name, p), pr in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, pr.grad, rtol=RTOL, atol=1e-5, msg=name)
+        assert_stats_equal(model, ref)
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+    step()
+    step(scale=3.0)
+    step(scale=3.0, pool=False)
+    torch.manual_seed(1)
+    model.head = nn.Linear(4, 3)  # a new head (fine-tuning)
+    torch.manual_seed(1)
+    ref.head = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step()
+    for m in (model, ref):  # buffers and a Parameter replaced by new tensors
+        bn = m.body[1]
+        bn.running_mean = torch.full((4,), 0.5)
+        bn.running_var = torch.full((4,), 2.0)
+        bn.weight = nn.Parameter(torch.full((4,), 1.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step()
+    model.body[1] = nn.BatchNorm2d(4)  # a stock layer inserted after wrapping
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TypeError, match="not a bnswap layer"):
+        wrapped(torch.randn(8, 3, 8, 8))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_eval_model_with_a_train_mode_batchnorm_is_refused():
+    model = _small()
+    wrapped = bnswap.convert(model, backend="ort")
+    wrapped.eval()
+    model[1].train()  # AdaBN-style recalibration: eager would update the statistics
+    before = [b.clone() for b in model.buffers()]
+    with torch.no_grad(), pytest.raises(bnswap.ort.ORTRunError, match="needs backend='aten'"):
+        wrapped(torch.randn(8, 3, 8, 8))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), before, strict=True))

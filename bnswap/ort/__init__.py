@@ -173,6 +173,8 @@ def _trace_constants(module: nn.Module, add: bool) -> None:
             m._buffers.pop(TRACE_WEIGHT, None)
             m._buffers.pop(TRACE_BIAS, None)
             continue
+        if TRACE_WEIGHT in m._buffers and TRACE_BIAS in m._buffers:
+            continue
         like = next((t for t in (m.running_mean, m.running_var) if t is not None), None)
         device = like.device if like is not None else torch.device("cpu")
         c = int(m.num_features)
@@ -266,6 +268,16 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                                 "the model trains; ORT exports the whole model in one mode, so "
                                 "frozen (eval-mode) BatchNorm layers inside a training model "
                                 "need backend='aten' (bnswap.convert(model)).")
+                else:
+                    for name, m in layers:
+                        if m.training:
+                            raise ORTRunError(
+                                f"bnswap.ort: BatchNorm layer {name!r} is in train mode while "
+                                "the model is in eval; ORT exports the whole model in one mode "
+                                "(its inference graph would neither use batch statistics nor "
+                                "update running ones). Statistics recalibration (AdaBN, "
+                                "swa_utils.update_bn on an eval model) needs backend='aten', "
+                                "or put the whole model in train mode.")
                 self._bnswap_check_export(layers, args, kwargs, module.training)
                 if not module.training and torch.is_grad_enabled() and \
                         not self.__dict__.get("_bnswap_warned_eval_grad") and \
@@ -282,7 +294,12 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
 
                     def run() -> Any:
                         if grad:
-                            return self._bnswap_call(args, kwargs)
+                            # ORT 1.19.2's backward can reuse the memory of forward outputs
+                            # it handed to torch (a returned ReLU activation was found
+                            # overwritten with gradient values after backward, with stock
+                            # BN under raw ORTModule too): return copies.
+                            return pytree.tree_map_only(
+                                torch.Tensor, torch.Tensor.clone, self._bnswap_call(args, kwargs))
                         # Eager BN in training mode normalizes with batch statistics and
                         # updates them also under no_grad; ORT would pick its inference
                         # graph (running statistics): run the training graph instead.
@@ -311,30 +328,62 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                                      training: bool) -> None:
                 """Re-export when something the exported graph baked in has changed.
 
-                The graph fixes each BatchNorm layer's ``track_running_stats``, ``eps``
-                and whether it has running statistics (Lightning's ``BaseFinetuning``
-                flips ``track_running_stats`` when it freezes / unfreezes), and, in
+                The graph fixes the module structure, the Parameter and buffer tensors
+                it is fed, each BatchNorm layer's ``track_running_stats`` and ``eps``
+                (Lightning's ``BaseFinetuning`` flips ``track_running_stats`` when it
+                freezes / unfreezes), the values of non-tensor forward arguments, and, in
                 training, which inputs and parameters require grad. ORT 1.19.2 checks
-                none of this after its first call (its default ``ORTMODULE_SKIP_CHECK``),
-                so it kept writing the statistics of a layer that stopped tracking them,
-                returned no gradient for an input that started requiring one, and would
-                return none for parameters unfrozen later. When this key changes bnswap
-                makes ORT export again (:func:`bnswap.ort._compat.force_reexport`).
+                none of this after its first call (its default ``ORTMODULE_SKIP_CHECK``):
+                it kept writing the statistics of a layer that stopped tracking them,
+                returned no gradient for an input that started requiring one, ran an
+                old classifier head after the user replaced it, ignored a changed
+                ``forward(x, flag=...)`` argument. When the key changes bnswap re-checks
+                the layers (as :func:`wrap` does) and makes ORT export again
+                (:func:`bnswap.ort._compat.force_reexport`).
                 """
-                key = tuple((m.track_running_stats, float(m.eps), m.running_mean is None,
-                             m.running_var is None) for _, m in layers)
-                if training:
-                    key += tuple(t.requires_grad for t in pytree.tree_leaves((args, kwargs))
-                                 if isinstance(t, torch.Tensor))
-                    key += tuple(p.requires_grad for p in self._bnswap_inner.parameters())
+                module = self._bnswap_inner
                 keys = self.__dict__.setdefault("_bnswap_export_keys", {})
                 old = keys.get(training)
-                keys[training] = key
-                if old is not None and old != key:
-                    logger.info("bnswap.ort: layer flags or input requires_grad changed; "
-                                "ONNX Runtime re-exports the %s graph",
-                                "training" if training else "inference")
-                    _compat.force_reexport(self, training)
+                key = self._bnswap_export_key(module, layers, args, kwargs, training)
+                if old is None or old == key:
+                    keys[training] = key
+                    return
+                # Something the graph baked in changed. A replaced or added submodule must
+                # pass wrap's checks (a stock BatchNorm would be exported with a frozen
+                # momentum); a new affine=False layer needs its trace buffers.
+                _check_layers(module)
+                _trace_constants(module, add=True)
+                self._bnswap_stats._sizes.clear()
+                keys.clear()  # the other mode's graph is stale too
+                keys[training] = self._bnswap_export_key(module, _bn_layers(module), args,
+                                                         kwargs, training)
+                logger.info("bnswap.ort: the model or its inputs changed in a way the exported "
+                            "graph depends on; ONNX Runtime exports again")
+                for mode in (True, False):
+                    _compat.force_reexport(self, mode)
+
+            @staticmethod
+            def _bnswap_export_key(module: nn.Module, layers: list, args: tuple, kwargs: dict,
+                                   training: bool) -> tuple:
+                leaves, spec = pytree.tree_flatten((args, kwargs))
+                key: tuple = (
+                    # module structure and the identity of every Parameter / buffer (ORT
+                    # feeds the tensors it found at export; a replaced one is ignored)
+                    tuple((n, type(m)) for n, m in module.named_modules()),
+                    tuple(id(t) for t in module.parameters()),
+                    tuple(id(t) for t in module.buffers()),
+                    tuple((m.track_running_stats, float(m.eps)) for _, m in layers),
+                    # non-tensor arguments are baked into the graph as constants
+                    str(spec),
+                    tuple(None if isinstance(x, torch.Tensor) else
+                          (type(x).__name__, x if isinstance(
+                              x, (int, float, bool, str, type(None))) else id(x))
+                          for x in leaves),
+                )
+                if training:
+                    key += (tuple(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)),
+                            tuple(p.requires_grad for p in module.parameters()))
+                return key
 
             def _bnswap_sync_mode(self, training: bool) -> None:
                 """Make ORT's mode follow the wrapped model's ``training`` flag.
