@@ -15,7 +15,10 @@ PyTorch's rule (momentum or cumulative average, unbiased variance) step by step
 
 Works with affine=False and track_running_stats=False layers (any number, any widths),
 momentum=None, eval mode, ``torch.no_grad`` training forwards, varying batch sizes, and
-under DDP (tested with two gloo processes under Lightning). Limits (each raises a clear
+under DDP (tested with two gloo processes under Lightning). What the exported graph
+depends on (layer flags, ``requires_grad``, module structure, Parameter / buffer
+objects, non-tensor forward arguments) is checked every call and triggers a new export
+when it changes; ``copy.deepcopy``, pickle and ``torch.save`` of the wrapper work. Limits (each raises a clear
 error, before any state changes): BatchNorm parameters must be float32 (ORT's CPU
 kernels); a layer may run only once per forward; all layers must share the model's
 train/eval mode; every BatchNorm layer must be a bnswap layer.
