@@ -17,11 +17,14 @@ Works with affine=False and track_running_stats=False layers (any number, any wi
 momentum=None, eval mode, ``torch.no_grad`` training forwards, varying batch sizes, and
 under DDP (tested with two gloo processes under Lightning). What the exported graph
 depends on (layer flags, ``requires_grad``, module structure, Parameter / buffer
-objects, non-tensor forward arguments) is checked every call and triggers a new export
-when it changes; ``copy.deepcopy``, pickle and ``torch.save`` of the wrapper work. Limits (each raises a clear
-error, before any state changes): BatchNorm parameters must be float32 (ORT's CPU
-kernels); a layer may run only once per forward; all layers must share the model's
-train/eval mode; every BatchNorm layer must be a bnswap layer.
+objects, non-tensor forward arguments) is checked on every call, and a change triggers a
+new export. ``copy.deepcopy``, pickle and ``torch.save`` of the wrapper work.
+
+Limits (each raises a clear error before any state changes): BatchNorm parameters must
+be float32 (ORT's CPU kernels); a layer may run only once per forward; all BatchNorm
+layers must share the model's train/eval mode; every BatchNorm layer must be a bnswap
+layer. In eval mode ORT runs its inference graph: outputs carry no gradient (warned
+once when gradients are enabled).
 
 Speed on the CPU (benchmarks P4): ORT's own batch-norm kernels are faster than ATen's,
 but its convolution (MLAS) and ``ReluGrad`` kernels are slower, so whole train steps are
