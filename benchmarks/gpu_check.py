@@ -328,33 +328,34 @@ class Check:
         res["ok"] = (res["bnswap"]["kinds"] == [bnswap_kind]
                      and res["stock"]["kinds"] == [stock_kind])
 
-    def eager(self) -> dict:
-        a, b = _pair(self.nets[self.net])
-        n, hw = self.shape
-        x, y = _batch(n, hw, self.device)
-        res: dict = {"net": self.net}
+    def _profile_pair(self, net: str, shape: tuple[int, int], compile_backend: str | None,
+                      res: dict) -> dict:
+        """One warmed-up train step of the bnswap and the stock model of ``net``, each
+        under the profiler (``torch.compile(backend=compile_backend)`` when given)."""
+        import torch._dynamo
+
+        a, b = _pair(self.nets[net])
+        x, y = _batch(*shape, self.device)
         for name, m in (("bnswap", a), ("stock", b)):
             m.to(self.device)
-            step = _eager_step(m, x, y)
+            forward = None
+            if compile_backend is not None:
+                torch._dynamo.reset()
+                forward = torch.compile(m, backend=compile_backend)
+            step = _eager_step(m, x, y, forward=forward)
             step()
             res[name] = profile_names(step, self.device)
+        if compile_backend is not None:
+            torch._dynamo.reset()
+        return res
+
+    def eager(self) -> dict:
+        res = self._profile_pair(self.net, self.shape, None, {"net": self.net})
         self._expect(res, "cudnn", "cudnn")
         return res
 
     def compile_aot_eager(self) -> dict:
-        import torch._dynamo
-
-        a, b = _pair(self.nets["convnet4"])
-        n, hw = self.compile_shape
-        x, y = _batch(n, hw, self.device)
-        res = {}
-        for name, m in (("bnswap", a), ("stock", b)):
-            torch._dynamo.reset()
-            m.to(self.device)
-            step = _eager_step(m, x, y, forward=torch.compile(m, backend="aot_eager"))
-            step()
-            res[name] = profile_names(step, self.device)
-        torch._dynamo.reset()
+        res = self._profile_pair("convnet4", self.compile_shape, "aot_eager", {})
         self._expect(res, "cudnn", "native")
         return res
 
