@@ -51,7 +51,8 @@ from torch import Tensor
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["module_batch_norm", "check_batch_norm_input", "TRACE_WEIGHT", "TRACE_BIAS"]
+__all__ = ["module_batch_norm", "check_batch_norm_input", "TRACE_WEIGHT", "TRACE_BIAS",
+           "drop_trace_buffers"]
 
 #: Names of optional per-layer buffers holding an affine=False layer's constant ones /
 #: zeros, used instead of freshly made ones / zeros only while the TorchScript tracer
@@ -139,14 +140,7 @@ def check_batch_norm_input(
     # early return for empty input, its channel checks, and finally the kernel's dtype
     # dispatch.
     if use_batch_stats:
-        size = input.shape
-        values = size[0]
-        for s in size[2:]:
-            values *= s
-        if values == 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got input size {size}"
-            )
+        torch.nn.functional._verify_batch_size(input.size())
     if _CHECK_EPS:
         if use_batch_stats and eps <= 0.0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
@@ -188,6 +182,23 @@ def _param_dtype(input: Tensor, *refs: Tensor | None) -> torch.dtype:
         return input.dtype
     # Elsewhere float32 constants with half input keep cuDNN selectable.
     return torch.float64 if input.dtype == torch.float64 else torch.float32
+
+
+def _constant(bn: _BatchNorm, trace_name: str, fill: float, n: int, dtype: torch.dtype,
+              device: torch.device) -> Tensor:
+    """The (n,) ones / zeros standing in for a missing weight / bias; while the
+    TorchScript tracer records the layer, its ``trace_name`` buffer if it has one."""
+    if torch.jit.is_tracing():
+        traced = bn._buffers.get(trace_name)
+        if traced is not None:
+            return traced
+    return torch.full((n,), fill, dtype=dtype, device=device)
+
+
+def drop_trace_buffers(bn: _BatchNorm) -> None:
+    """Remove the :data:`TRACE_WEIGHT` / :data:`TRACE_BIAS` buffers of ``bn`` (if any)."""
+    bn._buffers.pop(TRACE_WEIGHT, None)
+    bn._buffers.pop(TRACE_BIAS, None)
 
 
 def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
@@ -237,12 +248,12 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
             cumulative = True
 
     compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
+    if cumulative and not compiling:
+        factor = 1.0 / float(nbt)  # as _BatchNorm.forward (compiled code: see below)
     if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
         # rules for aten::batch_norm but none for the consolidated ops, so run exactly
         # what stock runs (same results, same errors).
-        if cumulative:
-            factor = 1.0 / float(nbt)
         return torch.nn.functional.batch_norm(
             input, running_mean, running_var, weight, bias, use_batch_stats, factor, bn.eps
         )
@@ -257,44 +268,39 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
             out = out + bias.select(0, 0)
         return out
 
-    num_features = input.shape[1]
-    pdtype = _param_dtype(input, weight, bias, running_mean)
-    if weight is None:
-        traced = bn._buffers.get(TRACE_WEIGHT) if torch.jit.is_tracing() else None
-        weight = traced if traced is not None else torch.ones(
-            num_features, dtype=pdtype, device=input.device)
-    if bias is None:
-        traced = bn._buffers.get(TRACE_BIAS) if torch.jit.is_tracing() else None
-        bias = traced if traced is not None else torch.zeros(
-            num_features, dtype=pdtype, device=input.device)
+    scratch = use_batch_stats and not update
+    if weight is None or bias is None or scratch:  # constants are needed: in which dtype
+        n, pdtype, device = input.shape[1], _param_dtype(input, weight, bias, running_mean), \
+            input.device
+        if weight is None:
+            weight = _constant(bn, TRACE_WEIGHT, 1.0, n, pdtype, device)
+        if bias is None:
+            bias = _constant(bn, TRACE_BIAS, 0.0, n, pdtype, device)
 
     if not use_batch_stats:
         return _no_update(
             input, weight, bias, running_mean, running_var, factor, bn.eps
         )[0]
-    if not update:
+    if scratch:
         # Batch statistics only: the op needs statistics to write to; these are dropped.
-        scratch_mean = torch.zeros(num_features, dtype=pdtype, device=input.device)
-        scratch_var = torch.ones(num_features, dtype=pdtype, device=input.device)
+        scratch_mean = torch.zeros(n, dtype=pdtype, device=device)
+        scratch_var = torch.ones(n, dtype=pdtype, device=device)
         return _with_update(
             input, weight, bias, scratch_mean, scratch_var, 0.0, bn.eps
         )[0]
-    if cumulative:
-        if not compiling:
-            factor = 1.0 / float(nbt)  # as _BatchNorm.forward
-        else:
-            # Graph-friendly cumulative average: batch statistics via momentum=1 on
-            # scratch buffers, then running += (batch - running) / num_batches_tracked.
-            batch_mean = torch.zeros_like(running_mean)
-            batch_var = torch.zeros_like(running_var)
-            out = _with_update(
-                input, weight, bias, batch_mean, batch_var, 1.0, bn.eps
-            )[0]
-            w = nbt.reciprocal().to(running_mean.dtype)
-            with torch.no_grad():
-                running_mean.lerp_(batch_mean, w)
-                running_var.lerp_(batch_var, w)
-            return out
+    if cumulative and compiling:
+        # Graph-friendly cumulative average: batch statistics via momentum=1 on scratch
+        # buffers, then running += (batch - running) / num_batches_tracked.
+        batch_mean = torch.zeros_like(running_mean)
+        batch_var = torch.zeros_like(running_var)
+        out = _with_update(
+            input, weight, bias, batch_mean, batch_var, 1.0, bn.eps
+        )[0]
+        w = nbt.reciprocal().to(running_mean.dtype)
+        with torch.no_grad():
+            running_mean.lerp_(batch_mean, w)
+            running_var.lerp_(batch_var, w)
+        return out
     return _with_update(
         input, weight, bias, running_mean, running_var, factor, bn.eps
     )[0]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from torch import nn
 
 from bnswap import registry
-from bnswap._core import TRACE_BIAS, TRACE_WEIGHT
+from bnswap._core import drop_trace_buffers
 from bnswap.layers import BNSwapLayer
 from bnswap.plan import rows_from
 from bnswap.walker import Decision, Patterns, base_class, check_module, decide, is_parametrized
@@ -169,8 +169,7 @@ def revert(module: nn.Module) -> nn.Module:
             del m.cls_to_become  # back to the class's own cls_to_become
         if not isinstance(m, BNSwapLayer):
             continue
-        for name in (TRACE_WEIGHT, TRACE_BIAS):  # registered by bnswap.ort.wrap
-            m._buffers.pop(name, None)
+        drop_trace_buffers(m)  # registered by bnswap.ort.wrap
         source = registry.source_of(base_class(m))
         if source is not None:
             _set_base_class(m, source)

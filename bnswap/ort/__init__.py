@@ -170,14 +170,13 @@ def _trace_constants(module: nn.Module, add: bool) -> None:
     """
     import torch
 
-    from bnswap._core import TRACE_BIAS, TRACE_WEIGHT
+    from bnswap._core import TRACE_BIAS, TRACE_WEIGHT, drop_trace_buffers
 
     for _, m in _bn_layers(module):
         if m.affine:
             continue
         if not add:
-            m._buffers.pop(TRACE_WEIGHT, None)
-            m._buffers.pop(TRACE_BIAS, None)
+            drop_trace_buffers(m)
             continue
         if TRACE_WEIGHT in m._buffers and TRACE_BIAS in m._buffers:
             continue
