@@ -65,9 +65,9 @@ def _batch_norm_with_update(g, input, weight, bias, running_mean, running_var, m
         g, input, weight, bias, running_mean, running_var)
     if running_mean.node().kind() != "prim::Param" or running_var.node().kind() != "prim::Param":
         # Throw-away statistics (track_running_stats=False): BatchNormInternal writes the
-        # batch statistics into them (aliased outputs). Zeros / ones would be merged by
-        # ORT's constant sharing with an affine=False layer's constant bias / weight,
-        # which the write would then corrupt; use private values instead.
+        # batch statistics into them (aliased outputs). Zeros / ones could be merged by
+        # ORT's common-subexpression pass with any equal constant of the model, which
+        # the write would then corrupt; use values no model uses instead.
         running_mean = _private_stat(g, input, running_mean, _SCRATCH_MEAN)
         running_var = _private_stat(g, input, running_var, _SCRATCH_VAR)
     out, new_mean, new_var = g.op(
@@ -117,7 +117,7 @@ def keep_running_stat_aliases(model) -> int:
         The number of batch-norm outputs rewritten.
     """
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     graph = model.graph
     outputs = {o.name for o in graph.output}
@@ -133,34 +133,9 @@ def keep_running_stat_aliases(model) -> int:
         return all(u.op_type == "Identity" and reaches_only_outputs(u.output[0], depth + 1)
                    for u in users)
 
-    graph_inputs = {i.name for i in graph.input} | {i.name for i in graph.initializer}
-    producers = {o: n for n in graph.node for o in n.output}
     rewritten = 0
     new_nodes = []
     for node in graph.node:
-        if node.op_type == "BatchNormalization":
-            # Constant weight / bias / statistics (affine=False, track_running_stats=False)
-            # may be one value shared by several layers after the exporter's CSE; ORT's
-            # gradient builder then defines the same gradient name twice, and
-            # BatchNormInternal would write statistics into a shared constant. Give each
-            # batch norm private copies.
-            for idx in range(1, min(5, len(node.input))):
-                name = node.input[idx]
-                src = producers.get(name)
-                if name in graph_inputs or src is None or src.op_type not in (
-                        "Constant", "ConstantOfShape"):
-                    continue
-                value = _constant_value(src, producers, _channels(node, graph, producers))
-                if value is None:
-                    continue
-                private = f"{name}_bnswap_{node.name or id(node)}_{idx}"
-                # A Constant becomes an initializer in ORT, which its CSE leaves alone
-                # (identical ConstantOfShape nodes would be merged again).
-                new_nodes.append(helper.make_node(
-                    "Constant", [], [private], name=private,
-                    value=numpy_helper.from_array(value, private + "_value")))
-                node.input[idx] = private
-                rewritten += 1
         new_nodes.append(node)
         if node.op_type != "BatchNormalization" or len(node.output) < 3:
             continue
@@ -178,48 +153,6 @@ def keep_running_stat_aliases(model) -> int:
         new_nodes.append(helper.make_node("Mul", [doubled, half.name], [y]))
         rewritten += 1
     if rewritten:
-        onnx_dedupe_dead(new_nodes, graph)
         del graph.node[:]
         graph.node.extend(new_nodes)
     return rewritten
-
-
-def onnx_dedupe_dead(nodes: list, graph) -> None:
-    """Drop Constant / ConstantOfShape nodes whose outputs nothing uses any more."""
-    used = {name for n in nodes for name in n.input} | {o.name for o in graph.output}
-    nodes[:] = [n for n in nodes if not (n.op_type in ("Constant", "ConstantOfShape")
-                                         and all(o not in used for o in n.output))]
-
-
-def _channels(bn, graph, producers) -> int | None:
-    """C of a BatchNormalization node, from a statically shaped parameter input."""
-    from onnx import numpy_helper
-
-    typed = {i.name: i for i in graph.input}
-    for name in bn.input[1:5]:
-        if name in typed:
-            dims = typed[name].type.tensor_type.shape.dim
-            if len(dims) == 1 and dims[0].HasField("dim_value"):
-                return int(dims[0].dim_value)
-        src = producers.get(name)
-        if src is not None and src.op_type == "Constant":
-            attrs = {a.name: a for a in src.attribute}
-            if "value" in attrs:
-                return int(numpy_helper.to_array(attrs["value"].t).size)
-    return None
-
-
-def _constant_value(node, producers, channels):
-    """The (C,) array a Constant / ConstantOfShape node feeding a batch norm produces,
-    or None if unknown."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    attrs = {a.name: a for a in node.attribute}
-    if node.op_type == "Constant":
-        return numpy_helper.to_array(attrs["value"].t) if "value" in attrs else None
-    if channels is None:
-        return None
-    fill = (numpy_helper.to_array(attrs["value"].t) if "value" in attrs
-            else np.zeros(1, dtype=np.float32))
-    return np.full((channels,), fill.reshape(-1)[0], dtype=fill.dtype)
