@@ -195,8 +195,10 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
         import torch
         from torch.utils import _pytree as pytree
 
+        from torch.nn.modules.batchnorm import _BatchNorm
+
         from bnswap.ort import _compat
-        from bnswap.ort._stats import RunningStats, detach_tree
+        from bnswap.ort._stats import RunningStats, StatsNotWrittenError, detach_tree, leaf_key
 
         ORTModule = ortmodule_pkg.ORTModule
 
@@ -264,7 +266,8 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 if self._bnswap_eager:
                     return module(*args, **kwargs)
                 self._bnswap_sync_mode(module.training)
-                layers = _bn_layers(module)
+                mods = list(module.named_modules())  # the one walk of the model per call
+                layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
                 if module.training:
                     for name, m in layers:
                         if not m.training:
@@ -283,7 +286,7 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                                 "update running ones). Statistics recalibration (AdaBN, "
                                 "swa_utils.update_bn on an eval model) needs backend='aten', "
                                 "or put the whole model in train mode.")
-                self._bnswap_check_export(layers, args, kwargs, module.training)
+                self._bnswap_check_export(mods, layers, args, kwargs, module.training)
                 if not module.training and torch.is_grad_enabled() and \
                         not self.__dict__.get("_bnswap_warned_eval_grad") and \
                         any(p.requires_grad for p in module.parameters()):
@@ -313,12 +316,10 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
 
                     verify = self.__dict__.get("_bnswap_verify", True)
                     try:
-                        out = stats.step(args, kwargs, run, verify=verify)
+                        out = stats.step(args, kwargs, run, verify=verify, layers=layers)
                     except ORTRunError as err:
                         return self._bnswap_maybe_fallback(err, args, kwargs)
-                    except RuntimeError as err:
-                        if "did not write the batch statistics" not in str(err):
-                            raise
+                    except StatsNotWrittenError as err:
                         return self._bnswap_maybe_fallback(ORTRunError(str(err)), args, kwargs)
                     if verify and self.__dict__.get("_bnswap_verify_pending") is None:
                         self.__dict__["_bnswap_verify"] = False
@@ -329,8 +330,8 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 except ORTRunError as err:
                     return self._bnswap_maybe_fallback(err, args, kwargs)
 
-            def _bnswap_check_export(self, layers: list, args: tuple, kwargs: dict,
-                                     training: bool) -> None:
+            def _bnswap_check_export(self, mods: list, layers: list, args: tuple,
+                                     kwargs: dict, training: bool) -> None:
                 """Re-export when something the exported graph baked in has changed.
 
                 The graph fixes the module structure, the Parameter and buffer tensors
@@ -349,7 +350,7 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 module = self._bnswap_inner
                 keys = self.__dict__.setdefault("_bnswap_export_keys", {})
                 old = keys.get(training)
-                key = self._bnswap_export_key(module, layers, args, kwargs, training)
+                key = self._bnswap_export_key(mods, layers, args, kwargs, training)
                 if old is None or old == key:
                     keys[training] = key
                     return
@@ -358,36 +359,42 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 # momentum); a new affine=False layer needs its trace buffers.
                 _check_layers(module)
                 _trace_constants(module, add=True)
-                self._bnswap_stats._sizes.clear()
+                self._bnswap_stats.invalidate()
                 keys.clear()  # the other mode's graph is stale too
-                keys[training] = self._bnswap_export_key(module, _bn_layers(module), args,
-                                                         kwargs, training)
+                mods = list(module.named_modules())
+                keys[training] = self._bnswap_export_key(
+                    mods, [(n, m) for n, m in mods if isinstance(m, _BatchNorm)], args, kwargs,
+                    training)
                 logger.info("bnswap.ort: the model or its inputs changed in a way the exported "
                             "graph depends on; ONNX Runtime exports again")
                 for mode in (True, False):
                     _compat.force_reexport(self, mode)
 
             @staticmethod
-            def _bnswap_export_key(module: nn.Module, layers: list, args: tuple, kwargs: dict,
+            def _bnswap_export_key(mods: list, layers: list, args: tuple, kwargs: dict,
                                    training: bool) -> tuple:
+                """What the exported graph depends on, from one pass over ``mods`` (the
+                model's ``named_modules()``): its structure, the identity of every
+                Parameter / buffer slot (ORT feeds the tensors it found at export; a
+                replaced one would be ignored), each BatchNorm's flags, the non-tensor
+                arguments (graph constants) and, in training, ``requires_grad``."""
+                structure, tensors, grads = [], [], []
+                for n, m in mods:
+                    structure.append((n, type(m)))
+                    for p in m._parameters.values():
+                        tensors.append(id(p))
+                        grads.append(p is not None and p.requires_grad)
+                    tensors.extend(id(b) for b in m._buffers.values())
                 leaves, spec = pytree.tree_flatten((args, kwargs))
                 key: tuple = (
-                    # module structure and the identity of every Parameter / buffer (ORT
-                    # feeds the tensors it found at export; a replaced one is ignored)
-                    tuple((n, type(m)) for n, m in module.named_modules()),
-                    tuple(id(t) for t in module.parameters()),
-                    tuple(id(t) for t in module.buffers()),
+                    tuple(structure), tuple(tensors),
                     tuple((m.track_running_stats, float(m.eps)) for _, m in layers),
-                    # non-tensor arguments are baked into the graph as constants
                     str(spec),
-                    tuple(None if isinstance(x, torch.Tensor) else
-                          (type(x).__name__, x if isinstance(
-                              x, (int, float, bool, str, type(None))) else id(x))
-                          for x in leaves),
+                    tuple(None if isinstance(x, torch.Tensor) else leaf_key(x) for x in leaves),
                 )
                 if training:
                     key += (tuple(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)),
-                            tuple(p.requires_grad for p in module.parameters()))
+                            tuple(grads))
                 return key
 
             def _bnswap_sync_mode(self, training: bool) -> None:
@@ -571,9 +578,9 @@ def executed_ops(model: nn.Module, training: bool | None = None) -> collections.
                                "yet: run a forward in that mode first.")
         import onnx
 
-        graph = onnx.load(path, load_external_data=False).graph
-        counter: collections.Counter = collections.Counter(n.op_type for n in graph.node)
-        for fn in onnx.load(path, load_external_data=False).functions:
+        model = onnx.load(path, load_external_data=False)
+        counter: collections.Counter = collections.Counter(n.op_type for n in model.graph.node)
+        for fn in model.functions:
             counter.update(n.op_type for n in fn.node)
         cache[mode] = counter
     return collections.Counter(cache[mode])

@@ -369,8 +369,8 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
     # GraphExecutionManager.__getstate__ deletes _torch_alloc / _torch_free /
     # _torch_empty_cache, which exist only with a CUDA torch allocator: copy.deepcopy,
     # pickle and torch.save of any ORTModule on a CPU machine raised KeyError.
-    gem_cls = importlib.import_module(f"{_ORTM}._graph_execution_manager").GraphExecutionManager
-    original_getstate = gem_cls.__getstate__
+    gem = importlib.import_module(f"{_ORTM}._graph_execution_manager").GraphExecutionManager
+    original_getstate = gem.__getstate__
 
     @functools.wraps(original_getstate)
     def __getstate__(self):
@@ -384,9 +384,8 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
             for k in missing:
                 self.__dict__.pop(k, None)
 
-    gem_cls.__getstate__ = __getstate__
+    gem.__getstate__ = __getstate__
 
-    gem = importlib.import_module(f"{_ORTM}._graph_execution_manager").GraphExecutionManager
     original_cfg = gem._get_session_config
 
     @functools.wraps(original_cfg)

@@ -41,23 +41,38 @@ T = TypeVar("T")
 # with the batch mean (sentinel * 0 + mean), so a survivor means no write happened.
 _SENTINEL = 1.0e30
 
-__all__ = ["RunningStats", "tracked_layers"]
+__all__ = ["RunningStats", "tracked_layers", "leaf_key", "StatsNotWrittenError",
+           "LayerRunsTwiceError"]
 
 
-def tracked_layers(root: nn.Module) -> list[tuple[str, _BatchNorm]]:
-    """(name, layer) for every BatchNorm layer with running statistics (tracked)."""
+class StatsNotWrittenError(RuntimeError):
+    """ORT did not write a layer's batch statistics into its running_mean buffer."""
+
+
+class LayerRunsTwiceError(RuntimeError):
+    """A BatchNorm layer runs more than once in one forward."""
+
+
+def tracked_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, _BatchNorm]]:
+    """The BatchNorm layers among ``layers`` ((name, module) pairs, e.g.
+    ``root.named_modules()``) that have running statistics (tracked)."""
     return [
-        (name, m) for name, m in root.named_modules()
+        (name, m) for name, m in layers
         if isinstance(m, _BatchNorm) and m.track_running_stats
         and m.running_mean is not None and m.running_var is not None
     ]
 
 
+def leaf_key(x: Any) -> Any:
+    """A hashable stand-in for a non-tensor forward argument: its value when it is a
+    plain scalar / string / None, else its identity."""
+    return (type(x).__name__, x if isinstance(x, (int, float, bool, str, type(None))) else id(x))
+
+
 def _signature(args: tuple, kwargs: dict) -> tuple:
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return (str(spec), tuple(
-        (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else
-        (type(x).__name__, x if isinstance(x, (int, float, bool, str, type(None))) else id(x))
+        (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else leaf_key(x)
         for x in leaves))
 
 
@@ -113,7 +128,7 @@ class RunningStats:
         for i, (name, _) in enumerate(layers):
             shapes = seen.get(i, [])
             if len(shapes) > 1:
-                raise RuntimeError(
+                raise LayerRunsTwiceError(
                     f"bnswap.ort: BatchNorm layer {name!r} runs {len(shapes)} times in one "
                     "forward; ONNX Runtime updates its running statistics once per call site "
                     "into the same buffers, which cannot reproduce PyTorch's sequential "
@@ -136,16 +151,16 @@ class RunningStats:
         Raises:
             What the model raises for these inputs in eager mode (wrong rank, channel
             count, one value per channel...), before ORT runs.
-            RuntimeError: a layer runs more than once per forward.
+            LayerRunsTwiceError (a RuntimeError): a layer runs more than once per forward.
         """
         key = _signature(args, kwargs)
         sizes = self._sizes.get(key)
         if sizes is None:
             try:
                 sizes = self._probe(args, kwargs, layers, meta=True)
+            except LayerRunsTwiceError:
+                raise
             except Exception as err:  # noqa: BLE001 - any meta failure: use a real pass
-                if isinstance(err, RuntimeError) and "runs" in str(err) and "bnswap" in str(err):
-                    raise
                 logger.debug("bnswap.ort: meta shape pass failed (%s); using a real pass", err)
                 sizes = self._probe(args, kwargs, layers, meta=False)
             if len(self._sizes) > 64:
@@ -154,7 +169,12 @@ class RunningStats:
         return sizes
 
     # -------------------------------------------------------------------- step
-    def step(self, args: tuple, kwargs: dict, run: Callable[[], T], verify: bool = False) -> T:
+    def invalidate(self) -> None:
+        """Forget the cached reduction sizes (the model's structure changed)."""
+        self._sizes.clear()
+
+    def step(self, args: tuple, kwargs: dict, run: Callable[[], T], verify: bool = False,
+             layers: list[tuple[str, _BatchNorm]] | None = None) -> T:
         """Run ``run()`` (an ORT training forward of ``root`` on ``args``/``kwargs``) and
         leave every tracked layer's running_mean, running_var and num_batches_tracked
         exactly as an eager forward would. On error, the statistics are restored.
@@ -163,12 +183,15 @@ class RunningStats:
             verify: first step of a new ORT session: fill running_mean with a sentinel
                 before the call and check ORT overwrote it with the batch mean (ONNX
                 momentum 0), i.e. that its aliased in-place write reached the buffer.
+            layers: ``root``'s (name, module) pairs when the caller has walked it
+                already (default: ``root.named_modules()``).
 
         Raises:
-            RuntimeError: ``verify`` and ORT did not write a layer's statistics (the
-                statistics are restored; nothing is silently wrong).
+            StatsNotWrittenError (a RuntimeError): ``verify`` and ORT did not write a
+                layer's statistics (the statistics are restored; nothing is silently
+                wrong).
         """
-        layers = tracked_layers(self.root)
+        layers = tracked_layers(self.root.named_modules() if layers is None else layers)
         if not layers:
             return run()
         sizes = self.reduction_sizes(args, kwargs, layers)
@@ -191,7 +214,7 @@ class RunningStats:
                           if m.running_mean is not None and any(m is a for a, _ in active)
                           and bool((m.running_mean == _SENTINEL).any())]
                 if missed:
-                    raise RuntimeError(
+                    raise StatsNotWrittenError(
                         "bnswap.ort: ONNX Runtime did not write the batch statistics of "
                         f"{missed} into their running_mean buffers (BatchNormInternal's "
                         "aliased outputs); their running statistics cannot follow PyTorch's "
