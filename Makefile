@@ -10,7 +10,6 @@ TORCH ?= torch==2.13.0
 ZOO_TORCH ?= torch==2.14.1 torchvision==0.29.1
 PIP := -m pip install -q --disable-pip-version-check
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
-export BNSWAP_CACHE_DIR ?= $(CURDIR)/build/bnswap-cache
 export MPLBACKEND ?= Agg
 
 .PHONY: setup setup-zoo demo test test-main test-zoo bench clean

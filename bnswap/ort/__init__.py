@@ -142,8 +142,9 @@ def _check_layers(module: nn.Module) -> None:
         if not is_swapped(m):
             raise TypeError(
                 f"bnswap.ort.wrap: BatchNorm layer {label!r} ({type(m).__name__}) is not a "
-                "bnswap layer (SyncBatchNorm, an excluded layer, or a subclass without an "
-                "adapter). ORT would export it with a momentum frozen at trace time and "
+                "bnswap layer (SyncBatchNorm, an excluded layer, a subclass without an "
+                "adapter, a layer added after wrapping, or a model reverted while wrapped). "
+                "ORT would export it with a momentum frozen at trace time and "
                 "PyTorch's running statistics would be lost. Convert it, or use "
                 "backend='aten'. See bnswap.plan(model, backend='ort').")
         for pname, t in (("weight", m.weight), ("bias", m.bias),
