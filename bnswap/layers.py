@@ -33,7 +33,17 @@ class BNSwapLayer:
         Raises what stock ``nn.BatchNorm`` raises (ValueError for the wrong rank or one
         value per channel in training, RuntimeError for the wrong channel count,
         NotImplementedError for integer input), before any kernel runs.
+
+        Under ``torch.fx.symbolic_trace`` (``input`` a Proxy) a submodule's normalization
+        is recorded as one opaque ``call_function`` on it, so an adapter's own
+        ``forward`` (activation, drop...) traces around it, as its stock class's
+        ``F.batch_norm`` call does.
         """
+        if isinstance(input, torch.fx.Proxy):
+            path = input.tracer.path_of_module(self)
+            if path:
+                module = input.tracer.create_proxy("get_attr", path, (), {})
+                return input.tracer.create_proxy("call_function", _normalize, (module, input), {})
         self._check_input_dim(input)  # type: ignore[attr-defined]
         return module_batch_norm(self, input)  # type: ignore[arg-type]
 
@@ -44,6 +54,11 @@ class BNSwapLayer:
 
     def _get_name(self) -> str:
         return "bnswap." + type(self).__name__.removeprefix("Parametrized")
+
+
+def _normalize(module: BNSwapLayer, input: Tensor) -> Tensor:
+    """``module._bnswap_normalize(input)``: the call an fx graph records for an adapter."""
+    return module._bnswap_normalize(input)
 
 
 def _fx_leaf(module: nn.Module, input: torch.fx.Proxy) -> object:

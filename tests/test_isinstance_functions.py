@@ -323,3 +323,49 @@ def test_fx_optimization_fuse_leaves_bnswap_layers_unfused():
     assert torch.equal(fb(x), stock(x))
     torch.testing.assert_close(fb(x), fs(x), rtol=1e-4, atol=1e-5)
     assert same_tensor(fb(x), swapped(x))
+
+
+class _BNReLU(nn.BatchNorm2d):
+    """A timm-BatchNormAct2d-style subclass: F.batch_norm then an activation in its own
+    forward (stock fx traces through it: F.batch_norm takes Proxies)."""
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        return torch.relu(nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+            self.momentum, self.eps))
+
+
+class _SwappedBNReLU(bnswap.BNSwapLayer, _BNReLU):
+    def forward(self, x):
+        return torch.relu(self._bnswap_normalize(x))
+
+
+def test_fx_symbolic_trace_through_an_adapter_like_stock():
+    """An adapter's forward calls _bnswap_normalize itself (the timm adapter does); under
+    fx it used to hand the Proxy to the core (TraceError) where stock traces."""
+    from bnswap import registry
+
+    saved = dict(registry._SWAPS), dict(registry._SOURCES)
+    bnswap.register(_BNReLU, _SwappedBNReLU)
+    try:
+        torch.manual_seed(0)
+        stock = nn.Sequential(nn.Conv2d(3, 4, 3), _BNReLU(4), nn.Conv2d(4, 4, 1))
+        swapped = bnswap.convert(copy.deepcopy(stock))
+        assert type(swapped[1]) is _SwappedBNReLU
+        for train in (True, False):  # a traced graph bakes in the mode it was traced in
+            stock.train(train), swapped.train(train)
+            torch.fx.symbolic_trace(copy.deepcopy(stock))  # stock traces through it
+            gb = torch.fx.symbolic_trace(swapped)
+            assert isinstance(gb.get_submodule("1"), _SwappedBNReLU)
+            for _ in range(2):
+                # against eager stock: stock's own graph runs num_batches_tracked.add_
+                # once at trace time instead of per call (its forward's Python branch)
+                x = torch.randn(4, 3, 6, 6)
+                assert torch.equal(stock(x), gb(x))
+                assert state_diff(stock, swapped) == []
+    finally:
+        for d, old in zip((registry._SWAPS, registry._SOURCES), saved, strict=True):
+            d.clear()
+            d.update(old)
