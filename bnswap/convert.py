@@ -120,6 +120,15 @@ def convert(
     """
     check_module(module, "convert")
     decisions = decide(module, backend, include, exclude)
+    wrapped = _apply(module, decisions, backend)
+    _log(decisions, backend)
+    return wrapped
+
+
+def _apply(module: nn.Module, decisions: list[Decision], backend: str) -> nn.Module:
+    """Carry out ``decisions`` (from :func:`bnswap.walker.decide` on ``module``)
+    atomically: every swap, then the ORT wrap for ``backend="ort"``; on any error every
+    swap done so far is undone and the error raised. Returns what :func:`convert` does."""
     undos: list[Callable[[], None]] = []
     try:
         for d in decisions:
@@ -136,7 +145,6 @@ def convert(
         for undo in reversed(undos):
             undo()
         raise
-    _log(decisions, backend)
     return wrapped
 
 

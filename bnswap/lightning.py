@@ -68,10 +68,10 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 import bnswap
+from bnswap.convert import _apply, _log
 from bnswap.layers import BNSwapLayer
-from bnswap.plan import Plan, select_kernel
-from bnswap.plan import plan as make_plan
-from bnswap.walker import Patterns, check_backend, decide
+from bnswap.plan import Plan, rows_from, select_kernel
+from bnswap.walker import Patterns, _patterns, check_backend, decide
 
 try:  # the unified package first, the standalone one otherwise
     import lightning.pytorch as pl
@@ -136,10 +136,9 @@ class _BNSwapBase:
             bnswap.ort.ORTNotAvailableError: (an ImportError, at ``setup``, before the model
                 changes) ``backend="ort"`` without ONNX Runtime training installed.
         """
-        check_backend(backend)
-        with warnings.catch_warnings():  # validate the patterns now, not mid-run
-            warnings.filterwarnings("ignore", message=_PATTERN_WARNING)
-            decide(nn.Module(), backend, include, exclude)
+        check_backend(backend)  # validate everything now, not mid-run
+        _patterns(include, "include")
+        _patterns(exclude, "exclude")
         self.backend = backend
         self.include = include
         self.exclude = exclude
@@ -163,10 +162,11 @@ class _BNSwapBase:
             # patterns may match layers that configure_model has not built yet; the
             # final plan warns about patterns that match nothing.
             warnings.filterwarnings("ignore", message=_PATTERN_WARNING)
-            todo = [d.module for d in decide(root, "aten", self.include, self.exclude)
-                    if d.action == "swap" and not d.already]
-            if todo:
-                bnswap.convert(root, "aten", include=self.include, exclude=self.exclude)
+            decisions = decide(root, "aten", self.include, self.exclude)
+        todo = [d.module for d in decisions if d.action == "swap" and not d.already]
+        if todo:  # what bnswap.convert(root) does, on the decisions made above
+            _apply(root, decisions, "aten")
+            _log(decisions, "aten")
         for m in todo:
             self._swapped.setdefault(id(m), when)
         if self.backend == "ort":
@@ -221,16 +221,15 @@ class _BNSwapBase:
         self._remove_hook()
         self._swap(pl_module, "swapped at stage start")
         rows = []
-        names = dict(pl_module.named_modules())
-        p = make_plan(pl_module, self.backend, include=self.include, exclude=self.exclude)
+        decisions = decide(pl_module, self.backend, self.include, self.exclude)
         wrapped = [n + "." for n, c in pl_module.named_children()
                    if getattr(c, "_bnswap_inner", None) is not None]
-        for r in p.rows:
-            m = names.get("" if r.name == "(root)" else r.name)
-            when = self._swapped.get(id(m)) if m is not None else None
+        for d, r in zip(decisions, rows_from(decisions, self.backend).rows, strict=True):
+            m = d.module
+            when = self._swapped.get(id(m))
             if when is not None and r.action == "swap":
                 r = replace(r, reason=when)
-            if (self.backend == "ort" and r.action == "swap" and m is not None
+            if (self.backend == "ort" and r.action == "swap"
                     and not r.name.startswith(tuple(wrapped))):
                 # its child was not wrapped (it holds a layer bnswap does not swap)
                 r = replace(r, backend="aten", kernel=select_kernel(m),
