@@ -213,7 +213,6 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
 
             def __init__(self, module: nn.Module, *, fallback: str | None,
                          session_options: dict[str, Any], debug_options: Any = None):
-                _compat.BNSWAP_MODULES.add(module)
                 env = os.environ.get("ORTMODULE_FALLBACK_POLICY")
                 os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
                 try:
@@ -230,21 +229,24 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 d["_bnswap_fallback"] = fallback
                 d["_bnswap_eager"] = False
                 d["_bnswap_session_options"] = dict(session_options)
+                self._bnswap_install()
+
+            def _bnswap_install(self) -> None:
+                """Per-object runtime state, on creation and on unpickling / deepcopy
+                (which never carry it): our symbolics for this model's export, a private
+                folder for ORT's optimized graphs, and the forward / session hooks."""
+                d = self.__dict__
+                _compat.BNSWAP_MODULES.add(d["_bnswap_inner"])
                 d["_bnswap_graph_files"] = {}
                 d["_bnswap_ops"] = {}
                 tmp = tempfile.mkdtemp(prefix="bnswap-ort-")
                 d["_bnswap_tmp"] = tmp
                 weakref.finalize(self, shutil.rmtree, tmp, True)
-                self._bnswap_install()
-
-            def _bnswap_install(self) -> None:
-                d = self.__dict__
                 d["_bnswap_ort_forward"] = d["forward"]
                 d["forward"] = self._bnswap_forward
                 for training in (True, False):
                     mgr = self._torch_module._execution_manager(training)
                     mgr._bnswap_session_hook = self._bnswap_session_hook
-                    # torch's CPU kernels use all cores; ORT's default does too.
 
             def _bnswap_session_hook(self, manager: Any, so: Any) -> None:
                 mode = "training" if manager._export_mode == torch.onnx.TrainingMode.TRAINING \
@@ -453,14 +455,7 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 # copy exports and verifies afresh on its first call.
                 with _compat.ort_scope():
                     super().__setstate__(state)
-                d = self.__dict__
-                _compat.BNSWAP_MODULES.add(d["_bnswap_inner"])  # export with our symbolics
-                d["_bnswap_verify"] = True
-                tmp = tempfile.mkdtemp(prefix="bnswap-ort-")
-                d["_bnswap_tmp"] = tmp
-                d["_bnswap_graph_files"] = {}
-                d["_bnswap_ops"] = {}
-                weakref.finalize(self, shutil.rmtree, tmp, True)
+                self.__dict__["_bnswap_verify"] = True
                 self._bnswap_install()
 
         # Importable as bnswap.ort.BNSwapORTModule (module __getattr__), so pickle and
