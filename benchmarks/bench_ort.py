@@ -4,9 +4,9 @@ process, one row per setting.
     python benchmarks/bench_ort.py [--net convnet4|mobilenetv2|resnet18] [--steps 10]
                                    [--warmup 3] [--threads N] [--config NAME ...]
 
-Nets, batches and the train step are P4's (``benchmarks/cases.py``). After warm-up the
-eager and ORT steps are interleaved pairwise (order alternating) and the median of the
-per-pair ratios ORT/eager is printed per setting (below 1.0 = ORT faster). P4 itself
+Nets, batches, the train step and the interleaved A/B harness are P4's
+(``benchmarks/cases.py``, ``benchmarks/harness.py``); the median of the per-pair ratios
+ORT/eager is printed per setting (below 1.0 = ORT faster). P4 itself
 (``python -m benchmarks --cases P4``) uses ORT intra-op threads = torch's threads and
 adds the per-kernel-family breakdown that explains the ratio.
 """
@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 
 import torch
-from torch import nn
 
 CONFIGS = {
     # name: session_options (on top of bnswap.ort.DEFAULT_SESSION_OPTIONS)
@@ -34,26 +31,16 @@ CONFIGS = {
 }
 
 
-def step_fn(model: nn.Module, opt: torch.optim.Optimizer, x, y):
-    def step() -> float:
-        t = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return time.perf_counter() - t
-    return step
-
-
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import bnswap
     import bnswap.ort
-    from benchmarks.cases import _pair
+    from benchmarks.cases import _pair, train_step
+    from benchmarks.harness import interleaved
 
     p = argparse.ArgumentParser()
     p.add_argument("--net", default="convnet4", choices=["convnet4", "mobilenetv2", "resnet18"])
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="interleaved (ORT, eager) pairs")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--config", nargs="*", default=list(CONFIGS))
@@ -69,27 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         eager = copy.deepcopy(base)
         ort_model = bnswap.ort.wrap(bnswap.convert(copy.deepcopy(base)),
                                     session_options=CONFIGS[name])
-        e_step = step_fn(eager, torch.optim.SGD(eager.parameters(), lr=0.01), x, y)
-        o_step = step_fn(ort_model, torch.optim.SGD(ort_model.parameters(), lr=0.01), x, y)
-        try:
-            for _ in range(args.warmup):
-                e_step()
-                o_step()
+        try:  # P4's train step (SGD momentum 0.9) and harness, ORT as A, eager stock as B
+            cmp = interleaved(train_step(ort_model, x, y, "float32"),
+                              train_step(eager, x, y, "float32"),
+                              pairs=args.steps, warmup=args.warmup)
         except bnswap.ort.ORTRunError as err:
             print(f"{name:24s} fails: {str(err)[:200]}", flush=True)
             continue
-        ratios, te, to = [], [], []
-        for i in range(args.steps):
-            if i % 2:
-                a, b = o_step(), e_step()
-            else:
-                b, a = e_step(), o_step()
-            ratios.append(a / b)
-            te.append(b)
-            to.append(a)
-        print(f"{name:24s} ORT/eager median ratio {statistics.median(ratios):.3f}  "
-              f"(eager {statistics.median(te) * 1e3:.2f} ms, ORT "
-              f"{statistics.median(to) * 1e3:.2f} ms)", flush=True)
+        print(f"{name:24s} ORT/eager median ratio {cmp.ratio_median:.3f}  "
+              f"(eager {cmp.b_median * 1e3:.2f} ms, ORT {cmp.a_median * 1e3:.2f} ms)", flush=True)
     return 0
 
 

@@ -110,14 +110,7 @@ class Comparison:
         }
 
 
-def _time_calls(fn: Callable[[], object], inner: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - t0) / inner
-
-
-def _time_calls2(fn: Callable[[], object], inner: int) -> tuple[float, float]:
+def _time_calls(fn: Callable[[], object], inner: int) -> tuple[float, float]:
     """(wall-clock, process CPU) seconds per call."""
     c0 = time.process_time()
     t0 = time.perf_counter()
@@ -132,7 +125,7 @@ def calibrate_inner(fn: Callable[[], object], min_sample_s: float, cap: int = 10
     """Smallest power-of-two-ish count of calls that lasts at least ``min_sample_s``."""
     inner = 1
     while True:
-        t = _time_calls(fn, inner) * inner
+        t = _time_calls(fn, inner)[0] * inner
         if t >= min_sample_s or inner >= cap:
             return inner
         inner = min(cap, max(inner * 2, int(inner * min_sample_s / max(t, 1e-9) * 1.2)))
@@ -179,7 +172,7 @@ def interleaved(
     try:
         for i in range(pairs):
             for f, n, wall, cpu in ((fa, inner_a, a_times, a_cpu), (fb, inner_b, b_times, b_cpu)):
-                w, c = _time_calls2(f, n)
+                w, c = _time_calls(f, n)
                 wall.append(w)
                 cpu.append(c)
             if max_seconds is not None and i >= 4 and time.perf_counter() - start > max_seconds:

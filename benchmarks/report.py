@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from benchmarks.cases import TITLES
 
 
@@ -287,6 +285,3 @@ def to_png(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def finite_positive(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
