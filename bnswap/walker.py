@@ -123,7 +123,7 @@ def decide(
     check_backend(backend)
     inc = _patterns(include, "include")
     exc = _patterns(exclude, "exclude")
-    used: set[int] = set()
+    used: dict[str, set[int]] = {"include": set(), "exclude": set()}
     out: list[Decision] = []
     for name, m in model.named_modules(remove_duplicate=True):
         if not isinstance(m, _BatchNorm):
@@ -132,13 +132,14 @@ def decide(
         shown = _display(name)
         hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)]
         hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)]
-        used.update(("exc", i) for i in hit_exc)  # type: ignore[misc]
-        used.update(("inc", i) for i in hit_inc)  # type: ignore[misc]
+        used["exclude"].update(hit_exc)
+        used["include"].update(hit_inc)
+        uninitialized = isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
         if issubclass(cls, BNSwapLayer):
             out.append(Decision(shown, m, registry.source_of(cls) or cls, "swap",
                                 "already a bnswap layer", cls, already=True))
             continue
-        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+        if uninitialized:
             pending = getattr(m, "cls_to_become", None)
             if isinstance(pending, type) and issubclass(pending, BNSwapLayer):
                 out.append(Decision(shown, m, cls, "swap",
@@ -156,7 +157,7 @@ def decide(
             out.append(Decision(shown, m, cls, "skip",
                                 "SyncBatchNorm runs its own cross-process kernel; left as is"))
             continue
-        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+        if uninitialized:
             become = getattr(m, "cls_to_become", None)
             target = registry.lookup(become) if isinstance(become, type) else None
             if target is None:
@@ -183,7 +184,7 @@ def decide(
                 "<bnswap subclass>), see docs/adapters.md"))
     for kind, pats in (("include", inc), ("exclude", exc)):
         for i, p in enumerate(pats):
-            if (kind[:3], i) not in used:
+            if i not in used[kind]:
                 warnings.warn(
                     f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
                     UserWarning,
