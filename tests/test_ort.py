@@ -7,6 +7,7 @@ progress on stderr); ``python -m bnswap.ort build`` does it ahead of time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections import Counter
@@ -40,6 +41,15 @@ def assert_stats_equal(model: nn.Module, ref: nn.Module) -> None:
             torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL, msg=name)
         if want.num_batches_tracked is not None:
             assert int(got.num_batches_tracked) == int(want.num_batches_tracked)
+
+
+@contextlib.contextmanager
+def buffers_unchanged(model: nn.Module):
+    """Assert that every buffer of ``model`` is bitwise the same after the block."""
+    before = [b.clone() for b in model.buffers()]
+    yield
+    for b, old in zip(model.buffers(), before, strict=True):
+        assert torch.equal(b, old)
 
 
 def train_pair(model: nn.Module, ref: nn.Module, wrapped: nn.Module, inputs, steps: int):
@@ -99,11 +109,9 @@ def test_given_case3_eval_before_convert_stays_eval():
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
     assert wrapped.training is False and model.training is False and model[1].training is False
-    before = [b.clone() for b in model.buffers()]
-    x = torch.randn(2, 3, 6, 6)
-    torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
-    for b, old in zip(model.buffers(), before, strict=True):
-        assert torch.equal(b, old)
+    with buffers_unchanged(model):
+        x = torch.randn(2, 3, 6, 6)
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
     ops = bnswap.ort.executed_ops(wrapped)
     assert ops["BatchNormalization"] == 1 and ops["BatchNormInternal"] == 0
 
@@ -162,12 +170,10 @@ def test_eval_after_training_uses_running_stats_and_leaves_them():
     train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) + 2, steps=2)
     wrapped.eval()
     ref.eval()
-    before = [b.clone() for b in model.buffers()]
-    for _ in range(2):
-        x = torch.randn(5, 3, 6, 6)
-        torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
-    for b, old in zip(model.buffers(), before, strict=True):
-        assert torch.equal(b, old)
+    with buffers_unchanged(model):
+        for _ in range(2):
+            x = torch.randn(5, 3, 6, 6)
+            torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
     assert bnswap.ort.executed_ops(wrapped)["BatchNormalization"] == 1
     assert bnswap.ort.executed_ops(wrapped, training=True)["BatchNormInternal"] == 1
 
@@ -223,24 +229,20 @@ def test_bad_input_raises_before_ort_and_keeps_stats():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     wrapped = bnswap.convert(model, backend="ort")
     wrapped(torch.randn(2, 3, 5, 5))
-    before = [b.clone() for b in model.buffers()]
-    with pytest.raises(ValueError, match="more than 1 value per channel"):
-        wrapped(torch.randn(1, 3, 3, 3))  # one value per channel after the conv
-    with pytest.raises(RuntimeError):
-        wrapped(torch.randn(2, 5, 5, 5))  # wrong channel count
-    for b, old in zip(model.buffers(), before, strict=True):
-        assert torch.equal(b, old)
+    with buffers_unchanged(model):
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            wrapped(torch.randn(1, 3, 3, 3))  # one value per channel after the conv
+        with pytest.raises(RuntimeError):
+            wrapped(torch.randn(2, 5, 5, 5))  # wrong channel count
 
 
 def test_mixed_train_eval_layers_rejected():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4))
     wrapped = bnswap.convert(model, backend="ort")
     model[2].eval()
-    before = [b.clone() for b in model.buffers()]
-    with pytest.raises(bnswap.ort.ORTRunError, match="eval mode while"):
+    with buffers_unchanged(model), pytest.raises(bnswap.ort.ORTRunError,
+                                                 match="eval mode while"):
         wrapped(torch.randn(2, 3, 5, 5))
-    for b, old in zip(model.buffers(), before, strict=True):
-        assert torch.equal(b, old)
 
 
 class _FFT(nn.Module):
@@ -540,7 +542,6 @@ def test_eval_model_with_a_train_mode_batchnorm_is_refused():
     wrapped = bnswap.convert(model, backend="ort")
     wrapped.eval()
     model[1].train()  # AdaBN-style recalibration: eager would update the statistics
-    before = [b.clone() for b in model.buffers()]
-    with torch.no_grad(), pytest.raises(bnswap.ort.ORTRunError, match="needs backend='aten'"):
+    with buffers_unchanged(model), torch.no_grad(), \
+            pytest.raises(bnswap.ort.ORTRunError, match="needs backend='aten'"):
         wrapped(torch.randn(8, 3, 8, 8))
-    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), before, strict=True))
