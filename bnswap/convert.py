@@ -155,6 +155,13 @@ def _log(decisions: list[Decision], backend: str) -> None:
         logger.info("%s", rows_from(decisions, backend))
 
 
+def ort_inner(module: nn.Module) -> nn.Module | None:
+    """The model inside ``module`` if it is a :func:`bnswap.ort.wrap` wrapper, else None
+    (read without importing ONNX Runtime)."""
+    inner = getattr(module, "_bnswap_inner", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def revert(module: nn.Module) -> nn.Module:
     """Undo :func:`convert`: every bnswap layer gets its original class back.
 
@@ -169,8 +176,7 @@ def revert(module: nn.Module) -> nn.Module:
         TypeError: ``module`` is not an ``nn.Module``.
     """
     check_module(module, "revert")
-    inner = getattr(module, "_bnswap_inner", None)  # set by bnswap.ort.wrap
-    target = inner if isinstance(inner, nn.Module) else module
+    target = ort_inner(module) or module
     for m in target.modules():
         pending = vars(m).get("cls_to_become")
         if isinstance(pending, type) and registry.source_of(pending) is not None:

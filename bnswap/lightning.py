@@ -68,7 +68,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 import bnswap
-from bnswap.convert import _apply, _log
+from bnswap.convert import _apply, _log, ort_inner
 from bnswap.layers import BNSwapLayer
 from bnswap.plan import Plan, rows_from, select_kernel
 from bnswap.walker import Patterns, _patterns, check_backend, decide
@@ -177,7 +177,7 @@ class _BNSwapBase:
         layers (a child holding an excluded or unswappable layer stays eager, on aten)."""
         ort = _import_ort()
         for name, child in list(root.named_children()):
-            if getattr(child, "_bnswap_inner", None) is not None:
+            if ort_inner(child) is not None:
                 continue
             bns = [m for m in child.modules() if isinstance(m, _BatchNorm)]
             if bns and all(isinstance(m, BNSwapLayer) for m in bns):
@@ -223,7 +223,7 @@ class _BNSwapBase:
         rows = []
         decisions = decide(pl_module, self.backend, self.include, self.exclude)
         wrapped = [n + "." for n, c in pl_module.named_children()
-                   if getattr(c, "_bnswap_inner", None) is not None]
+                   if ort_inner(c) is not None]
         for d, r in zip(decisions, rows_from(decisions, self.backend).rows, strict=True):
             m = d.module
             when = self._swapped.get(id(m))
@@ -283,8 +283,8 @@ class _BNSwapBase:
         self._root = None
         if self.revert_on_teardown:
             for name, child in list(pl_module.named_children()):
-                inner = getattr(child, "_bnswap_inner", None)
-                if isinstance(inner, nn.Module):  # undo bnswap.ort.wrap
+                inner = ort_inner(child)
+                if inner is not None:  # undo bnswap.ort.wrap
                     setattr(pl_module, name, inner)
             bnswap.revert(pl_module)
 

@@ -213,16 +213,9 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
 
             def __init__(self, module: nn.Module, *, fallback: str | None,
                          session_options: dict[str, Any], debug_options: Any = None):
-                env = os.environ.get("ORTMODULE_FALLBACK_POLICY")
-                os.environ["ORTMODULE_FALLBACK_POLICY"] = "FALLBACK_DISABLE"
-                try:
-                    with _compat.ort_scope():
-                        super().__init__(module, debug_options)
-                finally:
-                    if env is None:
-                        os.environ.pop("ORTMODULE_FALLBACK_POLICY", None)
-                    else:
-                        os.environ["ORTMODULE_FALLBACK_POLICY"] = env
+                with _compat.scoped_env("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE"), \
+                        _compat.ort_scope():
+                    super().__init__(module, debug_options)
                 d = self.__dict__
                 d["_bnswap_inner"] = module
                 d["_bnswap_stats"] = RunningStats(module)

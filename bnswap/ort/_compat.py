@@ -294,23 +294,32 @@ def _load_extension() -> None:
     sys.modules[name] = mod
 
 
+@contextlib.contextmanager
+def scoped_env(name: str, value: str) -> Iterator[None]:
+    """Set environment variable ``name`` to ``value`` inside the block (ORT reads some
+    settings from the environment), then restore it exactly (unset if it was)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def _import_ortmodule() -> types.ModuleType:
     interop = f"{_EXT_PKG}.torch_interop_utils"
     if interop not in sys.modules:
         sys.modules[interop] = _InteropUnavailable(interop)
-    old_env = os.environ.get("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD")
-    os.environ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"] = "0"
     try:
-        with ort_scope():
+        with scoped_env("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", "0"), ort_scope():
             _nvtx_noop()
             ortmodule = importlib.import_module(_ORTM)
             # Imported lazily by ORT's options; its import-time enable reads the env var.
             importlib.import_module(f"{_ORTM}._custom_autograd_function")
     finally:
-        if old_env is None:
-            os.environ.pop("ORTMODULE_ENABLE_CUSTOM_AUTOGRAD", None)
-        else:
-            os.environ["ORTMODULE_ENABLE_CUSTOM_AUTOGRAD"] = old_env
         _unwrap_ort_overrides()
     _nvtx_noop()  # utils may have been imported fresh above
     return ortmodule
