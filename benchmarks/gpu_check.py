@@ -182,6 +182,12 @@ class _Loss(nn.Module):
 _JOINT_CACHE: dict = {}
 
 
+def _bn_ops(graph) -> list[str]:
+    """The batch-norm ops an fx graph calls, sorted."""
+    return sorted({str(n.target) for n in graph.nodes
+                   if n.op == "call_function" and "batch_norm" in str(n.target)})
+
+
 def joint_export(model: nn.Module, x_cpu, y_cpu, key=None):
     """``aot_export_module(trace_joint=True)`` of cross_entropy(model(x), y) on the CPU:
     (graph module, graph signature, batch-norm ops in it); cached under ``key``."""
@@ -191,8 +197,7 @@ def joint_export(model: nn.Module, x_cpu, y_cpu, key=None):
         return _JOINT_CACHE[key]
     gm, sig = aot_export_module(_Loss(copy.deepcopy(model)).train(), (x_cpu, y_cpu),
                                 trace_joint=True, output_loss_index=0)
-    ops = sorted({str(n.target) for n in gm.graph.nodes
-                  if n.op == "call_function" and "batch_norm" in str(n.target)})
+    ops = _bn_ops(gm.graph)
     if key is not None:
         _JOINT_CACHE[key] = (gm, sig, ops)
     return gm, sig, ops
@@ -304,10 +309,9 @@ class Check:
         out: dict = {"net": self.net}
         for name, m in (("bnswap", a), ("stock", b)):
             ep = self._export(name, m, x)
-            ops = lambda g: sorted({str(nd.target) for nd in g.nodes  # noqa: E731
-                                    if nd.op == "call_function" and "batch_norm" in str(nd.target)})
             _, _, joint_ops = joint_export(m, x, y, self._joint_key(name))
-            out[name] = {"export": ops(ep.graph), "export_decomposed": ops(ep.run_decompositions().graph),
+            out[name] = {"export": _bn_ops(ep.graph),
+                         "export_decomposed": _bn_ops(ep.run_decompositions().graph),
                          "joint": joint_ops}
         bn, st = out["bnswap"], out["stock"]
         out["ok"] = (
@@ -331,56 +335,51 @@ class Check:
     def _profile_pair(self, net: str, shape: tuple[int, int], compile_backend: str | None,
                       res: dict) -> dict:
         """One warmed-up train step of the bnswap and the stock model of ``net``, each
-        under the profiler (``torch.compile(backend=compile_backend)`` when given)."""
+        under the profiler; with ``compile_backend``, under ``torch.compile`` with it, and
+        the first (compiling) step's time and dynamo's graph breaks are recorded too.
+        Returns the two step functions."""
         import torch._dynamo
+        from torch._dynamo.utils import counters
 
         a, b = _pair(self.nets[net])
         x, y = _batch(*shape, self.device)
+        steps = {}
+        if compile_backend is not None:
+            torch._dynamo.reset()  # once: a reset between them would drop bnswap's graphs
         for name, m in (("bnswap", a), ("stock", b)):
             m.to(self.device)
             forward = None
             if compile_backend is not None:
-                torch._dynamo.reset()
+                counters.clear()
                 forward = torch.compile(m, backend=compile_backend)
             step = _eager_step(m, x, y, forward=forward)
+            t0 = time.perf_counter()
             step()
+            _sync(self.device)
+            if compile_backend is not None:
+                res[f"first_step_s_{name}"] = round(time.perf_counter() - t0, 1)
+                res[f"graph_breaks_{name}"] = sum(counters["graph_break"].values())
             res[name] = profile_names(step, self.device)
-        if compile_backend is not None:
-            torch._dynamo.reset()
-        return res
+            steps[name] = step
+        return steps
 
     def eager(self) -> dict:
-        res = self._profile_pair(self.net, self.shape, None, {"net": self.net})
+        res = {"net": self.net}
+        self._profile_pair(self.net, self.shape, None, res)
         self._expect(res, "cudnn", "cudnn")
         return res
 
     def compile_aot_eager(self) -> dict:
-        res = self._profile_pair("convnet4", self.compile_shape, "aot_eager", {})
+        res: dict = {}
+        self._profile_pair("convnet4", self.compile_shape, "aot_eager", res)
+        torch._dynamo.reset()
         self._expect(res, "cudnn", "native")
         return res
 
     def compile_inductor(self) -> dict:
         """Kernels and timing of the inductor-compiled train step (GPU only)."""
-        import torch._dynamo
-        from torch._dynamo.utils import counters
-
-        a, b = _pair(self.nets["convnet4"])
-        n, hw = self.compile_shape
-        x, y = _batch(n, hw, self.device)
         res: dict = {}
-        steps = {}
-        torch._dynamo.reset()
-        for name, m in (("bnswap", a), ("stock", b)):
-            counters.clear()
-            m.to(self.device)
-            step = _eager_step(m, x, y, forward=torch.compile(m))
-            t0 = time.perf_counter()
-            step()
-            _sync(self.device)
-            res[f"first_step_s_{name}"] = round(time.perf_counter() - t0, 1)
-            res[f"graph_breaks_{name}"] = sum(counters["graph_break"].values())
-            res[name] = profile_names(step, self.device)
-            steps[name] = step
+        steps = self._profile_pair("convnet4", self.compile_shape, "inductor", res)
         res["timing"] = _time_pairs(steps["bnswap"], steps["stock"],
                                     pairs=5 if self.quick else 30, inner=5, device=self.device)
         res["ok"] = res["graph_breaks_bnswap"] == 0
