@@ -12,8 +12,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from bnswap import _compat
+from bnswap._core import module_batch_norm
+from bnswap._graph import to_stock_ops
+from bnswap._swap import is_swapped
 from bnswap.convert import convert, revert
-from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d, BNSwapLayer
+from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from bnswap.plan import Plan, PlanRow, plan
 from bnswap.registry import register, unregister
 
@@ -21,7 +25,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BNSwap",
-    "BNSwapLayer",
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
@@ -29,19 +32,16 @@ __all__ = [
     "PlanRow",
     "convert",
     "is_swapped",
+    "module_batch_norm",
     "plan",
     "register",
     "revert",
+    "to_stock_ops",
     "unregister",
 ]
 
 
-def is_swapped(module: object) -> bool:
-    """True if ``module`` is a bnswap layer (or an uninitialized lazy layer that becomes one)."""
-    if isinstance(module, BNSwapLayer):
-        return True
-    pending = getattr(module, "__dict__", {}).get("cls_to_become")
-    return isinstance(pending, type) and issubclass(pending, BNSwapLayer)
+_compat.install()  # torch.jit.script and torchao's pt2e see stock layers (see _compat)
 
 
 def __getattr__(name: str) -> Any:

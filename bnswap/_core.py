@@ -43,6 +43,9 @@ Facts about these ops on torch 2.13 that the core handles:
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,7 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["module_batch_norm", "check_batch_norm_input", "TRACE_WEIGHT", "TRACE_BIAS",
-           "drop_trace_buffers"]
+           "drop_trace_buffers", "consolidated_ops_while_tracing", "records_consolidated_ops"]
 
 #: Names of optional per-layer buffers holding an affine=False layer's constant ones /
 #: zeros, used instead of freshly made ones / zeros only while the TorchScript tracer
@@ -65,6 +68,36 @@ __all__ = ["module_batch_norm", "check_batch_norm_input", "TRACE_WEIGHT", "TRACE
 TRACE_WEIGHT = "_bnswap_trace_weight"
 TRACE_BIAS = "_bnswap_trace_bias"
 
+# torch.compiler.is_exporting: torch >= 2.5; older releases never run the assertion.
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+_tracing = threading.local()
+
+
+@contextlib.contextmanager
+def consolidated_ops_while_tracing() -> Iterator[None]:
+    """Inside the block (this thread), the TorchScript tracer records bnswap layers on the
+    consolidated ops, not on stock's ``aten::batch_norm``.
+
+    Outside it, a traced bnswap layer records exactly what stock records (its class's own
+    ``forward``): ``torch.jit.trace`` and the TorchScript ONNX exporter give stock's graph.
+    ONNX Runtime's export needs the consolidated ops (bnswap's symbolics turn them into
+    ``BatchNormalization`` with ONNX momentum 0, :mod:`bnswap.ort._symbolic`); the ORT
+    backend wraps its export in this block.
+    """
+    depth = getattr(_tracing, "depth", 0)
+    _tracing.depth = depth + 1
+    try:
+        yield
+    finally:
+        _tracing.depth = depth
+
+
+def records_consolidated_ops() -> bool:
+    """True inside :func:`consolidated_ops_while_tracing` on this thread."""
+    return getattr(_tracing, "depth", 0) > 0
+
+
 _aten = torch.ops.aten
 # The OpOverloads, not the packets: ``torch.ops.aten._batch_norm_with_update(...)`` resolves
 # between its ``out`` and ``default`` overloads on every call, ~7 us per call on a 2-core
@@ -72,6 +105,14 @@ _aten = torch.ops.aten
 # (benchmarks P3). The graphs record the same ``.default`` overloads either way.
 _with_update = _aten._batch_norm_with_update.default
 _no_update = _aten._batch_norm_no_update.default
+
+#: The message of the runtime assertion an exported program raises when a bnswap layer
+#: gets an empty batch (see :func:`module_batch_norm`).
+EMPTY_BATCH_MESSAGE = (
+    "bnswap: a batch norm of this exported program got an empty input (a batch of 0); "
+    "the consolidated ops it runs (aten._batch_norm_with_update / _batch_norm_no_update) "
+    "reject empty input, and an exported graph has no eager early return. Skip empty "
+    "batches, or call bnswap.to_stock_ops(exported.module()) for stock's aten.batch_norm.")
 
 # c10 ScalarType names, as torch's kernels print them in "not implemented for" errors.
 _C10_NAMES = {
@@ -238,6 +279,15 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
     )
 
+    compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
+    if compiling and _is_exporting() and isinstance(input.numel(), torch.SymInt):
+        # torch.export assumes a dynamic size is never 0 (its 0/1 specialization), so the
+        # empty-input branch below is traced away, and the consolidated ops reject an
+        # empty input at run time with a kernel error. Stock's exported aten.batch_norm
+        # returns early instead. A runtime assertion in the graph (checked before the
+        # num_batches_tracked update, so no state changes) says so clearly.
+        # bnswap.to_stock_ops removes it again with the op it guards.
+        torch.ops.aten._assert_scalar.default(input.numel() != 0, EMPTY_BATCH_MESSAGE)
     momentum = bn.momentum
     factor = 0.0 if momentum is None else momentum
     nbt = bn.num_batches_tracked
@@ -247,7 +297,6 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         if momentum is None:
             cumulative = True
 
-    compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
     if cumulative and not compiling:
         factor = 1.0 / float(nbt)  # as _BatchNorm.forward (compiled code: see below)
     if not compiling and torch._C._are_functorch_transforms_active():
@@ -285,8 +334,10 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         # Batch statistics only: the op needs statistics to write to; these are dropped.
         scratch_mean = torch.zeros(n, dtype=pdtype, device=device)
         scratch_var = torch.ones(n, dtype=pdtype, device=device)
+        # factor is stock's F.batch_norm momentum (it only moves the scratch statistics):
+        # bnswap.to_stock_ops maps the node back to stock's call argument for argument.
         return _with_update(
-            input, weight, bias, scratch_mean, scratch_var, 0.0, bn.eps
+            input, weight, bias, scratch_mean, scratch_var, factor, bn.eps
         )[0]
     if cumulative and compiling:
         # Graph-friendly cumulative average: batch statistics via momentum=1 on scratch

@@ -1,85 +1,27 @@
 """``bnswap.convert`` / ``bnswap.revert``: swap BatchNorm layers in place, atomically.
 
-Layers are swapped by ``__class__`` assignment to a registered subclass of their own
-class, so the module object, its Parameter and buffer objects (an optimizer built
-before the swap keeps working), ``training`` flag, ``requires_grad``, device, dtype,
-forward / pre-forward / state-dict hooks, ``qconfig`` and parametrizations are all
-kept, and ``revert`` is the exact inverse.
+A layer is swapped by giving it bnswap's forward as an instance attribute
+(:mod:`bnswap._swap`): its class, the module object, its Parameter and buffer objects (an
+optimizer built before the swap keeps working), ``training`` flag, ``requires_grad``,
+device, dtype, hooks, ``qconfig``, parametrizations and state_dict keys are all kept, and
+``revert`` is the exact inverse.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 
 from torch import nn
 
-from bnswap import registry
-from bnswap._core import drop_trace_buffers
-from bnswap.layers import BNSwapLayer
+from bnswap._swap import swap, unswap
 from bnswap.plan import rows_from
-from bnswap.walker import Decision, Patterns, base_class, check_module, decide, is_parametrized
+from bnswap.walker import Decision, Patterns, check_backend, check_module, decide
 
 __all__ = ["convert", "revert"]
 
 logger = logging.getLogger("bnswap")
-
-
-_ORIGIN = "_bnswap_parametrized_origin"
-
-
-def _class_attrs(cls: type) -> dict[str, object]:
-    skip = ("__dict__", "__weakref__", _ORIGIN)
-    return {k: v for k, v in vars(cls).items() if k not in skip}
-
-
-def _set_base_class(module: nn.Module, new_base: type) -> Callable[[], None]:
-    """Make ``new_base`` the module's class (under torch's parametrization class, if
-    any); return the undo."""
-    old_cls = type(module)
-    if is_parametrized(module):
-        # torch.nn.utils.parametrize injects a subclass ``Parametrized<Base>`` holding the
-        # properties; rebuild it on the new base so remove_parametrizations() restores it.
-        # The rebuilt class remembers the class it was built from, so that revert gives
-        # that very class back (unless parametrizations changed in between).
-        attrs = _class_attrs(old_cls)
-        origin = vars(old_cls).get(_ORIGIN)
-        if (isinstance(origin, type) and origin.__bases__ == (new_base,)
-                and _class_attrs(origin) == attrs):
-            new_cls = origin
-        else:
-            new_cls = type(f"Parametrized{new_base.__name__}", (new_base,),
-                           {**attrs, _ORIGIN: old_cls})
-    else:
-        new_cls = new_base
-    # object.__setattr__: nn.Module.__setattr__ would only check (slowly) that the value
-    # is no Parameter / Module / buffer before doing the same.
-    object.__setattr__(module, "__class__", new_cls)
-
-    def undo() -> None:
-        object.__setattr__(module, "__class__", old_cls)
-
-    return undo
-
-
-def _set_lazy_target(module: nn.Module, target: type) -> Callable[[], None]:
-    """An uninitialized LazyBatchNorm becomes ``target`` (not its stock class) when it
-    initializes (``LazyModuleMixin._infer_parameters`` reads ``cls_to_become``)."""
-    had = "cls_to_become" in vars(module)
-    old = vars(module).get("cls_to_become")
-    module.cls_to_become = target
-
-    def undo() -> None:
-        if had:
-            module.cls_to_become = old
-        else:
-            del module.cls_to_become
-
-    return undo
-
-
-def _swap_one(module: nn.Module, target: type, lazy: bool) -> Callable[[], None]:
-    return _set_lazy_target(module, target) if lazy else _set_base_class(module, target)
 
 
 def convert(
@@ -89,37 +31,86 @@ def convert(
     include: Patterns = None,
     exclude: Patterns = None,
 ) -> nn.Module:
-    """Swap every BatchNorm layer of ``module`` for its bnswap counterpart, in place.
+    """Swap every BatchNorm layer of ``module`` onto bnswap's kernel, in place.
 
-    Recursive over ``module.named_modules()`` (the root included). Idempotent. Atomic:
-    if any layer cannot be converted, the model is left exactly as it was and the error
-    is raised. What is not swapped is reported (``bnswap.plan``; the same table is
-    logged by the ``bnswap`` logger at INFO): ``SyncBatchNorm`` (its own kernel),
-    subclasses that override ``forward`` with no registered adapter (pytorch issue
-    187298), unregistered subclasses, and anything excluded. An uninitialized
-    ``LazyBatchNorm*`` becomes the bnswap layer when it initializes.
+    Recursive over ``module.named_modules()`` (the root included). Idempotent: swapped
+    layers stay as they are, layers added since the last call (a new head, a layer a
+    finetuning step rebuilt) are swapped. Atomic: if any layer cannot be converted, the
+    model is left exactly as it was and the error is raised. What is not swapped is
+    reported (``bnswap.plan``; the same table is logged by the ``bnswap`` logger at INFO):
+    ``SyncBatchNorm`` (its own kernel), subclasses that override ``forward`` with no
+    registered adapter (pytorch issue 187298), and anything excluded.
+
+    A swapped layer keeps its class (``type(layer) is nn.BatchNorm2d``) and runs
+    ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` (pytorch PR 116092) in
+    eager, ``torch.compile`` and ``torch.export``; what hands the model to another runtime
+    records stock's ops (``torch.jit.script`` / ``trace``, ``torch.onnx.export``; see the
+    README, "What convert does").
 
     Args:
         module: any ``nn.Module``; a BatchNorm layer itself is converted too.
-        backend: ``"aten"``: layers on ``aten._batch_norm_with_update`` /
-            ``_batch_norm_no_update`` (pytorch PR 116092). ``"ort"``: the same layers,
-            then the model is wrapped in ONNX Runtime's ``ORTModule``, which runs them as
-            ``com.microsoft::BatchNormInternal`` (needs ``bnswap[ort-cpu]`` or
-            ``bnswap[ort]``; see :mod:`bnswap.ort`).
+        backend: ``"aten"``: PyTorch's consolidated batch-norm ops. ``"ort"``: the same
+            swap, then the model is wrapped in ONNX Runtime's ``ORTModule``, which runs
+            its layers as ``com.microsoft::BatchNormInternal`` (needs ``bnswap[ort-cpu]``
+            or ``bnswap[ort]``; see :mod:`bnswap.ort`). A model with no BatchNorm layer
+            is not wrapped.
         include, exclude: glob pattern(s) on qualified names (as in ``named_modules()``)
             and/or classes. A pattern that matches no BatchNorm layer warns.
 
     Returns:
-        ``module`` itself (layers are swapped by class assignment, never copied); with
-        ``backend="ort"``, the ``ORTModule`` wrapping it.
+        ``module`` itself; with ``backend="ort"``, the ``ORTModule`` wrapping it. Given a
+        wrapper that ``backend="ort"`` returned, with ``backend="ort"``: that wrapper
+        (layers added inside since are swapped).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
-        ValueError: unknown ``backend``.
-        ImportError: ``backend="ort"`` without ONNX Runtime training installed.
+        ValueError: unknown ``backend``; ``backend="aten"`` on an ORT wrapper (it would
+            keep running ONNX Runtime: convert ``wrapper.module`` instead).
+        bnswap.ort.ORTNotAvailableError: (an ImportError) ``backend="ort"`` without ONNX
+            Runtime training installed.
+
+    Warns:
+        UserWarning: the model has no BatchNorm layer, or (with no include / exclude)
+            none of its layers can be swapped.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        >>> bnswap.convert(model) is model
+        True
+        >>> bnswap.is_swapped(model[1]), type(model[1]).__name__
+        (True, 'BatchNorm2d')
+        >>> bnswap.revert(model) is model and not bnswap.is_swapped(model[1])
+        True
     """
     check_module(module, "convert")
+    check_backend(backend)
+    inner = ort_inner(module)
+    if inner is not None:
+        if backend != "ort":
+            raise ValueError(
+                f"bnswap.convert(..., backend={backend!r}) got an ONNX Runtime wrapper "
+                "(what backend='ort' returned); it would keep running ONNX Runtime. To run "
+                "the model on the aten backend, use the model it wraps: "
+                "model = wrapper.module (its layers are already swapped), or "
+                "bnswap.revert(wrapper.module) for stock BatchNorm.")
+        decisions = decide(inner, backend, include, exclude)
+        _apply(inner, decisions, "aten")  # the wrapper re-exports on its next call
+        _log(decisions, backend)
+        return module
     decisions = decide(module, backend, include, exclude)
+    if not decisions:
+        warnings.warn(
+            "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
+            + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
+               "modules eager)" if backend == "ort" else ""), UserWarning, stacklevel=2)
+        backend = "aten"  # nothing for ORT to run
+    elif include is None and exclude is None and not any(d.action == "swap" for d in decisions):
+        warnings.warn(f"bnswap.convert: none of the model's {len(decisions)} BatchNorm layers "
+                      "can be swapped; see bnswap.plan(model) for why", UserWarning,
+                      stacklevel=2)
     wrapped = _apply(module, decisions, backend)
     _log(decisions, backend)
     return wrapped
@@ -133,8 +124,8 @@ def _apply(module: nn.Module, decisions: list[Decision], backend: str) -> nn.Mod
     try:
         for d in decisions:
             if d.action == "swap" and not d.already:
-                assert d.target is not None
-                undos.append(_swap_one(d.module, d.target, d.lazy))
+                assert d.adapter is not None
+                undos.append(swap(d.module, d.adapter))
         if backend == "ort":
             from bnswap import ort  # imported only when used
 
@@ -158,33 +149,33 @@ def _log(decisions: list[Decision], backend: str) -> None:
 def ort_inner(module: nn.Module) -> nn.Module | None:
     """The model inside ``module`` if it is a :func:`bnswap.ort.wrap` wrapper, else None
     (read without importing ONNX Runtime)."""
-    inner = getattr(module, "_bnswap_inner", None)
+    inner = getattr(module, "__dict__", {}).get("_bnswap_inner")
     return inner if isinstance(inner, nn.Module) else None
 
 
 def revert(module: nn.Module) -> nn.Module:
-    """Undo :func:`convert`: every bnswap layer gets its original class back.
+    """Undo :func:`convert`: every swapped layer runs its class's own forward again.
 
-    Same module objects, same Parameter and buffer objects, same flags and hooks;
-    uninitialized LazyBatchNorm layers become their stock class again when they
-    initialize. Layers of classes not in the registry are left alone.
+    Same module objects, same Parameter and buffer objects, same flags and hooks; only
+    the instance attribute bnswap added (and the ORT backend's trace buffers) go. On an
+    ORT wrapper, reverts the model inside and returns the wrapper (use ``wrapper.module``).
 
     Returns:
         ``module``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
+
+    Examples::
+
+        >>> import bnswap
+        >>> from torch import nn
+        >>> bn = bnswap.convert(nn.BatchNorm1d(4))
+        >>> bnswap.revert(bn) is bn, bnswap.is_swapped(bn), "forward" in vars(bn)
+        (True, False, False)
     """
     check_module(module, "revert")
     target = ort_inner(module) or module
     for m in target.modules():
-        pending = vars(m).get("cls_to_become")
-        if isinstance(pending, type) and registry.source_of(pending) is not None:
-            del m.cls_to_become  # back to the class's own cls_to_become
-        if not isinstance(m, BNSwapLayer):
-            continue
-        drop_trace_buffers(m)  # registered by bnswap.ort.wrap
-        source = registry.source_of(base_class(m))
-        if source is not None:
-            _set_base_class(m, source)
+        unswap(m)
     return module

@@ -1,98 +1,126 @@
-"""bnswap batch-norm layers: drop-in subclasses of ``torch.nn.BatchNorm1d/2d/3d``.
+"""bnswap layers: torch's BatchNorm classes, running on the consolidated batch-norm ops.
 
-Each layer *is* the torch class (``isinstance(layer, nn.BatchNorm2d)`` and
-``isinstance(layer, _BatchNorm)`` hold, so Lightning's ``BaseFinetuning``,
-``torch.optim.swa_utils.update_bn``, ``torch.func.replace_all_batch_norm_modules_`` and
-conv-BN fusion keep working) with the same constructor, parameters, buffers,
-state_dict keys and repr fields. Only ``forward`` differs: it runs
-:func:`bnswap._core.module_batch_norm`, i.e. ``aten._batch_norm_with_update`` in
-training and ``aten._batch_norm_no_update`` in evaluation (pytorch PR 116092), with the
-exact ``nn.BatchNorm`` semantics.
+A swapped layer keeps its class (``type(layer) is nn.BatchNorm2d``); only its forward
+differs (:mod:`bnswap._swap`). For torch's ``BatchNorm1d/2d/3d`` (and their subclasses that
+keep torch's ``forward``, such as the lazy classes) that forward is
+:func:`batch_norm_forward`: ``_BatchNorm.forward`` with its ``F.batch_norm`` call replaced by
+:func:`module_batch_norm`, i.e. ``aten._batch_norm_with_update`` in training and
+``aten._batch_norm_no_update`` in evaluation (pytorch PR 116092), with exactly
+``nn.BatchNorm``'s semantics.
+
+:class:`BatchNorm1d`, :class:`BatchNorm2d` and :class:`BatchNorm3d` build such layers and
+recognise them: ``bnswap.BatchNorm2d(8)`` returns an ``nn.BatchNorm2d`` that is already
+swapped, and ``isinstance(layer, bnswap.BatchNorm2d)`` is True for any swapped
+``nn.BatchNorm2d``.
 """
 
 from __future__ import annotations
 
-import torch.fx
+from typing import Any
+
 from torch import Tensor, nn
 
 from bnswap._core import module_batch_norm
+from bnswap._swap import is_swapped, swap
 
-__all__ = ["BNSwapLayer", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_norm_forward",
+           "module_batch_norm"]
 
 
-class BNSwapLayer:
-    """Mixin that puts a ``_BatchNorm`` subclass's normalization on the bnswap core.
+def batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
+    """``torch.nn.modules.batchnorm._BatchNorm.forward`` on the consolidated ops: the
+    adapter of torch's BatchNorm classes.
 
-    A bnswap layer with extra behaviour (an activation after the normalization, say) is
-    a thin subclass that calls :meth:`_bnswap_normalize` inside its own ``forward``.
+    Args:
+        layer: a ``_BatchNorm`` (its ``_check_input_dim`` checks the rank).
+        input: (N, C, *) tensor, float16 / bfloat16 / float32 / float64, any memory format.
+
+    Returns:
+        Tensor of the same shape, dtype and memory format.
+
+    Raises:
+        What stock raises, before any state changes: ValueError for the wrong rank
+        (``"expected 4D input (got 3D input)"``) or one value per channel in training,
+        RuntimeError for the wrong channel count, NotImplementedError for integer input
+        (:func:`bnswap._core.check_batch_norm_input`).
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> bn = nn.BatchNorm2d(3)
+        >>> x = torch.randn(4, 3, 5, 5)
+        >>> torch.equal(bnswap.layers.batch_norm_forward(bn, x), nn.BatchNorm2d(3)(x))
+        True
+    """
+    layer._check_input_dim(input)  # type: ignore[operator]
+    return module_batch_norm(layer, input)  # type: ignore[arg-type]
+
+
+class _SwappedClass(type):
+    """Metaclass of :class:`BatchNorm1d` / ``2d`` / ``3d``: calling one builds the stock
+    layer and swaps it; ``isinstance`` is True for swapped layers of the stock class."""
+
+    _stock: type
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        layer = cls._stock(*args, **kwargs)
+        swap(layer, batch_norm_forward)
+        return layer
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, cls._stock) and is_swapped(obj)
+
+
+class BatchNorm1d(metaclass=_SwappedClass):
+    """``nn.BatchNorm1d(num_features, eps=1e-05, momentum=0.1, affine=True,
+    track_running_stats=True, device=None, dtype=None)``, swapped.
+
+    Returns an ``nn.BatchNorm1d`` (its class, constructor arguments, parameters, buffers,
+    state_dict keys and errors are torch's) whose forward runs the consolidated ops.
+    Shape: input (N, C) or (N, C, L), output the same. Parameters and statistics are (C,)
+    tensors (float32 by default); input may be float16, bfloat16, float32 or float64.
+    ``isinstance(m, bnswap.BatchNorm1d)``: ``m`` is a swapped ``nn.BatchNorm1d``.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> bn = bnswap.BatchNorm1d(4)
+        >>> type(bn) is nn.BatchNorm1d, isinstance(bn, bnswap.BatchNorm1d)
+        (True, True)
+        >>> bn(torch.randn(8, 4)).shape
+        torch.Size([8, 4])
     """
 
-    def _bnswap_normalize(self, input: Tensor) -> Tensor:
-        """Batch-normalize ``input`` (N, C, *) with this layer's parameters and statistics.
-
-        Raises what stock ``nn.BatchNorm`` raises (ValueError for the wrong rank or one
-        value per channel in training, RuntimeError for the wrong channel count,
-        NotImplementedError for integer input), before any kernel runs.
-
-        Under ``torch.fx.symbolic_trace`` (``input`` a Proxy) a submodule's normalization
-        is recorded as one opaque ``call_function`` on it, so an adapter's own
-        ``forward`` (activation, drop...) traces around it, as its stock class's
-        ``F.batch_norm`` call does.
-        """
-        if isinstance(input, torch.fx.Proxy):
-            path = input.tracer.path_of_module(self)
-            if path:
-                module = input.tracer.create_proxy("get_attr", path, (), {})
-                return input.tracer.create_proxy("call_function", _normalize, (module, input), {})
-        self._check_input_dim(input)  # type: ignore[attr-defined]
-        return module_batch_norm(self, input)  # type: ignore[arg-type]
-
-    def forward(self, input: Tensor) -> Tensor:
-        if isinstance(input, torch.fx.Proxy):
-            return _fx_leaf(self, input)
-        return self._bnswap_normalize(input)
-
-    def _get_name(self) -> str:
-        return "bnswap." + type(self).__name__.removeprefix("Parametrized")
+    _stock = nn.BatchNorm1d
 
 
-def _normalize(module: BNSwapLayer, input: Tensor) -> Tensor:
-    """``module._bnswap_normalize(input)``: the call an fx graph records for an adapter."""
-    return module._bnswap_normalize(input)
+class BatchNorm2d(metaclass=_SwappedClass):
+    """``nn.BatchNorm2d(...)``, swapped: as :class:`BatchNorm1d`, for input (N, C, H, W),
+    contiguous or channels_last (memory format preserved).
 
+    Examples::
 
-def _fx_leaf(module: nn.Module, input: torch.fx.Proxy) -> object:
-    """Record ``module`` as a ``call_module`` node, as ``torch.fx.symbolic_trace`` does
-    for the torch.nn BatchNorm classes (leaf modules: their forward cannot be traced
-    through, and neither can the bnswap core). The root module is traced as stock."""
-    tracer = input.tracer
-    path = tracer.path_of_module(module)
-    if not path:
-        return module._bnswap_normalize(input)  # type: ignore[attr-defined]
-    return tracer.create_proxy("call_module", path, (input,), {})
-
-
-class BatchNorm1d(BNSwapLayer, nn.BatchNorm1d):
-    """``nn.BatchNorm1d`` on the consolidated batch-norm ops.
-
-    Shape: input (N, C) or (N, C, L), output the same. Parameters and statistics are
-    (C,) tensors (float32 by default); input may be float16, bfloat16, float32 or
-    float64 (half inputs with float32 parameters, as stock). Constructor arguments,
-    state_dict keys and errors are those of :class:`torch.nn.BatchNorm1d`.
+        >>> import torch, bnswap
+        >>> bn = bnswap.BatchNorm2d(3)
+        >>> bn(torch.randn(2, 3, 4, 4)).shape
+        torch.Size([2, 3, 4, 4])
     """
 
+    _stock = nn.BatchNorm2d
 
-class BatchNorm2d(BNSwapLayer, nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` on the consolidated batch-norm ops.
 
-    Shape: input (N, C, H, W), contiguous or channels_last, output the same (memory
-    format preserved). Otherwise as :class:`BatchNorm1d`.
+class BatchNorm3d(metaclass=_SwappedClass):
+    """``nn.BatchNorm3d(...)``, swapped: as :class:`BatchNorm1d`, for input
+    (N, C, D, H, W), contiguous or channels_last_3d.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> bn = bnswap.BatchNorm3d(2)
+        >>> bn(torch.randn(2, 2, 3, 3, 3)).shape
+        torch.Size([2, 2, 3, 3, 3])
     """
 
-
-class BatchNorm3d(BNSwapLayer, nn.BatchNorm3d):
-    """``nn.BatchNorm3d`` on the consolidated batch-norm ops.
-
-    Shape: input (N, C, D, H, W), contiguous or channels_last_3d, output the same.
-    Otherwise as :class:`BatchNorm1d`.
-    """
+    _stock = nn.BatchNorm3d

@@ -69,7 +69,7 @@ from torch.utils.hooks import RemovableHandle
 
 import bnswap
 from bnswap.convert import _apply, _log, ort_inner
-from bnswap.layers import BNSwapLayer
+from bnswap._swap import is_swapped
 from bnswap.plan import Plan, rows_from, select_kernel
 from bnswap.walker import Patterns, _patterns, check_backend, decide
 
@@ -180,7 +180,7 @@ class _BNSwapBase:
             if ort_inner(child) is not None:
                 continue
             bns = [m for m in child.modules() if isinstance(m, _BatchNorm)]
-            if bns and all(isinstance(m, BNSwapLayer) for m in bns):
+            if bns and all(is_swapped(m) for m in bns):
                 self._busy = True
                 try:
                     setattr(root, name, ort.wrap(child))

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from bnswap.registry import qualified_name
 from bnswap.walker import Decision, Patterns, check_module, decide
 
 __all__ = ["Plan", "PlanRow", "plan", "select_kernel"]
@@ -16,7 +17,8 @@ __all__ = ["Plan", "PlanRow", "plan", "select_kernel"]
 class PlanRow:
     """One BatchNorm layer: qualified name (``"(root)"`` for the model itself), class,
     action (``"swap"`` / ``"skip"``), reason, backend (``"aten"`` / ``"ort"``), the
-    kernel PyTorch or ORT will run it with, and the adapter (bnswap class) used."""
+    kernel PyTorch or ORT will run it with, and the adapter (the forward it runs,
+    ``module.function``)."""
 
     name: str
     cls: str
@@ -124,7 +126,7 @@ def rows_from(decisions: Sequence[Decision], backend: str,
         if d.action == "swap":
             kernel = ("BatchNormInternal (ORT)" if backend == "ort"
                       else select_kernel(d.module, device))
-            adapter = f"{d.target.__module__}.{d.target.__qualname__}" if d.target else "-"
+            adapter = qualified_name(d.adapter) if d.adapter is not None else "-"
             be = backend
         else:
             kernel, adapter, be = "-", "-", "-"

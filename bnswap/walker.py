@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
-from torch.nn.utils import parametrize
+from torch.nn.utils.parametrize import type_before_parametrizations
 
 from bnswap import registry
-from bnswap.layers import BNSwapLayer
+from bnswap._swap import Adapter, adapter_of
 
 BACKENDS = ("aten", "ort")
 
@@ -28,9 +28,9 @@ Patterns = Pattern | Iterable[Pattern] | None
 class Decision:
     """What happens to one BatchNorm layer.
 
-    ``action`` is ``"swap"`` (converted, or already converted) or ``"skip"``;
-    ``target`` the bnswap class (None when skipped); ``lazy`` True for an
-    uninitialized LazyBatchNorm that becomes ``target`` when it initializes.
+    ``action`` is ``"swap"`` (swapped now, or already swapped) or ``"skip"``;
+    ``adapter`` the forward it runs (None when skipped); ``lazy`` True for an
+    uninitialized LazyBatchNorm (swapped now; it keeps the swap when it initializes).
     """
 
     name: str
@@ -38,7 +38,7 @@ class Decision:
     source: type
     action: str
     reason: str
-    target: type | None = None
+    adapter: Adapter | None = None
     lazy: bool = False
     already: bool = False
 
@@ -76,34 +76,6 @@ def _matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
-def is_parametrized(module: nn.Module) -> bool:
-    """``parametrize.is_parametrized(module)``, fast for the common unparametrized module.
-
-    torch registers parametrizations as the submodule ``parametrizations``; looking in
-    ``_modules`` first skips ``nn.Module.__getattr__``'s AttributeError path, which
-    dominated ``convert`` / ``revert`` time on large models (benchmarks P5).
-    """
-    return "parametrizations" in module._modules and parametrize.is_parametrized(module)
-
-
-def base_class(module: nn.Module) -> type:
-    """The module's class, seen through torch's parametrization wrapper class."""
-    cls = type(module)
-    if is_parametrized(module):
-        cls = cls.__bases__[0]
-    return cls
-
-
-def _forward_overridden(cls: type) -> bool:
-    """True if ``cls`` defines a forward of its own below the torch BatchNorm classes."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("torch.nn.modules"):
-            return False
-        if "forward" in vars(klass):
-            return True
-    return False
-
-
 def _display(name: str) -> str:
     return name or "(root)"
 
@@ -128,24 +100,19 @@ def decide(
     for name, m in model.named_modules(remove_duplicate=True):
         if not isinstance(m, _BatchNorm):
             continue
-        cls = base_class(m)
+        cls = type_before_parametrizations(m)
         shown = _display(name)
         hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)]
         hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)]
         used["exclude"].update(hit_exc)
         used["include"].update(hit_inc)
-        uninitialized = isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
-        if issubclass(cls, BNSwapLayer):
-            out.append(Decision(shown, m, registry.source_of(cls) or cls, "swap",
-                                "already a bnswap layer", cls, already=True))
+        lazy = isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
+        current = adapter_of(m)
+        if current is not None:
+            out.append(Decision(shown, m, cls, "swap", "already swapped" + (
+                f"; uninitialized {cls.__name__}: keeps the swap when it initializes"
+                if lazy else ""), current, lazy=lazy, already=True))
             continue
-        if uninitialized:
-            pending = getattr(m, "cls_to_become", None)
-            if isinstance(pending, type) and issubclass(pending, BNSwapLayer):
-                out.append(Decision(shown, m, cls, "swap",
-                                    f"{cls.__name__}: becomes bnswap.{pending.__name__} when it "
-                                    "initializes (already set)", pending, lazy=True, already=True))
-                continue
         if hit_exc:
             p = exc[hit_exc[0]]
             out.append(Decision(shown, m, cls, "skip", f"excluded by {_pattern_str(p)}"))
@@ -157,31 +124,17 @@ def decide(
             out.append(Decision(shown, m, cls, "skip",
                                 "SyncBatchNorm runs its own cross-process kernel; left as is"))
             continue
-        if uninitialized:
-            become = getattr(m, "cls_to_become", None)
-            target = registry.lookup(become) if isinstance(become, type) else None
-            if target is None:
-                out.append(Decision(shown, m, cls, "skip",
-                                    f"uninitialized {cls.__name__} with no registered target"))
-            else:
-                out.append(Decision(shown, m, cls, "swap",
-                                    f"{cls.__name__}: becomes bnswap.{target.__name__} when it "
-                                    "initializes", target, lazy=True))
-            continue
-        target = registry.lookup(cls)
-        if target is not None:
-            out.append(Decision(shown, m, cls, "swap", "", target))
-        elif _forward_overridden(cls):
-            out.append(Decision(
-                shown, m, cls, "skip",
-                f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
-                f"187298); register an adapter: bnswap.register({cls.__name__}, <bnswap subclass>), "
-                "see docs/adapters.md"))
+        adapter = registry.lookup(cls)
+        if adapter is not None:
+            reason = (f"uninitialized {cls.__name__}: swapped now, keeps the swap when it "
+                      "initializes" if lazy else "")
+            out.append(Decision(shown, m, cls, "swap", reason, adapter, lazy=lazy))
         else:
             out.append(Decision(
                 shown, m, cls, "skip",
-                f"{cls.__name__} is not registered; use bnswap.register({cls.__name__}, "
-                "<bnswap subclass>), see docs/adapters.md"))
+                f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
+                f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
+                "see docs/adapters.md"))
     for kind, pats in (("include", inc), ("exclude", exc)):
         for i, p in enumerate(pats):
             if i not in used[kind]:

@@ -20,6 +20,14 @@ torch.set_num_threads(1)  # two processes on two cores
 warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")
 
 
+def _kind(m: nn.Module) -> str:
+    """The layer's class, and "(swapped)" when it runs bnswap's forward."""
+    import bnswap
+
+    name = type(m).__module__ + "." + type(m).__name__
+    return name + " (swapped)" if bnswap.is_swapped(m) else name
+
+
 def main(variant: str, out_dir: str) -> None:
     import lightning.pytorch as pl
 
@@ -46,7 +54,7 @@ def main(variant: str, out_dir: str) -> None:
 
         def configure_optimizers(self):
             self.classes_at_configure_optimizers = sorted(
-                {type(m).__module__ + "." + type(m).__name__ for m in self.modules()
+                {_kind(m) for m in self.modules()
                  if isinstance(m, nn.modules.batchnorm._BatchNorm)})
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
@@ -70,8 +78,7 @@ def main(variant: str, out_dir: str) -> None:
         "ort_ops": ort_ops,
         "net_type": type(model.net).__name__,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "classes": sorted({type(m).__module__ + "." + type(m).__name__
-                           for m in model.modules()
+        "classes": sorted({_kind(m) for m in model.modules()
                            if isinstance(m, nn.modules.batchnorm._BatchNorm)}),
         "classes_at_configure_optimizers": model.classes_at_configure_optimizers,
         "plan": None if plan is None else [(r.name, r.action) for r in plan.rows],

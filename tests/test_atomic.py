@@ -1,7 +1,7 @@
 """Atomic convert: if the k-th layer's conversion fails, the model afterwards is
 structurally and bitwise identical to before, hooks included.
 
-The one test double of the suite: ``bnswap.convert._swap_one`` (the per-layer step)
+The one test double of the suite: ``bnswap.convert.swap`` (the per-layer step)
 is wrapped to raise on its k-th call, for every k; the other calls do the real swap.
 """
 
@@ -153,16 +153,16 @@ class Injected(RuntimeError):
 
 
 def _fail_on(monkeypatch, k: int, exc: type[BaseException] = Injected) -> list[int]:
-    real = convert_mod._swap_one
+    real = convert_mod.swap
     calls = [0]
 
-    def swap_one(module, target, lazy):
+    def swap(module, adapter):
         calls[0] += 1
         if calls[0] == k:
             raise exc(f"injected failure on swap {k}")
-        return real(module, target, lazy)
+        return real(module, adapter)
 
-    monkeypatch.setattr(convert_mod, "_swap_one", swap_one)
+    monkeypatch.setattr(convert_mod, "swap", swap)
     return calls
 
 
@@ -187,7 +187,7 @@ def test_kth_failure_leaves_the_model_identical(monkeypatch, k):
     assert calls[0] == k
     assert_same(before, snapshot(model))
     assert not any(bnswap.is_swapped(m) for m in model.modules())
-    assert "cls_to_become" not in vars(model.lazy)
+    assert "forward" not in vars(model.lazy)
     # hooks still fire, state_dict hooks still apply, the answer is stock's
     monkeypatch.undo()
     x = torch.randn(4, 3, 6, 6)
@@ -245,9 +245,8 @@ def test_failure_with_include_exclude_patterns(monkeypatch):
 
 def test_revert_after_success_restores_the_same_structure():
     # The inverse direction: convert then revert is structurally the original again
-    # (same objects, classes, hooks, tensors); parametrized classes are rebuilt, so
-    # they are compared by base class.
-    model = build(parametrized=False)
+    # (same objects, classes, hooks, tensors), parametrized layers included.
+    model = build()
     before = snapshot(model)
     bnswap.revert(bnswap.convert(model))
     assert_same(before, snapshot(model))

@@ -270,6 +270,7 @@ def _run_case(build, act) -> dict:
     out["diff"] = state_diff(stock, swapped)
     out["bnswap_type"] = type(swapped).__module__ + "." + type(swapped).__name__
     out["stock_type"] = type(stock).__module__ + "." + type(stock).__name__
+    out["bnswap_still_swapped"] = bnswap.is_swapped(swapped)
     for tag, m, (nbt0, stats0) in (("stock", stock, before[0]), ("bnswap", swapped, before[1])):
         nbt1 = _nbt(m)
         out[f"{tag}_nbt_delta"] = None if nbt0 is None or nbt1 is None else nbt1 - nbt0
@@ -397,7 +398,8 @@ def test_state_dict_with_wrong_shape_or_dtype(results, key):
     _check_common(r)
     if "shape" in key:
         assert _err(r)[0] == "RuntimeError" and "size mismatch" in _err(r)[1]
-    assert r["bnswap_type"].startswith("bnswap.")
+    # the class is stock's (bnswap swaps the forward only) and the swap survives
+    assert r["bnswap_type"] == r["stock_type"] and r["bnswap_still_swapped"]
 
 
 @pytest.mark.parametrize("key", _cases("bad_buffers_set_directly"))
@@ -426,10 +428,10 @@ def test_odd_momentum_and_eps(results, key):
 def test_uninitialized_lazy_layer(results, key):
     r = results[key]
     _check_common(r)
-    if r["bnswap"] == ["ok"]:  # initialized by its first forward: into the bnswap class
+    if r["bnswap"] == ["ok"]:  # initialized by its first forward: into torch's class
         assert r["stock_type"].startswith("torch.nn.modules.batchnorm.BatchNorm")
-        # the bnswap counterpart of exactly the class stock became
-        assert r["bnswap_type"] == "bnswap.layers." + r["stock_type"].rsplit(".", 1)[1]
+        # exactly the class stock became, still swapped
+        assert r["bnswap_type"] == r["stock_type"] and r["bnswap_still_swapped"]
 
 
 def test_every_layer_row_ran_in_the_subprocess(results):
@@ -494,23 +496,26 @@ def test_converting_a_converted_model_is_a_no_op():
     model = _model()
     ref = copy.deepcopy(model)
     bnswap.convert(model, include="1")  # partly converted
-    first = [type(m) for m in model.modules()]
+    first = [bnswap.is_swapped(m) for m in model.modules()]
+    entry = vars(model[1])["forward"]
     bnswap.convert(model)  # converts the rest
-    second = [type(m) for m in model.modules()]
-    assert first[2] is second[2] is bnswap.BatchNorm2d
-    assert first[5] is nn.BatchNorm1d and second[5] is bnswap.BatchNorm1d
+    second = [bnswap.is_swapped(m) for m in model.modules()]
+    assert first[2] and second[2] and vars(model[1])["forward"] is entry
+    assert not first[5] and second[5]
     objs = [id(m) for m in model.modules()]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert bnswap.convert(model) is model
         assert bnswap.convert(model) is model
-    assert [type(m) for m in model.modules()] == second
+    assert [bnswap.is_swapped(m) for m in model.modules()] == second
+    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
     assert [id(m) for m in model.modules()] == objs
-    assert all(r.reason == "already a bnswap layer" for r in bnswap.plan(model).swapped)
+    assert all(r.reason == "already swapped" for r in bnswap.plan(model).swapped)
     x = torch.randn(4, 3, 5, 5)
     assert torch.equal(model(x), ref(x)) and state_diff(model, ref) == []
     bnswap.revert(model)  # one revert restores stock
-    assert [type(m) for m in model.modules()] == [type(m) for m in ref.modules()]
+    assert not any(bnswap.is_swapped(m) for m in model.modules())
+    assert all("forward" not in vars(m) for m in model.modules())
 
 
 def test_uninitialized_lazy_layer_becomes_bnswap_when_it_initializes():
@@ -526,11 +531,12 @@ def test_uninitialized_lazy_layer_becomes_bnswap_when_it_initializes():
         x = torch.randn(4, 3, 5, 5)
         assert torch.equal(stock(x), swapped(x))
         assert state_diff(stock, swapped) == []
-    assert type(stock[1]) is nn.BatchNorm2d and type(swapped[1]) is bnswap.BatchNorm2d
-    # reverted before it initializes: it becomes the stock class
+    assert type(stock[1]) is type(swapped[1]) is nn.BatchNorm2d
+    assert isinstance(swapped[1], bnswap.BatchNorm2d) and bnswap.is_swapped(swapped[1])
+    # reverted before it initializes: it becomes the stock class, unswapped
     lazy = bnswap.revert(bnswap.convert(nn.LazyBatchNorm1d()))
     lazy(torch.randn(4, 3))
-    assert type(lazy) is nn.BatchNorm1d
+    assert type(lazy) is nn.BatchNorm1d and not bnswap.is_swapped(lazy)
 
 
 class BatchNormReLU(nn.BatchNorm2d):
@@ -543,16 +549,19 @@ class PlainSubclass(nn.BatchNorm2d):
 
 
 def test_subclass_with_its_own_forward_is_left_as_is():
+    """A subclass overriding forward is skipped (its behaviour would be lost); one that
+    keeps torch's forward runs torch's adapter."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormReLU(4), PlainSubclass(4),
                           nn.BatchNorm2d(4))
     ref = copy.deepcopy(model)
     plan = bnswap.plan(model)
-    assert [r.action for r in plan] == ["skip", "skip", "swap"]
-    assert "overrides forward" in plan[0].reason and "not registered" in plan[1].reason
+    assert [r.action for r in plan] == ["skip", "swap", "swap"]
+    assert "overrides forward" in plan[0].reason
+    assert plan[1].adapter == "bnswap.layers.batch_norm_forward"
     bnswap.convert(model)
     assert type(model[1]) is BatchNormReLU and type(model[2]) is PlainSubclass
-    assert type(model[3]) is bnswap.BatchNorm2d
+    assert [bnswap.is_swapped(m) for m in model[1:]] == [False, True, True]
     for _ in range(2):
         x = torch.randn(4, 3, 6, 6)
         assert torch.equal(model(x), ref(x)) and state_diff(model, ref) == []
@@ -567,7 +576,8 @@ def test_sync_batchnorm_in_the_model_is_left_as_is():
     assert [r.action for r in plan] == ["skip", "swap"]
     assert "SyncBatchNorm" in plan[0].reason
     bnswap.convert(model)
-    assert type(model[1]) is nn.SyncBatchNorm and type(model[2]) is bnswap.BatchNorm2d
+    assert type(model[1]) is nn.SyncBatchNorm and not bnswap.is_swapped(model[1])
+    assert type(model[2]) is nn.BatchNorm2d and bnswap.is_swapped(model[2])
     for train in (True, False):  # no process group: SyncBatchNorm runs F.batch_norm
         model.train(train), ref.train(train)
         x = torch.randn(4, 3, 6, 6)

@@ -158,10 +158,12 @@ def test_meta_device_model_loaded_with_assign(old):
             m = build()
         if convert_it:
             bnswap.convert(m)
-            assert all(isinstance(x, bnswap.BNSwapLayer) for x in m.modules()
+            assert all(bnswap.is_swapped(x) for x in m.modules()
                        if isinstance(x, _BatchNorm))
         m.load_state_dict(copy.deepcopy(sd), strict=True, assign=True)
         assert all(t.device.type == "cpu" for t in m.state_dict().values())
+        assert all(bnswap.is_swapped(x) == convert_it for x in m.modules()
+                   if isinstance(x, _BatchNorm))
         models.append(m)
     stock, swapped = models
     assert state_diff(stock, swapped) == []

@@ -60,7 +60,7 @@ def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     # the plan table (logged once, on rank zero), then the figures
     assert out.count("bnswap plan: 52 of 52 BatchNorm layers swapped, 0 skipped") == 2
     assert out.count("layer  ") == 1 and "net.features.0.1" in out
-    assert "bnswap.layers.BatchNorm2d  swapped at setup" in out
+    assert "bnswap.layers.batch_norm_forward  swapped at setup" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("final validation accuracy:"))
     acc = float(line.split()[3])
     hist = json.loads(next(tmp_path.rglob("history.json")).read_text())

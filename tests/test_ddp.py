@@ -36,8 +36,9 @@ def test_ddp_two_processes_fit_with_bnswap_like_stock(tmp_path):
         assert r["world_size"] == 2 and r["global_step"] == 8
     for r in swapped:
         # swapped before configure_optimizers and the DDP wrap (configure_model net)
-        assert r["classes_at_configure_optimizers"] == ["bnswap.layers.BatchNorm2d"]
-        assert r["classes"] == ["bnswap.layers.BatchNorm2d"]
+        assert r["classes_at_configure_optimizers"] == [
+            "torch.nn.modules.batchnorm.BatchNorm2d (swapped)"]
+        assert r["classes"] == ["torch.nn.modules.batchnorm.BatchNorm2d (swapped)"]
     assert swapped[0]["plan"] == [(f"net.features.{i}", "swap") for i in (1, 4, 8, 11)]
     assert swapped[1]["plan"] == swapped[0]["plan"]
     assert stock[0]["classes"] == ["torch.nn.modules.batchnorm.BatchNorm2d"]

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
-from bnswap.layers import BNSwapLayer
+
 
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # noqa: E402
@@ -83,23 +83,23 @@ class Classifier(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.seen.setdefault("val_swapped", []).append(
-            [isinstance(m, BNSwapLayer) for m in bn_layers(self).values()])
+            [bnswap.is_swapped(m) for m in bn_layers(self).values()])
         self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
     def test_step(self, batch, batch_idx):
         x, y = batch
         self.seen.setdefault("test_swapped", []).append(
-            [isinstance(m, BNSwapLayer) for m in bn_layers(self).values()])
+            [bnswap.is_swapped(m) for m in bn_layers(self).values()])
         self.log("test_loss", nn.functional.cross_entropy(self(x), y))
 
     def predict_step(self, batch, batch_idx):
         self.seen.setdefault("predict_swapped", []).append(
-            [isinstance(m, BNSwapLayer) for m in bn_layers(self).values()])
+            [bnswap.is_swapped(m) for m in bn_layers(self).values()])
         return self(batch[0])
 
     def configure_optimizers(self):
-        self.seen["bn_classes_at_configure_optimizers"] = {
-            n: type(m) for n, m in bn_layers(self).items()}
+        self.seen["bn_swapped_at_configure_optimizers"] = {
+            n: bnswap.is_swapped(m) for n, m in bn_layers(self).items()}
         params = [p for p in self.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         if not self.sched:
@@ -144,10 +144,10 @@ def test_configure_model_layers_are_swapped_before_the_optimizer_exists():
     runs = fit_pair(lambda: Classifier(build="configure_model"), extra_callbacks=[Recorder])
     model, t = runs["bnswap"]
     # configure_optimizers (inside strategy.setup) already saw bnswap layers only
-    classes = model.seen["bn_classes_at_configure_optimizers"]
-    assert len(classes) == 4 and all(issubclass(c, BNSwapLayer) for c in classes.values())
+    classes = model.seen["bn_swapped_at_configure_optimizers"]
+    assert len(classes) == 4 and all(classes.values())
     rec = next(c for c in t.callbacks if isinstance(c, Recorder))
-    assert rec.bn_at_fit_start and all(isinstance(m, BNSwapLayer)
+    assert rec.bn_at_fit_start and all(bnswap.is_swapped(m)
                                        for m in rec.bn_at_fit_start.values())
     # the optimizer holds exactly the model's parameters, the bnswap layers' included
     assert rec.opt_param_ids == {id(p) for p in model.parameters()}
@@ -187,7 +187,8 @@ def test_layers_built_in_init_are_swapped_at_setup_and_plan_logged_once():
     assert [r.name for r in cb.plan.rows] == [f"net.features.{i}" for i in (1, 4, 8, 11)]
     assert {r.reason for r in cb.plan.rows} == {"swapped at setup"}
     assert {r.kernel for r in cb.plan.rows} == {"Native"}
-    assert all(type(m) is bnswap.BatchNorm2d for m in bn_layers(model).values())
+    assert all(type(m) is nn.BatchNorm2d and bnswap.is_swapped(m)
+               for m in bn_layers(model).values())
 
 
 # --------------------------------------------------------------------------- given case 2
@@ -246,7 +247,7 @@ def _compare_variants(runs):
     for variant, (model, t) in runs.items():
         snap = next(c for c in t.callbacks if isinstance(c, BNSnapshots))
         per_variant[variant] = (snap, state(model))
-    assert all(isinstance(m, BNSwapLayer) for m in bn_layers(runs["bnswap"][0]).values())
+    assert all(bnswap.is_swapped(m) for m in bn_layers(runs["bnswap"][0]).values())
     stock, swapped = per_variant["stock"], per_variant["bnswap"]
     assert stock[0].tracking == swapped[0].tracking
     for key in ("start0", "end0", "start1", "end1"):
@@ -302,7 +303,7 @@ def test_submodule_in_eval_stays_in_eval():
         assert model.net.training
         assert int(model.side[1].num_batches_tracked) == 0
         assert torch.equal(model.side[1].running_mean, torch.zeros(4))
-    assert isinstance(runs["bnswap"][0].side[1], BNSwapLayer)
+    assert bnswap.is_swapped(runs["bnswap"][0].side[1])
     assert_states_equal(state(runs["stock"][0]), state(runs["bnswap"][0]))
 
 
@@ -325,11 +326,12 @@ def test_revert_on_teardown_gives_stock_classes_back():
 
     class Spy(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            seen["classes"] = {type(m) for m in bn_layers(pl_module).values()}
+            seen["classes"] = {(type(m), bnswap.is_swapped(m)) for m in bn_layers(pl_module).values()}
 
     trainer([cb, Spy()]).fit(model, data())
-    assert seen["classes"] == {bnswap.BatchNorm2d}
-    assert {type(m) for m in bn_layers(model).values()} == {nn.BatchNorm2d}
+    assert seen["classes"] == {(nn.BatchNorm2d, True)}
+    assert {(type(m), bnswap.is_swapped(m)) for m in bn_layers(model).values()} == {
+        (nn.BatchNorm2d, False)}
     assert all(p is params_before[n] for n, p in model.named_parameters())
     assert cb.plan is not None and len(cb.plan.swapped) == 4
 
@@ -381,7 +383,7 @@ def test_resume_from_mid_epoch_checkpoint_is_bitwise_identical(tmp_path):
     for name in ("epoch=0-step=2.ckpt", "epoch=1-step=9.ckpt"):
         resumed, t = run(ckpt_path=tmp_path / name)
         assert t.global_step == 12
-        assert all(isinstance(m, BNSwapLayer) for m in bn_layers(resumed).values())
+        assert all(bnswap.is_swapped(m) for m in bn_layers(resumed).values())
         assert_states_equal(state(resumed), ref)
 
 
@@ -406,7 +408,7 @@ def test_checkpoints_move_between_stock_and_bnswap(tmp_path):
                      dirpath=tmp_path / "a")
     stock_2 = fit(False, ckpt_path=tmp_path / "stock" / "last.ckpt", max_epochs=2,
                   dirpath=tmp_path / "b")
-    assert all(isinstance(m, BNSwapLayer) for m in bn_layers(from_stock).values())
+    assert all(bnswap.is_swapped(m) for m in bn_layers(from_stock).values())
     assert_states_equal(state(from_stock), state(stock_2))
     # bnswap checkpoint -> stock model (and through load_state_dict, strict)
     from_swap = fit(False, ckpt_path=tmp_path / "swap" / "last.ckpt", max_epochs=2,
@@ -445,7 +447,7 @@ def test_include_exclude_are_matched_against_qualified_names():
         trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
     # "a.features.1" matches nothing before configure_model: no spurious warning
     assert not [w for w in caught if str(w.message).startswith("bnswap")]
-    swapped = {n for n, m in bn_layers(model).items() if isinstance(m, BNSwapLayer)}
+    swapped = {n for n, m in bn_layers(model).items() if bnswap.is_swapped(m)}
     assert swapped == {"a.features.4", "a.features.8", "a.features.11"}
     skipped = {r.name: r.reason for r in cb.plan.rows if r.action == "skip"}
     assert skipped["a.features.1"] == "excluded by 'a.features.1'"
@@ -457,7 +459,7 @@ def test_include_exclude_are_matched_against_qualified_names():
         trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
     ours = [str(w.message) for w in caught if str(w.message).startswith("bnswap")]
     assert ours == ["bnswap: include pattern 'nope.*' matches no BatchNorm layer"]
-    assert not any(isinstance(m, BNSwapLayer) for m in model.modules())
+    assert not any(bnswap.is_swapped(m) for m in model.modules())
 
 
 def test_bad_arguments_are_refused_at_construction():
@@ -488,7 +490,7 @@ def test_sync_batchnorm_is_left_alone_and_reported():
     logging.getLogger("bnswap.lightning").addHandler(h)
     try:
         cb.setup(_FakeTrainer(), model, "fit")
-        assert all(isinstance(m, BNSwapLayer) for m in bn_layers(model).values())
+        assert all(bnswap.is_swapped(m) for m in bn_layers(model).values())
         model = TorchSyncBatchNorm().apply(model)  # what DDPStrategy.setup does
         cb.on_fit_start(_FakeTrainer(), model)
     finally:
@@ -542,7 +544,7 @@ def test_pytorch_lightning_trainer_works_with_BNSwapPL():
     loader = data()
     loader.setup()
     t.fit(model, train_dataloaders=loader.train_dataloader())
-    assert all(isinstance(m, BNSwapLayer) for m in bn_layers(model).values())
+    assert all(bnswap.is_swapped(m) for m in bn_layers(model).values())
     assert len(cb.plan.swapped) == 4
 
 
@@ -553,7 +555,7 @@ def test_ort_backend_without_onnxruntime_fails_before_changing_the_model(monkeyp
     model, cb = Classifier(), BNSwap("ort")
     with pytest.raises(bnswap.ort.ORTNotAvailableError, match="onnxruntime-training-cpu"):
         cb.setup(_FakeTrainer(), model, "fit")
-    assert not any(isinstance(m, BNSwapLayer) for m in model.modules())
+    assert not any(bnswap.is_swapped(m) for m in model.modules())
     assert global_registration_hooks() == 0
 
 
@@ -628,7 +630,7 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager():
     cb.teardown(_FakeTrainer(), model, "fit")
     assert type(model.net).__name__ == "BNSwapORTModule"
     assert type(model.side) is nn.Sequential
-    assert isinstance(model.side[1], BNSwapLayer) and type(model.side[2]) is nn.BatchNorm2d
+    assert bnswap.is_swapped(model.side[1]) and type(model.side[2]) is nn.BatchNorm2d
     rows = {r.name: r for r in cb.plan.rows}
     assert rows["net.features.1"].kernel == "BatchNormInternal (ORT)"
     assert (rows["side.1"].backend, rows["side.1"].kernel) == ("aten", "Native")
@@ -647,4 +649,4 @@ def test_a_failing_configure_model_leaves_no_global_hook_behind():
         trainer([BNSwap()]).fit(model, data())
     assert global_registration_hooks() == 0
     # what was attached before the failure was swapped as it was attached
-    assert all(isinstance(m, BNSwapLayer) for m in bn_layers(model).values())
+    assert all(bnswap.is_swapped(m) for m in bn_layers(model).values())

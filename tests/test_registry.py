@@ -1,10 +1,11 @@
 """The adapter registry: a custom BatchNorm subclass (the worked example of
-docs/adapters.md), ``bnswap.register`` errors, ``revert`` of adapted classes, and the
+docs/adapters.md), ``bnswap.register`` errors, ``revert`` of adapted layers, and the
 lazy timm entry. Runs without torchvision / timm."""
 
 from __future__ import annotations
 
 import copy
+import io
 import subprocess
 import sys
 import textwrap
@@ -32,19 +33,14 @@ class BatchNormSiLU2d(nn.BatchNorm2d):
         return F.silu(super().forward(x)) * self.gain
 
 
-class SwappedBatchNormSiLU2d(bnswap.BNSwapLayer, BatchNormSiLU2d):
-    """Its bnswap counterpart: the same forward with the batch norm on the bnswap core."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(self._bnswap_normalize(x)) * self.gain
+def batch_norm_silu_2d(layer: BatchNormSiLU2d, x: torch.Tensor) -> torch.Tensor:
+    """Its adapter: the same forward, with the batch norm on bnswap's kernel."""
+    layer._check_input_dim(x)
+    return F.silu(bnswap.module_batch_norm(layer, x)) * layer.gain
 
 
 class PlainSubclass(nn.BatchNorm2d):
-    """A subclass that adds nothing to forward (still needs registering)."""
-
-
-class SwappedPlainSubclass(bnswap.BNSwapLayer, PlainSubclass):
-    pass
+    """A subclass that adds nothing to forward: torch's adapter serves it."""
 
 
 class Net(nn.Module):
@@ -65,10 +61,9 @@ class Net(nn.Module):
 @pytest.fixture
 def clean_registry():
     """Restore the registry as it was after each test."""
-    swaps, sources, lazy = dict(registry._SWAPS), dict(registry._SOURCES), dict(registry._LAZY)
+    adapters, lazy = dict(registry._ADAPTERS), dict(registry._LAZY)
     yield
-    for d, saved in ((registry._SWAPS, swaps), (registry._SOURCES, sources),
-                     (registry._LAZY, lazy)):
+    for d, saved in ((registry._ADAPTERS, adapters), (registry._LAZY, lazy)):
         d.clear()
         d.update(saved)
 
@@ -91,26 +86,26 @@ def _qual(cls: type) -> str:
 def test_custom_subclass_skipped_until_registered(clean_registry):
     table = bnswap.plan(_net())
     by_name = {r.name: r for r in table}
-    assert by_name["bn"].action == "swap" and by_name["bn"].adapter == "bnswap.layers.BatchNorm2d"
+    assert by_name["bn"].action == "swap"
+    assert by_name["bn"].adapter == "bnswap.layers.batch_norm_forward"
     for name in ("bnact", "block.1"):
         assert by_name[name].action == "skip"
         assert "BatchNormSiLU2d overrides forward" in by_name[name].reason
-        assert "bnswap.register(BatchNormSiLU2d, <bnswap subclass>), see docs/adapters.md" in by_name[name].reason
+        assert ("bnswap.register(BatchNormSiLU2d, <function>), see docs/adapters.md"
+                in by_name[name].reason)
         assert by_name[name].adapter == "-"
-    assert by_name["block.3"].action == "skip"
-    assert by_name["block.3"].reason == (
-        "PlainSubclass is not registered; use bnswap.register(PlainSubclass, "
-        "<bnswap subclass>), see docs/adapters.md")
+    # a subclass that keeps torch's forward needs no registration
+    assert by_name["block.3"].action == "swap"
+    assert by_name["block.3"].adapter == "bnswap.layers.batch_norm_forward"
     net = _net()
     bnswap.convert(net)
+    assert not bnswap.is_swapped(net.bnact) and bnswap.is_swapped(net.block[3])
     assert type(net.bnact) is BatchNormSiLU2d and type(net.block[3]) is PlainSubclass
 
 
 def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
-    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
-    bnswap.register(PlainSubclass, SwappedPlainSubclass)
-    assert registry.lookup(BatchNormSiLU2d) is SwappedBatchNormSiLU2d
-    assert registry.source_of(SwappedBatchNormSiLU2d) is BatchNormSiLU2d
+    bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)
+    assert registry.lookup(BatchNormSiLU2d) is batch_norm_silu_2d
 
     stock = _net()
     converted = copy.deepcopy(stock)
@@ -119,17 +114,16 @@ def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
     assert len(table.swapped) == len(table) == 4
     adapters = {r.name: r.adapter for r in table}
     assert adapters == {
-        "bn": "bnswap.layers.BatchNorm2d",
-        "bnact": _qual(SwappedBatchNormSiLU2d),
-        "block.1": _qual(SwappedBatchNormSiLU2d),
-        "block.3": _qual(SwappedPlainSubclass),
+        "bn": "bnswap.layers.batch_norm_forward",
+        "bnact": _qual(batch_norm_silu_2d),
+        "block.1": _qual(batch_norm_silu_2d),
+        "block.3": "bnswap.layers.batch_norm_forward",
     }
     assert bnswap.convert(converted) is converted
-    assert type(converted.bnact) is SwappedBatchNormSiLU2d
-    assert isinstance(converted.bnact, BatchNormSiLU2d)
+    assert type(converted.bnact) is BatchNormSiLU2d and bnswap.is_swapped(converted.bnact)
     assert converted.bnact.gain == 1.5 and converted.block[1].gain == 0.5
     assert list(converted.state_dict()) == keys
-    assert repr(converted.bnact).startswith("bnswap.SwappedBatchNormSiLU2d(8,")
+    assert repr(converted.bnact) == repr(stock.bnact)
 
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, converted)]
     x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1))
@@ -157,9 +151,31 @@ def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
         assert torch.equal(stock(x), converted(x))
 
 
-def test_revert_restores_adapted_classes_exactly(clean_registry):
-    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
-    bnswap.register(PlainSubclass, SwappedPlainSubclass)
+def test_adapted_layers_deepcopy_and_pickle_with_their_adapter(clean_registry):
+    """The adapter is stored by reference: a torch.save of the whole model loads into
+    layers that run it (bound to the loaded layer, not the saved one)."""
+    bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)
+    net = bnswap.convert(_net())
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    for clone in (copy.deepcopy(net), torch.load(buf, weights_only=False)):
+        for a, b in zip(net.modules(), clone.modules(), strict=True):
+            assert bnswap.is_swapped(a) == bnswap.is_swapped(b)
+            if bnswap.is_swapped(b):
+                assert vars(b)["forward"].module is b
+                assert vars(b)["forward"].adapter is vars(a)["forward"].adapter
+        x = torch.randn(2, 3, 6, 6)
+        ref = copy.deepcopy(bnswap.revert(copy.deepcopy(net)))  # stock, same state
+        torch.manual_seed(3)  # the same dropout mask
+        y = clone(x)
+        torch.manual_seed(3)
+        assert torch.equal(y, ref(x))
+        assert all(torch.equal(a, b) for a, b in zip(clone.buffers(), ref.buffers()))
+
+
+def test_revert_restores_adapted_layers_exactly(clean_registry):
+    bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)
     net = _net()
     net.block.add_module("p", BatchNormSiLU2d(8))
     parametrize.register_parametrization(net.block.p, "weight", nn.Identity())
@@ -169,16 +185,17 @@ def test_revert_restores_adapted_classes_exactly(clean_registry):
     params = [(n, id(p)) for n, p in net.named_parameters()]
     buffers = [(n, id(b)) for n, b in net.named_buffers()]
     children = [id(m) for m in net.modules()]
+    attrs = [(n, sorted(vars(m))) for n, m in net.named_modules()]
 
     bnswap.convert(net)
-    assert type(net.block.p).__bases__ == (SwappedBatchNormSiLU2d,)
+    assert [(n, type(m)) for n, m in net.named_modules()] == classes  # never changed
     assert bnswap.is_swapped(net.block.p)
     assert bnswap.revert(net) is net
     assert [(n, type(m)) for n, m in net.named_modules()] == classes
-    assert type(net.block.p) is p_cls
     assert [(n, id(p)) for n, p in net.named_parameters()] == params
     assert [(n, id(b)) for n, b in net.named_buffers()] == buffers
     assert [id(m) for m in net.modules()] == children
+    assert [(n, sorted(vars(m))) for n, m in net.named_modules()] == attrs
     assert not any(bnswap.is_swapped(m) for m in net.modules())
     parametrize.remove_parametrizations(net.block.p, "weight")
     assert type(net.block.p) is BatchNormSiLU2d
@@ -186,21 +203,25 @@ def test_revert_restores_adapted_classes_exactly(clean_registry):
     # convert / revert twice more: same classes each time.
     for _ in range(2):
         bnswap.convert(net)
-        assert type(net.bnact) is SwappedBatchNormSiLU2d
+        assert bnswap.is_swapped(net.bnact) and type(net.bnact) is BatchNormSiLU2d
         bnswap.revert(net)
+        assert not bnswap.is_swapped(net.bnact)
         assert type(net.bnact) is BatchNormSiLU2d and type(net.block[3]) is PlainSubclass
 
 
 def test_revert_keeps_parametrizations_added_while_converted(clean_registry):
-    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
+    bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)
     layer = BatchNormSiLU2d(4)
     parametrize.register_parametrization(layer, "weight", nn.Identity())
-    original = type(layer)
     bnswap.convert(layer)
     parametrize.register_parametrization(layer, "bias", nn.Identity())
+    cls = type(layer)
+    x = torch.randn(2, 4, 3, 3)
+    ref = copy.deepcopy(layer)
+    bnswap.revert(ref)
+    assert torch.equal(layer(x), ref(x))  # both parametrizations apply while swapped
     bnswap.revert(layer)
-    # A class with both properties, on the stock base (the original lacks "bias").
-    assert type(layer) is not original and type(layer).__bases__ == (BatchNormSiLU2d,)
+    assert type(layer) is cls  # torch's class with both properties, untouched by revert
     assert parametrize.is_parametrized(layer, "weight")
     assert parametrize.is_parametrized(layer, "bias")
     assert torch.equal(layer.bias, layer.parametrizations.bias.original)
@@ -209,77 +230,68 @@ def test_revert_keeps_parametrizations_added_while_converted(clean_registry):
     assert type(layer) is BatchNormSiLU2d
 
 
-def test_register_replaces_an_earlier_adapter(clean_registry):
-    class Other(bnswap.BNSwapLayer, BatchNormSiLU2d):
-        def forward(self, x):
-            return F.silu(self._bnswap_normalize(x)) * self.gain
+def other_adapter(layer, x):
+    return F.silu(bnswap.module_batch_norm(layer, x)) * layer.gain
 
-    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
-    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)  # idempotent
-    bnswap.register(BatchNormSiLU2d, Other)
-    assert registry.lookup(BatchNormSiLU2d) is Other
-    assert registry.source_of(SwappedBatchNormSiLU2d) is None
-    assert registry.source_of(Other) is BatchNormSiLU2d
+
+def test_register_replaces_an_earlier_adapter(clean_registry):
+    bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)
+    bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)  # idempotent
+    early = bnswap.convert(BatchNormSiLU2d(4))
+    bnswap.register(BatchNormSiLU2d, other_adapter)
+    assert registry.lookup(BatchNormSiLU2d) is other_adapter
+    assert vars(early)["forward"].adapter is batch_norm_silu_2d  # layers keep theirs
+    assert vars(bnswap.convert(BatchNormSiLU2d(4)))["forward"].adapter is other_adapter
     bnswap.unregister(BatchNormSiLU2d)
-    assert registry.lookup(BatchNormSiLU2d) is None and registry.source_of(Other) is None
+    assert registry.lookup(BatchNormSiLU2d) is None
     bnswap.unregister(BatchNormSiLU2d)  # no-op
+
+
+def test_one_adapter_may_serve_several_classes(clean_registry):
+    class Sub(BatchNormSiLU2d):
+        pass
+
+    bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)
+    bnswap.register(Sub, batch_norm_silu_2d)  # Sub inherits the forward it adapts
+    torch.manual_seed(0)
+    stock = nn.Sequential(BatchNormSiLU2d(3, gain=2.0), Sub(3, gain=0.5))
+    swapped = bnswap.convert(copy.deepcopy(stock))
+    assert [bnswap.is_swapped(m) for m in swapped] == [True, True]
+    x = torch.randn(4, 3, 2, 2)
+    assert torch.equal(stock(x), swapped(x))
 
 
 class _NotBN(nn.Module):
     pass
 
 
-class _SwappedNotSubclass(bnswap.BNSwapLayer, nn.BatchNorm2d):
-    pass
-
-
-class _NoMixin(BatchNormSiLU2d):
-    pass
-
-
 @pytest.mark.parametrize(
-    ("source", "swapped", "error", "match"),
+    ("source", "adapter", "error", "match"),
     [
-        (_NotBN, SwappedBatchNormSiLU2d, TypeError, "source_cls must be a _BatchNorm subclass"),
-        ("BatchNormSiLU2d", SwappedBatchNormSiLU2d, TypeError, "source_cls must be a _Batch"),
-        (nn.SyncBatchNorm, SwappedBatchNormSiLU2d, TypeError, "SyncBatchNorm has its own"),
-        (bnswap.BatchNorm2d, SwappedBatchNormSiLU2d, TypeError, "already a bnswap layer"),
-        (BatchNormSiLU2d, _SwappedNotSubclass, TypeError, "must subclass both BatchNormSiLU2d"),
-        (BatchNormSiLU2d, _NoMixin, TypeError, "must subclass both BatchNormSiLU2d"),
-        (BatchNormSiLU2d, SwappedBatchNormSiLU2d(4), TypeError, "must subclass both"),
-        # bnswap's BatchNorm2d is a swapped nn.BatchNorm2d, not a PlainSubclass.
-        (PlainSubclass, bnswap.BatchNorm2d, TypeError, "must subclass both PlainSubclass"),
+        (_NotBN, batch_norm_silu_2d, TypeError, "source_cls must be a _BatchNorm subclass"),
+        ("BatchNormSiLU2d", batch_norm_silu_2d, TypeError, "source_cls must be a _Batch"),
+        (nn.SyncBatchNorm, batch_norm_silu_2d, TypeError, "SyncBatchNorm has its own"),
+        (BatchNormSiLU2d, BatchNormSiLU2d, TypeError, "adapter must be a function"),
+        (BatchNormSiLU2d, bnswap.BatchNorm2d, TypeError, "adapter must be a function"),
+        (BatchNormSiLU2d, "batch_norm_silu_2d", TypeError, "adapter must be a function"),
+        (BatchNormSiLU2d, None, TypeError, "adapter must be a function"),
     ],
 )
-def test_register_rejects_bad_classes(clean_registry, source, swapped, error, match):
-    before = (dict(registry._SWAPS), dict(registry._SOURCES))
+def test_register_rejects_bad_arguments(clean_registry, source, adapter, error, match):
+    before = dict(registry._ADAPTERS)
     with pytest.raises(error, match=match):
-        bnswap.register(source, swapped)
-    assert (registry._SWAPS, registry._SOURCES) == before
+        bnswap.register(source, adapter)
+    assert registry._ADAPTERS == before
 
 
-def test_register_rejects_one_adapter_for_two_sources(clean_registry):
-    class Sub(BatchNormSiLU2d):
-        pass
+def test_torchs_classes_and_their_plain_subclasses_use_torchs_adapter():
+    from bnswap.layers import batch_norm_forward
 
-    bnswap.register(BatchNormSiLU2d, SwappedBatchNormSiLU2d)
-
-    class SwappedSub(SwappedBatchNormSiLU2d, Sub):
-        pass
-
-    bnswap.register(Sub, SwappedSub)
-    # SwappedSub also subclasses BatchNormSiLU2d, but it already stands for Sub.
-    with pytest.raises(ValueError, match="SwappedSub is already registered for Sub"):
-        bnswap.register(BatchNormSiLU2d, SwappedSub)
-    assert registry.lookup(BatchNormSiLU2d) is SwappedBatchNormSiLU2d
-    assert registry.source_of(SwappedSub) is Sub
-
-
-def test_builtin_registry_entries():
-    reg = registry.registered()
-    for src, dst in ((nn.BatchNorm1d, bnswap.BatchNorm1d), (nn.BatchNorm2d, bnswap.BatchNorm2d),
-                     (nn.BatchNorm3d, bnswap.BatchNorm3d)):
-        assert reg[src] is dst and registry.source_of(dst) is src
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm2d,
+                PlainSubclass):
+        assert registry.lookup(cls) is batch_norm_forward
+    assert registry.lookup(nn.SyncBatchNorm) is None
+    assert registry.lookup(BatchNormSiLU2d) is None
 
 
 def _run(code: str) -> str:
@@ -347,11 +359,12 @@ def test_timm_entry_is_resolved_only_when_a_model_holds_the_class():
         stock = nn.Sequential(nn.Conv2d(3, 6, 1), BatchNormAct2d(6))
         converted = bnswap.convert(__import__("copy").deepcopy(stock))
         assert "bnswap.adapters.timm" in sys.modules
-        from bnswap.adapters.timm import BatchNormAct2d as Adapter
-        assert registry.lookup(BatchNormAct2d) is Adapter
+        from bnswap.adapters.timm import batch_norm_act_2d
+        assert registry.lookup(BatchNormAct2d) is batch_norm_act_2d
         row, = bnswap.plan(converted)
         print(row.cls, row.action, row.adapter)
-        assert type(converted[1]) is Adapter and converted[1].act is not None
+        assert type(converted[1]) is BatchNormAct2d and bnswap.is_swapped(converted[1])
+        assert converted[1].act is not None
         x = torch.randn(4, 3, 5, 5)
         for m in (stock, converted):
             torch.manual_seed(1)
@@ -362,8 +375,8 @@ def test_timm_entry_is_resolved_only_when_a_model_holds_the_class():
             print(y.sum().item(), m(x).sum().item(), m[0].weight.grad.sum().item(),
                   m[1].running_var.sum().item())
         bnswap.revert(converted)
-        assert type(converted[1]) is BatchNormAct2d
+        assert type(converted[1]) is BatchNormAct2d and not bnswap.is_swapped(converted[1])
     """)
     lines = out.strip().splitlines()
-    assert lines[0] == "BatchNormAct2d swap bnswap.adapters.timm.BatchNormAct2d"
+    assert lines[0] == "BatchNormAct2d swap bnswap.adapters.timm.batch_norm_act_2d"
     assert lines[1] == lines[2]  # train output, eval output, gradients, statistics

@@ -40,8 +40,8 @@ MODELS = [
 ]
 IDS = [f"{lib}-{name}" for lib, name, _, _ in MODELS]
 ADAPTERS = {
-    "BatchNorm2d": "bnswap.layers.BatchNorm2d",
-    "BatchNormAct2d": "bnswap.adapters.timm.BatchNormAct2d",
+    "BatchNorm2d": "bnswap.layers.batch_norm_forward",
+    "BatchNormAct2d": "bnswap.adapters.timm.batch_norm_act_2d",
 }
 NUM_CLASSES = 10
 INPUT_SHAPE = (2, 3, 64, 64)  # smallest feature maps: 2x2 (8 values per channel)
@@ -121,13 +121,14 @@ def test_plan_swaps_every_batchnorm(lib, name, count, classes):
     for row in table:
         assert row.adapter == ADAPTERS[row.cls], row
 
-    # The converted copy: every layer a bnswap layer of the planned class, still an
-    # instance of its stock class, with the same children (timm's drop / act) and the
-    # same state_dict keys; its plan says "already" swapped.
+    # The converted copy: every layer swapped with the planned adapter, of its stock
+    # class still, with the same children (timm's drop / act) and the same state_dict
+    # keys; its plan says "already" swapped.
     for (n, s), (n2, c) in zip(layers, _bn_layers(converted), strict=True):
         assert n == n2
-        assert bnswap.is_swapped(c) and isinstance(c, type(s))
-        assert f"{type(c).__module__}.{type(c).__qualname__}" == ADAPTERS[type(s).__name__]
+        assert bnswap.is_swapped(c) and type(c) is type(s)
+        adapter = vars(c)["forward"].adapter
+        assert f"{adapter.__module__}.{adapter.__qualname__}" == ADAPTERS[type(s).__name__]
         assert [k for k, _ in c.named_children()] == [k for k, _ in s.named_children()]
         assert [type(v) for v in c.children()] == [type(v) for v in s.children()]
     assert list(converted.state_dict()) == list(stock.state_dict())
@@ -248,9 +249,10 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
             stock.weight.uniform_(0.5, 1.5)
             stock.bias.uniform_(-0.5, 0.5)
     converted = bnswap.convert(copy.deepcopy(stock))
-    from bnswap.adapters.timm import BatchNormAct2d as Adapter
+    from bnswap.adapters.timm import batch_norm_act_2d
 
-    assert type(converted) is Adapter and isinstance(converted, type(stock))
+    assert type(converted) is type(stock) and bnswap.is_swapped(converted)
+    assert vars(converted)["forward"].adapter is batch_norm_act_2d
     assert type(converted.act) is type(stock.act) and type(converted.drop) is type(stock.drop)
     assert list(converted.state_dict()) == list(stock.state_dict())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -287,7 +289,7 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
             model(torch.randn(4, 6, 5))
     for a, b in zip(buffers, converted.buffers(), strict=True):
         _assert_equal("buffer after the error", a, b)
-    assert type(bnswap.revert(converted)) is type(stock)
+    assert type(bnswap.revert(converted)) is type(stock) and not bnswap.is_swapped(converted)
 
 
 # --- more timm families built on BatchNormAct2d -----------------------------------------

@@ -5,11 +5,10 @@ CSPDarkNet and more as ``timm.layers.norm_act.BatchNormAct2d``: an ``nn.BatchNor
 subclass whose ``forward`` is a copy of ``BatchNorm2d.forward`` (``F.batch_norm``)
 followed by ``self.drop`` and ``self.act``. Since it overrides ``forward``, bnswap
 swaps it only through this adapter, registered lazily in :mod:`bnswap.registry` (this
-module is imported the first time a model holding that class is planned or
-converted).
+module is imported the first time a model holding that class is planned or converted).
 
-The swapped layer is the same object with the same attributes: ``drop`` and ``act``
-are its own child modules still, and its state_dict keys are unchanged.
+The swapped layer is the same object of the same class: ``drop`` and ``act`` are its
+own child modules still, and its state_dict keys are unchanged.
 """
 
 from __future__ import annotations
@@ -18,29 +17,30 @@ from timm.layers import norm_act as _timm_norm_act
 from timm.layers.trace_utils import _assert
 from torch import Tensor
 
-from bnswap.layers import BNSwapLayer
+from bnswap._core import module_batch_norm
 
-__all__ = ["BatchNormAct2d"]
+__all__ = ["batch_norm_act_2d"]
 
 
-class BatchNormAct2d(BNSwapLayer, _timm_norm_act.BatchNormAct2d):
-    """timm's ``BatchNormAct2d`` with its batch norm on the consolidated ops.
+def batch_norm_act_2d(layer: _timm_norm_act.BatchNormAct2d, x: Tensor) -> Tensor:
+    """timm's ``BatchNormAct2d.forward`` with its batch norm on the consolidated ops.
 
-    ``forward(x)`` is timm's: the rank check (``AssertionError`` for input that is not
-    4D, as timm raises), batch norm with ``nn.BatchNorm2d`` semantics (running
-    statistics updated in training, ``momentum=None`` as a cumulative average), then
-    ``self.drop``, then ``self.act``. The batch norm runs
-    ``aten._batch_norm_with_update`` in training and ``aten._batch_norm_no_update`` in
-    evaluation (:meth:`BNSwapLayer._bnswap_normalize`). Shape: (N, C, H, W) in and out,
-    memory format preserved.
+    timm's rank check (``AssertionError`` for input that is not 4D, as timm raises),
+    batch norm with ``nn.BatchNorm2d`` semantics (running statistics updated in training,
+    ``momentum=None`` as a cumulative average) on ``aten._batch_norm_with_update`` /
+    ``aten._batch_norm_no_update`` (:func:`bnswap.module_batch_norm`), then
+    ``layer.drop``, then ``layer.act``. Shape: (N, C, H, W) in and out, memory format
+    preserved.
+
+    Examples::
+
+        >>> import torch, timm, bnswap
+        >>> layer = bnswap.convert(timm.layers.BatchNormAct2d(4))
+        >>> bnswap.layers.adapter_name(layer)
+        'bnswap.adapters.timm.batch_norm_act_2d'
     """
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        # timm's forward asserts the rank instead of calling BatchNorm2d's check.
-        _assert(input.ndim == 4, f"expected 4D input (got {input.ndim}D input)")
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self._bnswap_normalize(x)
-        x = self.drop(x)
-        x = self.act(x)
-        return x
+    _assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")
+    x = module_batch_norm(layer, x)  # type: ignore[arg-type]
+    x = layer.drop(x)
+    x = layer.act(x)
+    return x

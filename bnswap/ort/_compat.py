@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from bnswap._core import TRACE_BIAS, TRACE_WEIGHT
+from bnswap._core import TRACE_BIAS, TRACE_WEIGHT, consolidated_ops_while_tracing
 
 logger = logging.getLogger("bnswap.ort")
 
@@ -360,7 +360,13 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
                                   if name in m._buffers and name in m._non_persistent_buffers_set]
                     for m, name in trace_bufs:
                         m._non_persistent_buffers_set.discard(name)
-                result = original(flattened_module, *args, **kwargs)
+                if ours:
+                    # bnswap layers trace to the consolidated ops that the symbolics
+                    # above export (elsewhere they trace to stock's aten::batch_norm)
+                    with consolidated_ops_while_tracing():
+                        result = original(flattened_module, *args, **kwargs)
+                else:
+                    result = original(flattened_module, *args, **kwargs)
                 if ours:
                     _symbolic.keep_running_stat_aliases(result[0])
                 return result

@@ -1,0 +1,158 @@
+"""The swap primitive: one BatchNorm layer runs bnswap's forward, its class unchanged.
+
+bnswap never changes a layer's class. :func:`swap` stores a :class:`SwappedForward` in
+the layer's instance ``__dict__`` under ``"forward"``; ``nn.Module.__call__`` looks
+``self.forward`` up on the instance before the class, so the layer runs bnswap's kernel
+while ``type(layer)`` stays the stock class (``nn.BatchNorm2d``,
+``ParametrizedBatchNorm2d``, timm's ``BatchNormAct2d``...). Tools that look a layer up by
+its exact type (``torch.fx.experimental.optimization.fuse``, the ``torch.ao.quantization``
+mappings, FLOP counters such as ptflops) therefore see a stock layer, and the module
+object, its Parameter and buffer objects, hooks, flags and state_dict keys are never
+touched. :func:`unswap` deletes the entry: the exact inverse.
+
+Where a consumer records the model to hand it to a runtime of its own, a swapped layer
+records exactly what its stock class records (its class's ``forward``):
+
+* the TorchScript tracer (``torch.jit.trace``, ``torch.onnx.export(dynamo=False)``),
+  except inside :func:`bnswap._core.consolidated_ops_while_tracing` (the ORT backend's
+  export);
+* ``torch.onnx.export(dynamo=True)`` (its ``torch.export`` runs with
+  ``torch.onnx.is_in_onnx_export()`` set);
+* ``torch.fx.symbolic_trace`` tracing through a layer that is not a leaf (an adapter's
+  class, e.g. timm's ``BatchNormAct2d``).
+
+``torch.jit.script`` compiles the class's ``forward`` too (:mod:`bnswap._compat`). Every
+other run, eager, ``torch.compile`` and ``torch.export``, runs the adapter: PyTorch's
+consolidated batch-norm ops (pytorch PR 116092).
+
+``copy.deepcopy``, pickle and ``torch.save`` of a swapped layer (or a model holding one)
+give swapped copies bound to the copy. A *shallow* copy (``copy.copy``, the replicas of
+``nn.DataParallel`` on several GPUs) shares the original's :class:`SwappedForward`, which
+normalizes with the original layer's tensors: call :func:`swap` on the copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from bnswap._core import drop_trace_buffers, records_consolidated_ops
+
+__all__ = ["Adapter", "SwappedForward", "adapter_of", "is_swapped", "swap", "unswap"]
+
+#: An adapter: ``adapter(layer, input, ...)`` does what ``type(layer).forward(layer, input,
+#: ...)`` does, with the batch norm on bnswap's kernel (see :mod:`bnswap.layers`).
+Adapter = Callable[..., Any]
+
+
+def _records_stock(args: tuple) -> bool:
+    """Whether this call is being recorded for another runtime (see the module docstring)."""
+    if torch.jit.is_tracing():
+        return not records_consolidated_ops()
+    if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
+        return torch.onnx.is_in_onnx_export()
+    return bool(args) and isinstance(args[0], torch.fx.Proxy)
+
+
+class SwappedForward:
+    """The ``forward`` bnswap installs on one layer: ``adapter(layer, *args)``.
+
+    Args:
+        module: the BatchNorm layer (a ``torch.nn.modules.batchnorm._BatchNorm``).
+        adapter: the function that runs it on bnswap's kernel
+            (:func:`bnswap.layers.batch_norm_forward` for torch's classes).
+
+    Calls take and return what ``module``'s own ``forward`` does: input (N, C, *) of a
+    floating dtype, output of the same shape, dtype and memory format. Pickled and
+    deep-copied with the layer (bound to the copy).
+    """
+
+    __slots__ = ("module", "adapter")
+
+    def __init__(self, module: nn.Module, adapter: Adapter) -> None:
+        # Touches nothing on `module`: unpickling builds this before the module's state.
+        self.module = module
+        self.adapter = adapter
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if _records_stock(args):
+            return type(module).forward(module, *args, **kwargs)
+        return self.adapter(module, *args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (SwappedForward, (self.module, self.adapter))
+
+    def __deepcopy__(self, memo: dict) -> SwappedForward:
+        return SwappedForward(copy.deepcopy(self.module, memo), self.adapter)
+
+    def __repr__(self) -> str:
+        name = getattr(self.adapter, "__qualname__", repr(self.adapter))
+        return f"<bnswap forward of {type(self.module).__name__} ({name})>"
+
+
+def _entry(module: object) -> SwappedForward | None:
+    fwd = getattr(module, "__dict__", {}).get("forward")
+    return fwd if type(fwd) is SwappedForward else None
+
+
+def is_swapped(module: object) -> bool:
+    """True if ``module`` runs bnswap's forward (:func:`bnswap.convert` swapped it).
+
+    Examples::
+
+        >>> import bnswap
+        >>> from torch import nn
+        >>> bn = nn.BatchNorm2d(8)
+        >>> bnswap.is_swapped(bn), bnswap.is_swapped(bnswap.convert(bn))
+        (False, True)
+        >>> type(bn) is nn.BatchNorm2d     # the class never changes
+        True
+    """
+    return _entry(module) is not None
+
+
+def adapter_of(module: object) -> Adapter | None:
+    """The adapter ``module`` runs, or None when it is not swapped."""
+    entry = _entry(module)
+    return None if entry is None else entry.adapter
+
+
+def swap(module: nn.Module, adapter: Adapter) -> Callable[[], None]:
+    """Make ``module`` run ``adapter(module, ...)`` as its forward; return the undo.
+
+    A layer that is already swapped gets the new adapter (the undo restores the old one).
+    Uninitialized lazy layers (``nn.LazyBatchNorm2d``...) keep the entry when they
+    initialize (torch changes their ``__class__``, never their ``__dict__``).
+    """
+    d = module.__dict__
+    old = d.get("forward", _MISSING)
+    # The instance dict directly: nn.Module.__setattr__ would only check, slowly, that
+    # the value is no Parameter / Module / buffer before doing the same (benchmarks P5).
+    d["forward"] = SwappedForward(module, adapter)
+
+    def undo() -> None:
+        if old is _MISSING:
+            d.pop("forward", None)
+        else:
+            d["forward"] = old
+
+    return undo
+
+
+def unswap(module: nn.Module) -> bool:
+    """Give ``module`` its class's forward back (and drop the ORT trace buffers, if any);
+    False if it was not swapped."""
+    if _entry(module) is None:
+        return False
+    del module.__dict__["forward"]
+    drop_trace_buffers(module)  # type: ignore[arg-type]  # registered by bnswap.ort.wrap
+    return True
+
+
+_MISSING = object()
