@@ -14,11 +14,14 @@ export MPLBACKEND ?= Agg
 
 .PHONY: setup setup-zoo demo test test-main test-zoo bench clean
 
+# After torch, every install runs with a constraints file pinning it, so no package's
+# own torch requirement can make pip fetch another build.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python $(PIP) --upgrade pip
 	$(VENV)/bin/python $(PIP) $(TORCH)
-	$(VENV)/bin/python $(PIP) -e '.[lightning,ort-cpu,dev]'
+	echo '$(TORCH)' > $(VENV)/constraints.txt
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev]'
 	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
 	$(VENV)/bin/python -m bnswap.ort build
 	touch $@
@@ -27,7 +30,8 @@ $(ZOO)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(ZOO)
 	$(ZOO)/bin/python $(PIP) --upgrade pip
 	$(ZOO)/bin/python $(PIP) $(ZOO_TORCH)
-	$(ZOO)/bin/python $(PIP) -e '.[lightning,dev]' timm==1.0.31
+	printf '%s\n' $(ZOO_TORCH) > $(ZOO)/constraints.txt
+	$(ZOO)/bin/python $(PIP) -c $(ZOO)/constraints.txt -e '.[lightning,dev]' timm==1.0.31
 	touch $@
 
 setup: $(VENV)/.installed

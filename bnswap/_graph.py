@@ -10,7 +10,9 @@ stock's layer records, node for node:
 
 * ``aten._batch_norm_with_update(x, w, b, running_mean, running_var, momentum, eps)``
   -> ``aten.batch_norm(x, w, b, running_mean, running_var, True, momentum, eps,
-  cudnn_enabled)``; ``aten._batch_norm_no_update(...)`` -> the same with ``False``. The
+  False)`` (``cudnn_enabled`` False, as ``torch.export`` records stock's call: it traces
+  with cuDNN off); ``aten._batch_norm_no_update(...)`` -> the same with ``training``
+  False. The
   ops' schemas (``native_functions.yaml``) take the same arguments, and both update
   the statistics they are given in place with ``momentum`` and the unbiased batch
   variance: the semantics are the same. Only the first output of the consolidated ops is
@@ -36,6 +38,9 @@ __all__ = ["to_stock_ops"]
 _aten = torch.ops.aten
 _WITH_UPDATE = _aten._batch_norm_with_update.default
 _NO_UPDATE = _aten._batch_norm_no_update.default
+# aten.batch_norm's last argument as stock's layer records it under torch.export, which
+# traces with cuDNN off (torch/export/_trace.py, _ignore_backend_decomps).
+_CUDNN_ENABLED = False
 _FILLS = {_aten.full.default: None, _aten.ones.default: 1.0, _aten.zeros.default: 0.0}
 
 
@@ -71,7 +76,7 @@ def _rewrite(graph: torch.fx.Graph, node: Node) -> bool:
     with graph.inserting_before(node):
         new = graph.call_function(
             _aten.batch_norm.default,
-            (x, w, b, mean, var, training, momentum, eps, torch.backends.cudnn.enabled))
+            (x, w, b, mean, var, training, momentum, eps, _CUDNN_ENABLED))
     new.meta.update(node.meta)
     first = next((u for u in users if u.args[1] == 0), None)
     if first is not None and "val" in first.meta:

@@ -59,6 +59,7 @@ from __future__ import annotations
 import importlib
 import logging
 import warnings
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -150,6 +151,8 @@ class _BNSwapBase:
         self._busy = False
         self._pending = False
         self._swapped: dict[int, str] = {}  # id(layer) -> when this callback swapped it
+        # layers the plan skips (excluded, SyncBatchNorm...): not planned again each step
+        self._left_alone: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return (f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
@@ -220,6 +223,23 @@ class _BNSwapBase:
         self._pending = False
         self._remove_hook()
         self._swap(pl_module, "swapped at stage start")
+        self.plan = self._current_plan(pl_module)
+        if getattr(trainer, "is_global_zero", True):
+            log.info("%s", self.plan)
+            n_sync = sum(1 for r in self.plan.rows if r.cls == _SYNC_REASON_CLASS)
+            if n_sync:
+                log.warning(
+                    "BNSwap: %d layer(s) are torch.nn.SyncBatchNorm (Trainer(sync_batchnorm=True) "
+                    "converts every BatchNorm, bnswap layers included, in strategy.setup). "
+                    "SyncBatchNorm runs its own cross-process kernel; bnswap leaves it alone. "
+                    "Use sync_batchnorm=False to train on bnswap layers.", n_sync)
+            if not self.plan.rows:
+                log.warning("BNSwap: the model has no BatchNorm layer; nothing was swapped%s",
+                            " and nothing is wrapped in ONNX Runtime"
+                            if self.backend == "ort" else "")
+
+    def _current_plan(self, pl_module: nn.Module) -> Plan:
+        """The plan of ``pl_module`` as it is now, with when each layer was swapped."""
         rows = []
         decisions = decide(pl_module, self.backend, self.include, self.exclude)
         wrapped = [n + "." for n, c in pl_module.named_children()
@@ -236,16 +256,43 @@ class _BNSwapBase:
                             reason=(r.reason + "; " if r.reason != "-" else "")
                             + "eager: its top-level module holds a layer that is not swapped")
             rows.append(r)
-        self.plan = Plan(rows)
-        if getattr(trainer, "is_global_zero", True):
-            log.info("%s", self.plan)
-            n_sync = sum(1 for r in self.plan.rows if r.cls == _SYNC_REASON_CLASS)
-            if n_sync:
-                log.warning(
-                    "BNSwap: %d layer(s) are torch.nn.SyncBatchNorm (Trainer(sync_batchnorm=True) "
-                    "converts every BatchNorm, bnswap layers included, in strategy.setup). "
-                    "SyncBatchNorm runs its own cross-process kernel; bnswap leaves it alone. "
-                    "Use sync_batchnorm=False to train on bnswap layers.", n_sync)
+        return Plan(rows)
+
+    def _swap_added(self, trainer: Any, pl_module: nn.Module) -> None:
+        """Swap BatchNorm layers that appeared in the model since the stage started.
+
+        Finetuning code builds layers mid-fit: timm's ``freeze_batch_norm_2d`` /
+        ``unfreeze_batch_norm_2d`` replace every BatchNorm2d with a new one, and any
+        callback may attach a new head. Checked before every training step (a walk over
+        the modules, about 40 us per 100 modules on a 2-core Xeon); only layers not seen
+        before are planned. Their Parameters are kept (an optimizer stays valid); each
+        addition is logged on global rank zero.
+        """
+        fresh = [m for m in pl_module.modules() if isinstance(m, _BatchNorm)
+                 and not is_swapped(m) and m not in self._left_alone]
+        if not fresh:
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_PATTERN_WARNING)
+            decisions = decide(pl_module, "aten", self.include, self.exclude)
+        todo = [d for d in decisions if d.action == "swap" and not d.already]
+        for d in decisions:
+            if d.action == "skip":
+                self._left_alone.add(d.module)
+        when = (f"swapped during fit (epoch {getattr(trainer, 'current_epoch', '?')}, "
+                f"global step {getattr(trainer, 'global_step', '?')})")
+        if todo:
+            _apply(pl_module, decisions, "aten")
+            for d in todo:
+                self._swapped[id(d.module)] = when
+        if self.backend == "ort":
+            self._wrap_children(pl_module)
+        if todo:
+            self.plan = self._current_plan(pl_module)
+            if getattr(trainer, "is_global_zero", True):
+                log.info("BNSwap: %d BatchNorm layer(s) appeared in the model during fit and "
+                         "were swapped before their first training step: %s", len(todo),
+                         ", ".join(d.name for d in todo))
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
@@ -255,11 +302,16 @@ class _BNSwapBase:
         self._root = pl_module
         self._pending = True
         self._swapped = {}
+        self._left_alone = weakref.WeakSet()
         self._swap(pl_module, "swapped at setup")
         self._handle = register_module_module_registration_hook(self._on_register)
 
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
         self._start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any,
+                             batch_idx: int) -> None:
+        self._swap_added(trainer, pl_module)
 
     def on_sanity_check_start(self, trainer: Any, pl_module: nn.Module) -> None:
         self._start(trainer, pl_module)

@@ -78,6 +78,8 @@ class Classifier(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        self.seen.setdefault("train_swapped", []).append(
+            [bnswap.is_swapped(m) for m in bn_layers(self).values()])
         return nn.functional.cross_entropy(self(x), y)
 
     def validation_step(self, batch, batch_idx):
@@ -650,3 +652,43 @@ def test_a_failing_configure_model_leaves_no_global_hook_behind():
     assert global_registration_hooks() == 0
     # what was attached before the failure was swapped as it was attached
     assert all(bnswap.is_swapped(m) for m in bn_layers(model).values())
+
+
+# ------------------------------------------------------------ layers built during fit
+class RebuildBatchNorm(pl.Callback):
+    """What a finetuning step such as timm's freeze / unfreeze round trip does mid-fit:
+    every BatchNorm2d replaced by a new stock one (statistics copied, the same Parameter
+    objects moved over so the optimizer keeps training them), stored straight into
+    ``_modules`` as torch.ao's module swaps do (no module-registration hook fires)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch != 1:
+            return
+        for parent in list(pl_module.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.BatchNorm2d:
+                    new = nn.BatchNorm2d(child.num_features, momentum=child.momentum)
+                    new.weight, new.bias = child.weight, child.bias
+                    for b in ("running_mean", "running_var", "num_batches_tracked"):
+                        getattr(new, b).copy_(getattr(child, b))
+                    parent._modules[name] = new
+
+
+def test_layers_built_during_fit_are_swapped_before_their_first_training_step(caplog):
+    """Guards: BNSwap swapped only what existed when the stage started, so layers a
+    callback rebuilt mid-fit trained on stock BatchNorm, silently."""
+    caplog.set_level(logging.INFO, logger="bnswap.lightning")
+    runs = fit_pair(Classifier, {"max_epochs": 2}, extra_callbacks=[RebuildBatchNorm])
+    model, t = runs["bnswap"]
+    stock_model, _ = runs["stock"]
+    steps = model.seen["train_swapped"]
+    assert len(steps) == 8 and all(all(s) and len(s) == 4 for s in steps)
+    assert all(not any(s) for s in stock_model.seen["train_swapped"])
+    # the same numbers as stock's run with the same rebuild, bit for bit
+    assert_states_equal(state(stock_model), state(model))
+    cb = next(c for c in t.callbacks if isinstance(c, BNSwap))
+    assert {r.reason for r in cb.plan.rows} == {"swapped during fit (epoch 1, global step 4)"}
+    added = [r.getMessage() for r in caplog.records if "appeared in the model during fit"
+             in r.getMessage()]
+    assert len(added) == 1 and "4 BatchNorm layer(s)" in added[0]
+    assert "net.features.1" in added[0]

@@ -199,6 +199,103 @@ def test_varying_batch_size_uses_each_batch_count():
     train_pair(model, ref, wrapped, lambda i: torch.randn(sizes[i], 3, 4, 4) + 1, steps=3)
 
 
+def test_empty_batch_leaves_the_statistics_as_stock():
+    """Guards: ORT wrote NaN batch statistics into running_mean / running_var for a batch
+    of 0 and bnswap blended them in, corrupting the statistics for good. Stock leaves
+    them as they were and still counts the batch (batches of 2, 0, 3)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.Flatten(),
+                        nn.Linear(4 * 4 * 4, 3))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    for n in (2, 0, 3):
+        x = torch.randn(n, 3, 8, 8)
+        out, out_ref = wrapped(x), ref(x)
+        assert out.shape == out_ref.shape == (n, 3)
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=1e-5)
+        out.sum().backward()
+        out_ref.sum().backward()
+        assert_stats_equal(model, ref)
+        assert not any(b.isnan().any() for b in model.buffers() if b.is_floating_point())
+    assert int(model[1].num_batches_tracked) == 3
+
+
+class _EmptySlice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.BatchNorm1d(4), nn.BatchNorm1d(4, momentum=None)
+
+    def forward(self, x):
+        return self.a(x), self.b(x[:0])
+
+
+def test_a_layer_seeing_an_empty_slice_keeps_its_statistics_while_others_update():
+    """One layer of the step sees N = 0 and another does not: ORT runs, and only the
+    first layer's NaN batch statistics are put back. (Forward only: ORT 1.19.2's own
+    backward through an empty BatchNormalization fails in its Reshape gradient.)"""
+    torch.manual_seed(0)
+    ref = _EmptySlice()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        with torch.no_grad():
+            (a, b), (ra, rb) = wrapped(x), ref(x)
+        assert b.shape == rb.shape == (0, 4)
+        torch.testing.assert_close(a, ra, rtol=RTOL, atol=1e-5)
+        assert_stats_equal(model, ref)
+    assert int(model.b.num_batches_tracked) == 2 and not model.b.running_mean.isnan().any()
+
+
+def test_running_stats_puts_back_the_nan_ort_writes_for_an_empty_batch():
+    """Without the eager shortcut (the wrapper takes it when every layer sees N = 0), ORT's
+    own training graph writes NaN batch statistics for an empty batch; RunningStats puts
+    the old statistics back and counts the batch, as stock does."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(3, 3, 6, 6)
+    wrapped(x), ref(x)
+    empty = torch.randn(0, 3, 6, 6)
+    stats = wrapped.__dict__["_bnswap_stats"]
+    out = stats.step((empty,), {}, lambda: wrapped._bnswap_call((empty,), {}), eager=None)
+    ref(empty)
+    assert out.shape == (0, 4, 4, 4)
+    assert_stats_equal(model, ref)
+    assert not model[1].running_var.isnan().any()
+
+
+def test_convert_of_a_wrapper_returns_it_or_says_how_to_switch():
+    """Guards: convert(w, backend="ort") wrapped the wrapper again (its first forward failed
+    with a misleading "runs 3 times in one forward"); convert(w, backend="aten") silently
+    kept ORT."""
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    assert bnswap.convert(wrapped, backend="ort") is wrapped  # idempotent, as for aten
+    model.add_module("3", nn.BatchNorm2d(4))  # a layer added inside since is swapped
+    ref.add_module("3", nn.BatchNorm2d(4))
+    assert bnswap.convert(wrapped, backend="ort") is wrapped and bnswap.is_swapped(model[3])
+    with buffers_unchanged(model), pytest.raises(ValueError, match=r"wrapper\.module"):
+        bnswap.convert(wrapped)  # backend="aten"
+    x = torch.randn(4, 3, 6, 6)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    assert_stats_equal(model, ref)
+    assert bnswap.ort.executed_ops(wrapped)["BatchNormInternal"] == 2
+
+
+def test_convert_of_a_model_without_batchnorm_warns_and_does_not_wrap():
+    """As BNSwap(backend="ort") leaves a child without BatchNorm eager, convert leaves such a
+    model unwrapped (it wrapped it in ORTModule silently), and says so."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    for backend in ("ort", "aten"):
+        with pytest.warns(UserWarning, match="the model has no BatchNorm layer") as w:
+            assert bnswap.convert(model, backend=backend) is model
+        assert ("not wrapped in ONNX Runtime" in str(w[0].message)) == (backend == "ort")
+
+
 def test_state_dict_parameters_and_revert():
     ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     model = copy.deepcopy(ref)
@@ -208,7 +305,10 @@ def test_state_dict_parameters_and_revert():
     assert all(a is b for a, b in zip(wrapped.parameters(), params, strict=True))
     wrapped(torch.randn(2, 3, 5, 5)).sum().backward()
     bnswap.revert(wrapped)
-    assert type(model[1]) is nn.BatchNorm2d
+    assert type(model[1]) is nn.BatchNorm2d and not bnswap.is_swapped(model[1])
+    # the class never changed, but the wrapper notices and refuses to run a stock layer
+    with pytest.raises(TypeError, match="reverted while wrapped"):
+        wrapped(torch.randn(2, 3, 5, 5))
 
 
 def test_plan_reports_ort_backend():

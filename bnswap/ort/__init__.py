@@ -312,12 +312,13 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
 
                     verify = self.__dict__.get("_bnswap_verify", True)
                     try:
-                        out = stats.step(args, kwargs, run, verify=verify, layers=layers)
+                        out = stats.step(args, kwargs, run, verify=verify, layers=layers,
+                                         eager=lambda: module(*args, **kwargs))
                     except ORTRunError as err:
                         return self._bnswap_maybe_fallback(err, args, kwargs)
                     except StatsNotWrittenError as err:
                         return self._bnswap_maybe_fallback(ORTRunError(str(err)), args, kwargs)
-                    if verify and self.__dict__.get("_bnswap_verify_pending") is None:
+                    if stats.verified and self.__dict__.get("_bnswap_verify_pending") is None:
                         self.__dict__["_bnswap_verify"] = False
                     self.__dict__.pop("_bnswap_verify_pending", None)
                     return out
@@ -376,7 +377,8 @@ def _wrapper_class(ortmodule_pkg: Any) -> type:
                 arguments (graph constants) and, in training, ``requires_grad``."""
                 structure, tensors, grads = [], [], []
                 for n, m in mods:
-                    structure.append((n, type(m)))
+                    # the forward a layer runs too: bnswap swaps it per instance
+                    structure.append((n, type(m), m.__dict__.get("forward")))
                     for p in m._parameters.values():
                         tensors.append(id(p))
                         grads.append(p is not None and p.requires_grad)

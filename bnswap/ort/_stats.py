@@ -87,6 +87,8 @@ class RunningStats:
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self._sizes: dict[tuple, list[int | None]] = {}
+        #: Whether the last :meth:`step` verified ORT's write for every layer that ran.
+        self.verified = False
 
     # ------------------------------------------------------------------ shapes
     def _probe(self, args: tuple, kwargs: dict, layers: list[tuple[str, _BatchNorm]],
@@ -174,7 +176,8 @@ class RunningStats:
         self._sizes.clear()
 
     def step(self, args: tuple, kwargs: dict, run: Callable[[], T], verify: bool = False,
-             layers: list[tuple[str, _BatchNorm]] | None = None) -> T:
+             layers: list[tuple[str, _BatchNorm]] | None = None,
+             eager: Callable[[], T] | None = None) -> T:
         """Run ``run()`` (an ORT training forward of ``root`` on ``args``/``kwargs``) and
         leave every tracked layer's running_mean, running_var and num_batches_tracked
         exactly as an eager forward would. On error, the statistics are restored.
@@ -185,6 +188,11 @@ class RunningStats:
                 momentum 0), i.e. that its aliased in-place write reached the buffer.
             layers: ``root``'s (name, module) pairs when the caller has walked it
                 already (default: ``root.named_modules()``).
+            eager: run instead of ``run`` when every tracked layer that runs sees an
+                empty batch (N = 0): there is nothing for ORT to compute, and ORT 1.19.2's
+                backward rejects the empty gradient ("ORT only supports contiguous
+                tensor"). The eager layers count the batch and keep their statistics,
+                as stock does.
 
         Raises:
             StatsNotWrittenError (a RuntimeError): ``verify`` and ORT did not write a
@@ -192,56 +200,72 @@ class RunningStats:
                 wrong).
         """
         layers = tracked_layers(self.root.named_modules() if layers is None else layers)
-        if not layers:
+        sizes = self.reduction_sizes(args, kwargs, layers) if layers else []
+        ran = [(m, n) for (_, m), n in zip(layers, sizes) if n is not None]
+        # verified: every layer that ran was checked (an empty batch proves nothing about
+        # ORT's write, so the next step verifies again)
+        self.verified = verify and all(n > 0 for _, n in ran)
+        if not ran:
             return run()
-        sizes = self.reduction_sizes(args, kwargs, layers)
-        active = [(m, n) for (_, m), n in zip(layers, sizes) if n is not None]
-        if not active:
-            return run()
-        means = [m.running_mean for m, _ in active]
-        vars_ = [m.running_var for m, _ in active]
+        if eager is not None and all(n == 0 for _, n in ran):
+            self.verified = False
+            return eager()
+        means = [m.running_mean for m, _ in ran]
+        vars_ = [m.running_var for m, _ in ran]
         with torch.no_grad():
             old_means = torch._foreach_mul(means, 1.0)
             old_vars = torch._foreach_mul(vars_, 1.0)
-        if verify:
-            with torch.no_grad():
-                for t in means:
-                    t.fill_(_SENTINEL)
+            checked = [m for m, n in ran if n > 0] if verify else []
+            for m in checked:
+                m.running_mean.fill_(_SENTINEL)
         try:
             out = run()
-            if verify:
-                missed = [name for (name, m) in layers
-                          if m.running_mean is not None and any(m is a for a, _ in active)
-                          and bool((m.running_mean == _SENTINEL).any())]
-                if missed:
-                    raise StatsNotWrittenError(
-                        "bnswap.ort: ONNX Runtime did not write the batch statistics of "
-                        f"{missed} into their running_mean buffers (BatchNormInternal's "
-                        "aliased outputs); their running statistics cannot follow PyTorch's "
-                        "rule. Use backend='aten' for this model.")
+            missed = [name for name, m in layers if any(m is c for c in checked)
+                      and bool((m.running_mean == _SENTINEL).any())]
+            if missed:
+                raise StatsNotWrittenError(
+                    "bnswap.ort: ONNX Runtime did not write the batch statistics of "
+                    f"{missed} into their running_mean buffers (BatchNormInternal's "
+                    "aliased outputs); their running statistics cannot follow PyTorch's "
+                    "rule. Use backend='aten' for this model.")
         except BaseException:
             with torch.no_grad():
                 torch._foreach_copy_(means, old_means)
                 torch._foreach_copy_(vars_, old_vars)
             raise
         with torch.no_grad():
-            ms: list[float] = []
-            for m, _ in active:
-                nbt = m.num_batches_tracked
-                if nbt is not None:
-                    nbt.add_(1)
-                if m.momentum is None:
-                    ms.append(1.0 / float(nbt) if nbt is not None else 0.0)
-                else:
-                    ms.append(float(m.momentum))
-            keep = [1.0 - w for w in ms]
-            scale_v = [w * n / (n - 1) for w, (_, n) in zip(ms, active)]
-            # running = m * batch + (1 - m) * old   (batch is in the buffer now)
-            torch._foreach_mul_(means, ms)
-            torch._foreach_add_(means, torch._foreach_mul(old_means, keep))
-            torch._foreach_mul_(vars_, scale_v)
-            torch._foreach_add_(vars_, torch._foreach_mul(old_vars, keep))
+            for m, _ in ran:
+                if m.num_batches_tracked is not None:
+                    m.num_batches_tracked.add_(1)
+            full = [i for i, (_, n) in enumerate(ran) if n > 0]
+            empty = [i for i, (_, n) in enumerate(ran) if n == 0]
+            if empty:
+                # An empty batch (n == 0): stock leaves the statistics as they were and
+                # still counts the batch (aten::batch_norm returns early); ORT wrote NaN
+                # batch statistics into the buffers.
+                torch._foreach_copy_([means[i] for i in empty], [old_means[i] for i in empty])
+                torch._foreach_copy_([vars_[i] for i in empty], [old_vars[i] for i in empty])
+            if full:
+                ms = [exponential_average_factor(ran[i][0]) for i in full]
+                keep = [1.0 - w for w in ms]
+                scale_v = [w * ran[i][1] / (ran[i][1] - 1) for w, i in zip(ms, full)]
+                fm, fv = [means[i] for i in full], [vars_[i] for i in full]
+                # running = m * batch + (1 - m) * old   (the batch's are in the buffer)
+                torch._foreach_mul_(fm, ms)
+                torch._foreach_add_(fm, torch._foreach_mul([old_means[i] for i in full], keep))
+                torch._foreach_mul_(fv, scale_v)
+                torch._foreach_add_(fv, torch._foreach_mul([old_vars[i] for i in full], keep))
         return out
+
+
+def exponential_average_factor(m: _BatchNorm) -> float:
+    """``_BatchNorm.forward``'s ``exponential_average_factor`` for a training step whose
+    ``num_batches_tracked`` increment has already happened: ``momentum``, or
+    ``1 / num_batches_tracked`` when ``momentum`` is None (cumulative average)."""
+    if m.momentum is not None:
+        return float(m.momentum)
+    nbt = m.num_batches_tracked
+    return 1.0 / float(nbt) if nbt is not None else 0.0
 
 
 def detach_tree(out: Any) -> Any:
