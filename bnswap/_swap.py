@@ -40,14 +40,27 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.nn.utils import parametrize
 
 from bnswap._core import drop_trace_buffers, records_consolidated_ops
 
-__all__ = ["Adapter", "SwappedForward", "adapter_of", "is_swapped", "swap", "unswap"]
+__all__ = ["Adapter", "SwappedForward", "adapter_of", "is_swapped", "swap", "unswap",
+           "type_before_parametrizations"]
 
 #: An adapter: ``adapter(layer, input, ...)`` does what ``type(layer).forward(layer, input,
 #: ...)`` does, with the batch norm on bnswap's kernel (see :mod:`bnswap.layers`).
 Adapter = Callable[..., Any]
+
+
+def type_before_parametrizations(module: nn.Module) -> type:
+    """``torch.nn.utils.parametrize.type_before_parametrizations``, fast for the common
+    unparametrized module: torch registers parametrizations as the submodule
+    ``parametrizations``, and looking in ``_modules`` first skips ``nn.Module.__getattr__``'s
+    AttributeError path, which dominated ``convert`` on large models (11 of 14 us per
+    layer at 10,000 layers; benchmarks P5)."""
+    if "parametrizations" in module._modules:
+        return parametrize.type_before_parametrizations(module)
+    return type(module)
 
 
 def _records_stock(args: tuple) -> bool:

@@ -26,13 +26,17 @@ optimizers and the DDP wrapper exist. So the callback
    it on global rank zero, once per run.
 
 Hence checkpoints restore into bnswap layers, the optimizers are built over them, and
-DDP wraps them. Layers are swapped by ``__class__`` assignment (same module, Parameter
-and buffer objects), so the state_dict keys are those of stock BatchNorm: checkpoints
-move freely between stock and bnswap models.
+DDP wraps them. A swapped layer keeps its class, module, Parameter and buffer objects
+(only its forward is bnswap's), so the state_dict keys are those of stock BatchNorm:
+checkpoints move freely between stock and bnswap models.
+
+4. before every training step, swaps BatchNorm layers that appeared in the model since
+   (timm's ``freeze`` / ``unfreeze`` rebuild every one; a callback may attach a new
+   head), keeping their Parameters, and logs each addition on global rank zero.
 
 ``Trainer(sync_batchnorm=True)``
 --------------------------------
-Lightning converts every ``_BatchNorm`` (bnswap layers included, they are subclasses)
+Lightning converts every ``_BatchNorm`` (swapped layers included: they are BatchNorms)
 to ``torch.nn.SyncBatchNorm`` inside ``strategy.setup``. SyncBatchNorm runs its own
 cross-process kernel: bnswap leaves it alone. The callback logs a warning naming the
 number of SyncBatchNorm layers and the plan lists them as skipped; training proceeds on
@@ -51,7 +55,7 @@ Other guarantees
 The callback never calls ``train()`` / ``eval()``: a submodule the user put in eval
 stays in eval. It never touches ``track_running_stats``, so Lightning's
 ``BaseFinetuning`` / ``BackboneFinetuning`` freeze bnswap layers as they freeze stock
-ones (bnswap layers are ``_BatchNorm`` instances).
+ones (swapped layers keep their class).
 """
 
 from __future__ import annotations
@@ -129,7 +133,7 @@ class _BNSwapBase:
                 LightningModule (as in ``pl_module.named_modules()``, e.g.
                 ``"backbone.*"``) and/or classes, as in :func:`bnswap.convert`.
             revert_on_teardown: after each run (fit, validate, test, predict), give
-                every bnswap layer its stock class back (:func:`bnswap.revert`).
+                every swapped layer its own forward back (:func:`bnswap.revert`).
 
         Raises:
             ValueError: unknown ``backend``.
@@ -230,7 +234,7 @@ class _BNSwapBase:
             if n_sync:
                 log.warning(
                     "BNSwap: %d layer(s) are torch.nn.SyncBatchNorm (Trainer(sync_batchnorm=True) "
-                    "converts every BatchNorm, bnswap layers included, in strategy.setup). "
+                    "converts every BatchNorm, swapped ones included, in strategy.setup). "
                     "SyncBatchNorm runs its own cross-process kernel; bnswap leaves it alone. "
                     "Use sync_batchnorm=False to train on bnswap layers.", n_sync)
             if not self.plan.rows:
@@ -264,7 +268,7 @@ class _BNSwapBase:
         Finetuning code builds layers mid-fit: timm's ``freeze_batch_norm_2d`` /
         ``unfreeze_batch_norm_2d`` replace every BatchNorm2d with a new one, and any
         callback may attach a new head. Checked before every training step (a walk over
-        the modules, about 40 us per 100 modules on a 2-core Xeon); only layers not seen
+        the modules, about 40 us per 100 modules on a 2-core EPYC VM); only layers not seen
         before are planned. Their Parameters are kept (an optimizer stays valid); each
         addition is logged on global rank zero.
         """

@@ -13,10 +13,8 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
-from torch.nn.utils.parametrize import type_before_parametrizations
-
 from bnswap import registry
-from bnswap._swap import Adapter, adapter_of
+from bnswap._swap import Adapter, adapter_of, type_before_parametrizations
 
 BACKENDS = ("aten", "ort")
 
@@ -76,6 +74,9 @@ def _matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
+_NONE: tuple = ()
+
+
 def _display(name: str) -> str:
     return name or "(root)"
 
@@ -102,10 +103,14 @@ def decide(
             continue
         cls = type_before_parametrizations(m)
         shown = _display(name)
-        hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)]
-        hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)]
-        used["exclude"].update(hit_exc)
-        used["include"].update(hit_inc)
+        # (no list per layer without patterns: on 10,000-layer models the garbage
+        # collector's passes over the model, not this loop, set convert's time)
+        hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)] if exc else _NONE
+        hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)] if inc else _NONE
+        if hit_exc:
+            used["exclude"].update(hit_exc)
+        if hit_inc:
+            used["include"].update(hit_inc)
         lazy = isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
         current = adapter_of(m)
         if current is not None:

@@ -74,7 +74,7 @@ def _run_onnx(proto, x: torch.Tensor) -> torch.Tensor:
 
 
 def _torchscript_onnx(model: nn.Module, **kwargs):
-    import onnx
+    onnx = pytest.importorskip("onnx")
 
     buf = io.BytesIO()
     with warnings.catch_warnings():

@@ -23,7 +23,7 @@ def _run(variant: str, out: Path) -> list[dict]:
         env.pop(k, None)
     proc = subprocess.run([sys.executable, str(SCRIPT), variant, str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     return [torch.load(out / f"{variant}_rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

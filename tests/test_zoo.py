@@ -416,3 +416,53 @@ def test_timm_lightning_two_epochs_same_val_accuracy_as_stock(tmp_path):
     assert list(s_state) == list(c_state)
     for k in s_state:
         _assert_equal(k, s_state[k], c_state[k])
+
+
+@pytest.mark.parametrize(("name", "count"), [("resnet18", 20), ("mobilenetv3_small_050", 34)])
+def test_timm_freeze_unfreeze_during_fit_stays_swapped(tmp_path, name, count):
+    """timm's freeze / unfreeze round trip (``timm.utils.model``: every BatchNorm replaced
+    by FrozenBatchNorm2d, then by a new BatchNorm) at the start of epoch 1. Guards: the
+    rebuilt layers trained on stock BatchNorm (resnet18 had 19 of 20 swapped after the
+    round trip, mobilenetv3_small_050 0 of 34). BNSwap swaps them before their first
+    training step; the run equals stock's with the same round trip, bitwise."""
+    timm = _import("timm")
+    pl, BNSwap, _ = _lightning_parts()
+    from timm.utils.model import freeze, unfreeze
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = timm.create_model(name, pretrained=False, num_classes=4)
+            self.swapped: list[list[bool]] = []
+
+        def training_step(self, batch, batch_idx):
+            self.swapped.append([bnswap.is_swapped(m) for _, m in _bn_layers(self)])
+            return self.net(batch[0]).logsumexp(1).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class FreezeUnfreeze(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                freeze(pl_module.net)
+                unfreeze(pl_module.net)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3, 32, 32, generator=g))
+    runs = []
+    for callbacks in ([FreezeUnfreeze()], [BNSwap(), FreezeUnfreeze()]):
+        pl.seed_everything(0)
+        module = Module()
+        before = dict(_bn_layers(module))  # (held: a freed layer's id could be reused)
+        pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, callbacks=callbacks,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, deterministic=True,
+                   default_root_dir=str(tmp_path)).fit(
+            module, torch.utils.data.DataLoader(data, batch_size=4))
+        assert all(m is not before[n] for n, m in _bn_layers(module))  # all rebuilt
+        runs.append(module)
+    stock, swapped = runs
+    assert len(swapped.swapped) == 4 and all(len(s) == count and all(s) for s in swapped.swapped)
+    for k, v in stock.state_dict().items():
+        _assert_equal(k, v, swapped.state_dict()[k])
