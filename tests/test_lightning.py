@@ -692,3 +692,32 @@ def test_layers_built_during_fit_are_swapped_before_their_first_training_step(ca
              in r.getMessage()]
     assert len(added) == 1 and "4 BatchNorm layer(s)" in added[0]
     assert "net.features.1" in added[0]
+
+
+class _NoBatchNorm(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_model_without_batchnorm_warns_like_convert(caplog):
+    """bnswap.convert warns for a model with no BatchNorm layer; so does the callback
+    (once, on rank zero), and it wraps nothing."""
+    caplog.set_level(logging.INFO, logger="bnswap.lightning")
+    model = _NoBatchNorm()
+    cb = BNSwap()
+    trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING
+              and "no BatchNorm layer" in r.getMessage()]
+    assert len(warned) == 1 and len(cb.plan) == 0
+    with pytest.warns(UserWarning, match="the model has no BatchNorm layer"):
+        bnswap.convert(_NoBatchNorm().net)
