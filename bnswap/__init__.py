@@ -13,7 +13,7 @@ import importlib
 from typing import Any
 
 from bnswap import _compat
-from bnswap._core import module_batch_norm
+from bnswap.functional import module_batch_norm
 from bnswap._graph import to_stock_ops
 from bnswap._swap import is_swapped
 from bnswap.convert import convert, revert

@@ -20,7 +20,7 @@ stock's layer records, node for node:
 * The constant ones / zeros bnswap passes for a missing weight / bias
   (``affine=False``) and the throw-away statistics of ``track_running_stats=False``
   become ``None`` again, as stock passes them.
-* bnswap's empty-batch runtime assertion (:data:`bnswap._core.EMPTY_BATCH_MESSAGE`) is
+* bnswap's empty-batch runtime assertion (:data:`bnswap.functional.EMPTY_BATCH_MESSAGE`) is
   removed: stock's ``aten.batch_norm`` accepts an empty batch.
 """
 
@@ -31,7 +31,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from bnswap._core import EMPTY_BATCH_MESSAGE
+from bnswap.functional import EMPTY_BATCH_MESSAGE
 
 __all__ = ["to_stock_ops"]
 

@@ -14,7 +14,7 @@ Where a consumer records the model to hand it to a runtime of its own, a swapped
 records exactly what its stock class records (its class's ``forward``):
 
 * the TorchScript tracer (``torch.jit.trace``, ``torch.onnx.export(dynamo=False)``),
-  except inside :func:`bnswap._core.consolidated_ops_while_tracing` (the ORT backend's
+  except inside :func:`bnswap.functional.consolidated_ops_while_tracing` (the ORT backend's
   export);
 * ``torch.onnx.export(dynamo=True)`` (its ``torch.export`` runs with
   ``torch.onnx.is_in_onnx_export()`` set);
@@ -42,7 +42,7 @@ import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 
-from bnswap._core import drop_trace_buffers, records_consolidated_ops
+from bnswap.functional import drop_trace_buffers, records_consolidated_ops
 
 __all__ = ["Adapter", "SwappedForward", "adapter_of", "is_swapped", "swap", "unswap",
            "type_before_parametrizations"]

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from bnswap._core import module_batch_norm
+from bnswap.functional import module_batch_norm
 from bnswap._swap import is_swapped, swap
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_norm_forward",
@@ -42,7 +42,7 @@ def batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
         What stock raises, before any state changes: ValueError for the wrong rank
         (``"expected 4D input (got 3D input)"``) or one value per channel in training,
         RuntimeError for the wrong channel count, NotImplementedError for integer input
-        (:func:`bnswap._core.check_batch_norm_input`).
+        (:func:`bnswap.functional.check_batch_norm_input`).
 
     Examples::
 

@@ -17,7 +17,7 @@ from timm.layers import norm_act as _timm_norm_act
 from timm.layers.trace_utils import _assert
 from torch import Tensor
 
-from bnswap._core import module_batch_norm
+from bnswap.functional import module_batch_norm
 
 __all__ = ["batch_norm_act_2d"]
 

@@ -161,7 +161,7 @@ def _check_layers(module: nn.Module) -> None:
 
 def _trace_constants(module: nn.Module, add: bool) -> None:
     """Register (``add``) or remove each affine=False layer's per-layer ones / zeros
-    buffers (:data:`bnswap._core.TRACE_WEIGHT` / ``TRACE_BIAS``, non-persistent).
+    buffers (:data:`bnswap.functional.TRACE_WEIGHT` / ``TRACE_BIAS``, non-persistent).
 
     Traced as constants, the ones / zeros of two affine=False layers of the same width
     are one value; ORT 1.19.2's pre-gradient optimizations merge them, and its gradient
@@ -171,7 +171,7 @@ def _trace_constants(module: nn.Module, add: bool) -> None:
     """
     import torch
 
-    from bnswap._core import TRACE_BIAS, TRACE_WEIGHT, drop_trace_buffers
+    from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT, drop_trace_buffers
 
     for _, m in _bn_layers(module):
         if m.affine:

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from bnswap._core import TRACE_BIAS, TRACE_WEIGHT, consolidated_ops_while_tracing
+from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT, consolidated_ops_while_tracing
 
 logger = logging.getLogger("bnswap.ort")
 

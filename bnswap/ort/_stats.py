@@ -33,6 +33,8 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from bnswap.functional import exponential_average_factor
+
 logger = logging.getLogger("bnswap.ort")
 
 T = TypeVar("T")
@@ -246,7 +248,9 @@ class RunningStats:
                 torch._foreach_copy_([means[i] for i in empty], [old_means[i] for i in empty])
                 torch._foreach_copy_([vars_[i] for i in empty], [old_vars[i] for i in empty])
             if full:
-                ms = [exponential_average_factor(ran[i][0]) for i in full]
+                ms = [float(exponential_average_factor(ran[i][0].momentum,
+                                                       ran[i][0].num_batches_tracked))
+                      for i in full]
                 keep = [1.0 - w for w in ms]
                 scale_v = [w * ran[i][1] / (ran[i][1] - 1) for w, i in zip(ms, full)]
                 fm, fv = [means[i] for i in full], [vars_[i] for i in full]
@@ -256,16 +260,6 @@ class RunningStats:
                 torch._foreach_mul_(fv, scale_v)
                 torch._foreach_add_(fv, torch._foreach_mul([old_vars[i] for i in full], keep))
         return out
-
-
-def exponential_average_factor(m: _BatchNorm) -> float:
-    """``_BatchNorm.forward``'s ``exponential_average_factor`` for a training step whose
-    ``num_batches_tracked`` increment has already happened: ``momentum``, or
-    ``1 / num_batches_tracked`` when ``momentum`` is None (cumulative average)."""
-    if m.momentum is not None:
-        return float(m.momentum)
-    nbt = m.num_batches_tracked
-    return 1.0 / float(nbt) if nbt is not None else 0.0
 
 
 def detach_tree(out: Any) -> Any:

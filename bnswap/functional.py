@@ -54,7 +54,7 @@ from torch import Tensor
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["module_batch_norm", "check_batch_norm_input", "TRACE_WEIGHT", "TRACE_BIAS",
+__all__ = ["module_batch_norm", "check_batch_norm_input", "exponential_average_factor", "TRACE_WEIGHT", "TRACE_BIAS",
            "drop_trace_buffers", "consolidated_ops_while_tracing", "records_consolidated_ops"]
 
 #: Names of optional per-layer buffers holding an affine=False layer's constant ones /
@@ -242,6 +242,46 @@ def drop_trace_buffers(bn: _BatchNorm) -> None:
     bn._buffers.pop(TRACE_BIAS, None)
 
 
+def exponential_average_factor(momentum: float | None, num_batches_tracked: Tensor | None,
+                               *, traced: bool = False) -> float | Tensor:
+    """torch's ``exponential_average_factor`` (``_BatchNorm.forward``): the weight of the
+    batch statistics in the running-statistics update of a training step, after that
+    step's ``num_batches_tracked`` increment.
+
+    Args:
+        momentum: the layer's momentum; None for a cumulative moving average.
+        num_batches_tracked: the layer's 0-dim int64 counter, already incremented; None
+            when the step does not count batches (then the factor is momentum, or 0.0).
+        traced: with momentum None, return ``num_batches_tracked.reciprocal()`` (a 0-dim
+            tensor in the counter's dtype, float for int64: ``1 / n``) instead of reading
+            the counter as a Python float. Code being compiled or exported keeps the
+            factor in the graph (stock's ``float()`` breaks it: pytorch issue 194504).
+
+    Returns:
+        ``momentum``; or ``1 / num_batches_tracked`` (float, or a tensor when ``traced``)
+        for momentum None; 0.0 for momentum None without a counter.
+
+    Used by the eager and compiled paths of :func:`module_batch_norm` and by the ONNX
+    Runtime backend's statistics (:mod:`bnswap.ort._stats`), so the three cannot differ.
+
+    Examples::
+
+        >>> import torch
+        >>> from bnswap.functional import exponential_average_factor
+        >>> exponential_average_factor(0.1, torch.tensor(5))
+        0.1
+        >>> exponential_average_factor(None, torch.tensor(4))
+        0.25
+    """
+    if momentum is not None:
+        return momentum
+    if num_batches_tracked is None:
+        return 0.0
+    if traced:
+        return num_batches_tracked.reciprocal()
+    return 1.0 / float(num_batches_tracked)
+
+
 def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     """Normalize ``input`` the way ``bn`` (a ``_BatchNorm``) would, on the consolidated ops.
 
@@ -289,16 +329,14 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         # bnswap.to_stock_ops removes it again with the op it guards.
         torch.ops.aten._assert_scalar.default(input.numel() != 0, EMPTY_BATCH_MESSAGE)
     momentum = bn.momentum
-    factor = 0.0 if momentum is None else momentum
     nbt = bn.num_batches_tracked
-    cumulative = False
-    if training and bn.track_running_stats and nbt is not None:  # as _BatchNorm.forward
+    counts = training and bn.track_running_stats and nbt is not None  # as _BatchNorm.forward
+    if counts:
         nbt.add_(1)
-        if momentum is None:
-            cumulative = True
-
-    if cumulative and not compiling:
-        factor = 1.0 / float(nbt)  # as _BatchNorm.forward (compiled code: see below)
+    cumulative = counts and momentum is None
+    # Compiled code computes the cumulative factor in the graph instead (see below).
+    factor = 0.0 if cumulative and compiling else exponential_average_factor(
+        momentum, nbt if counts else None)
     if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
         # rules for aten::batch_norm but none for the consolidated ops, so run exactly
@@ -347,7 +385,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         out = _with_update(
             input, weight, bias, batch_mean, batch_var, 1.0, bn.eps
         )[0]
-        w = nbt.reciprocal().to(running_mean.dtype)
+        w = exponential_average_factor(None, nbt, traced=True).to(running_mean.dtype)
         with torch.no_grad():
             running_mean.lerp_(batch_mean, w)
             running_var.lerp_(batch_var, w)
