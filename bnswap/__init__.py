@@ -18,7 +18,7 @@ from bnswap._graph import to_stock_ops
 from bnswap._swap import is_swapped
 from bnswap.convert import convert, revert
 from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d
-from bnswap.plan import Plan, PlanRow, plan
+from bnswap.plan import Plan, PlanRow, check_patterns, plan
 from bnswap.registry import register, unregister
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "BatchNorm3d",
     "Plan",
     "PlanRow",
+    "check_patterns",
     "convert",
     "is_swapped",
     "module_batch_norm",

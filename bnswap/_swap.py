@@ -44,8 +44,12 @@ from torch.nn.utils import parametrize
 
 from bnswap.functional import drop_trace_buffers, records_consolidated_ops
 
-__all__ = ["Adapter", "SwappedForward", "adapter_of", "is_swapped", "swap", "unswap",
-           "type_before_parametrizations"]
+__all__ = ["Adapter", "SwappedForward", "WRAPPER_STATE", "adapter_of", "is_swapped", "swap",
+           "type_before_parametrizations", "unswap", "wrapped_model"]
+
+#: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (the ORT
+#: backend's ``ORTModule``) keeps its state; the state's ``model`` is the model it wraps.
+WRAPPER_STATE = "_bnswap"
 
 #: An adapter: ``adapter(layer, input, ...)`` does what ``type(layer).forward(layer, input,
 #: ...)`` does, with the batch norm on bnswap's kernel (see :mod:`bnswap.layers`).
@@ -166,6 +170,15 @@ def unswap(module: nn.Module) -> bool:
     del module.__dict__["forward"]
     drop_trace_buffers(module)  # type: ignore[arg-type]  # registered by bnswap.ort.wrap
     return True
+
+
+def wrapped_model(module: object) -> nn.Module | None:
+    """The model inside ``module`` if it is a bnswap backend wrapper (what
+    ``bnswap.convert(..., backend="ort")`` returns), else None; read without importing
+    the backend (ONNX Runtime)."""
+    state = getattr(module, "__dict__", {}).get(WRAPPER_STATE)
+    model = getattr(state, "model", None)
+    return model if isinstance(model, nn.Module) else None
 
 
 _MISSING = object()

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
 
 from torch import nn
 
-from bnswap._swap import swap, unswap
-from bnswap.plan import rows_from
-from bnswap.walker import Decision, Patterns, check_backend, check_module, decide
+from bnswap._swap import unswap, wrapped_model
+from bnswap.plan import Patterns, check_backend, check_module, plan
 
 __all__ = ["convert", "revert"]
 
@@ -87,7 +85,7 @@ def convert(
     """
     check_module(module, "convert")
     check_backend(backend)
-    inner = ort_inner(module)
+    inner = wrapped_model(module)
     if inner is not None:
         if backend != "ort":
             raise ValueError(
@@ -96,61 +94,29 @@ def convert(
                 "the model on the aten backend, use the model it wraps: "
                 "model = wrapper.module (its layers are already swapped), or "
                 "bnswap.revert(wrapper.module) for stock BatchNorm.")
-        decisions = decide(inner, backend, include, exclude)
-        _apply(inner, decisions, "aten")  # the wrapper re-exports on its next call
-        _log(decisions, backend)
+        todo = plan(inner, "aten", include=include, exclude=exclude)
+        todo.apply()  # the wrapper exports again on its next call
+        _log(todo)
         return module
-    decisions = decide(module, backend, include, exclude)
-    if not decisions:
+    todo = plan(module, backend, include=include, exclude=exclude)
+    if not todo.rows:
         warnings.warn(
             "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
             + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
                "modules eager)" if backend == "ort" else ""), UserWarning, stacklevel=2)
-        backend = "aten"  # nothing for ORT to run
-    elif include is None and exclude is None and not any(d.action == "swap" for d in decisions):
-        warnings.warn(f"bnswap.convert: none of the model's {len(decisions)} BatchNorm layers "
+    elif include is None and exclude is None and not todo.swapped:
+        warnings.warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers "
                       "can be swapped; see bnswap.plan(model) for why", UserWarning,
                       stacklevel=2)
-    wrapped = _apply(module, decisions, backend)
-    _log(decisions, backend)
-    return wrapped
+    out = todo.apply()
+    _log(todo)
+    return out
 
 
-def _apply(module: nn.Module, decisions: list[Decision], backend: str) -> nn.Module:
-    """Carry out ``decisions`` (from :func:`bnswap.walker.decide` on ``module``)
-    atomically: every swap, then the ORT wrap for ``backend="ort"``; on any error every
-    swap done so far is undone and the error raised. Returns what :func:`convert` does."""
-    undos: list[Callable[[], None]] = []
-    try:
-        for d in decisions:
-            if d.action == "swap" and not d.already:
-                assert d.adapter is not None
-                undos.append(swap(d.module, d.adapter))
-        if backend == "ort":
-            from bnswap import ort  # imported only when used
-
-            wrapped = ort.wrap(module)
-        else:
-            wrapped = module
-    except BaseException:
-        for undo in reversed(undos):
-            undo()
-        raise
-    return wrapped
-
-
-def _log(decisions: list[Decision], backend: str) -> None:
-    # The table (a kernel probe per layer) is built only when it is logged: it cost more
-    # than the conversion itself on large models (benchmarks P5).
+def _log(done) -> None:
+    # str() computes the kernel column (a probe per layer): only when it is logged.
     if logger.isEnabledFor(logging.INFO):
-        logger.info("%s", rows_from(decisions, backend))
-
-
-def ort_inner(module: nn.Module) -> nn.Module | None:
-    """The model inside ``module`` if it is a :func:`bnswap.ort.wrap` wrapper, else None
-    (read without importing ONNX Runtime)."""
-    inner = getattr(module, "__dict__", {}).get("_bnswap_inner")
-    return inner if isinstance(inner, nn.Module) else None
+        logger.info("%s", done)
 
 
 def revert(module: nn.Module) -> nn.Module:
@@ -175,7 +141,7 @@ def revert(module: nn.Module) -> nn.Module:
         (True, False, False)
     """
     check_module(module, "revert")
-    target = ort_inner(module) or module
+    target = wrapped_model(module) or module
     for m in target.modules():
         unswap(m)
     return module

@@ -1,32 +1,90 @@
-"""``bnswap.plan``: a dry run of :func:`bnswap.convert`, one row per BatchNorm layer."""
+"""``bnswap.plan``: what happens to every BatchNorm layer of a model, and why.
+
+One :class:`PlanRow` per layer (swap or skip, the reason, the adapter, the backend, the
+kernel); :meth:`Plan.apply` carries the plan out, atomically. :func:`bnswap.convert` is
+``plan(...).apply()``; the Lightning callback uses the same two calls.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+import fnmatch
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
+from bnswap import registry
+from bnswap._swap import Adapter, adapter_of, swap, type_before_parametrizations
 from bnswap.registry import qualified_name
-from bnswap.walker import Decision, Patterns, check_module, decide
 
-__all__ = ["Plan", "PlanRow", "plan", "select_kernel"]
+__all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "check_backend",
+           "check_module", "check_patterns", "plan", "select_kernel"]
 
-@dataclass(frozen=True)
-class PlanRow:
-    """One BatchNorm layer: qualified name (``"(root)"`` for the model itself), class,
-    action (``"swap"`` / ``"skip"``), reason, backend (``"aten"`` / ``"ort"``), the
-    kernel PyTorch or ORT will run it with, and the adapter (the forward it runs,
-    ``module.function``)."""
+#: The backends: PyTorch's consolidated ops, or ONNX Runtime training.
+BACKENDS = ("aten", "ort")
 
-    name: str
-    cls: str
-    action: str
-    reason: str
-    backend: str
-    kernel: str
-    adapter: str
+Pattern = str | type
+Patterns = Pattern | Iterable[Pattern] | None
+
+_ORT_KERNEL = "BatchNormInternal (ORT)"
+
+
+def check_backend(backend: str) -> None:
+    """Raise ValueError naming the choices unless ``backend`` is 'aten' or 'ort'."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}"
+        )
+
+
+def check_module(module: object, fn: str) -> None:
+    """Raise TypeError unless ``module`` is an ``nn.Module`` (``fn`` names the caller)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"bnswap.{fn}() expects a torch.nn.Module, got {type(module).__name__}")
+
+
+def _pattern_list(p: Patterns, arg: str) -> list[Pattern]:
+    if p is None:
+        return []
+    items = [p] if isinstance(p, (str, type)) else list(p)
+    for item in items:
+        if not isinstance(item, (str, type)):
+            raise TypeError(
+                f"{arg} takes glob patterns (str) on qualified module names and/or classes, "
+                f"got {item!r}"
+            )
+    return items
+
+
+def check_patterns(include: Patterns = None, exclude: Patterns = None) -> None:
+    """Raise TypeError unless ``include`` / ``exclude`` are what :func:`plan` accepts: a
+    glob pattern (str) on qualified module names, a class, or an iterable of those.
+
+    Examples::
+
+        >>> import bnswap
+        >>> bnswap.check_patterns(include="backbone.*", exclude=[torch.nn.BatchNorm1d])
+        >>> bnswap.check_patterns(include=[3])
+        Traceback (most recent call last):
+        ...
+        TypeError: include takes glob patterns (str) on qualified module names and/or classes, got 3
+    """
+    _pattern_list(include, "include")
+    _pattern_list(exclude, "exclude")
+
+
+def _matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
+    if isinstance(pattern, type):
+        return isinstance(module, pattern)
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def _pattern_str(p: Pattern) -> str:
+    return p.__name__ if isinstance(p, type) else repr(p)
 
 
 def _layer_device(m: nn.Module) -> torch.device:
@@ -36,7 +94,7 @@ def _layer_device(m: nn.Module) -> torch.device:
 
 
 def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str:
-    """The kernel ``torch._C._select_batch_norm_backend`` picks for a bnswap layer on
+    """The kernel ``torch._C._select_batch_norm_backend`` picks for a swapped layer on
     ``device`` in training: ``"Native"``, ``"Cudnn"`` or ``"Miopen"``.
 
     The probe input is (2, C, 1[, 1[, 1]]) (rank 3 for BatchNorm1d, which uses native
@@ -66,15 +124,80 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
     return str(backend).rsplit(".", 1)[-1]
 
 
+@dataclass(frozen=True)
+class PlanRow:
+    """What happens to one BatchNorm layer, and why.
+
+    Attributes:
+        name: qualified name as in ``named_modules()`` (``"(root)"`` for the model).
+        cls: the layer's class name (seen through torch's parametrization class).
+        action: ``"swap"`` (swapped by :meth:`Plan.apply`, or already swapped) or
+            ``"skip"``.
+        reason: why (``"-"`` for a plain swap).
+        backend: ``"aten"`` or ``"ort"``; ``"-"`` when skipped.
+        adapter: the function the layer's forward becomes (None when skipped);
+            :attr:`adapter_name` is its qualified name, the table's column.
+        module: the layer itself.
+        lazy: an uninitialized ``LazyBatchNorm*`` (it keeps the swap when it
+            initializes).
+        already: swapped before this plan was made (apply leaves it as it is).
+        device: where :attr:`kernel` is evaluated (None: where the layer's tensors are).
+    """
+
+    name: str
+    cls: str
+    action: str
+    reason: str
+    backend: str
+    adapter: Adapter | None = None
+    module: nn.Module | None = field(default=None, repr=False, compare=False)
+    lazy: bool = False
+    already: bool = False
+    device: torch.device | str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def adapter_name(self) -> str:
+        """``module.function`` of :attr:`adapter`, ``"-"`` when there is none."""
+        return qualified_name(self.adapter) if self.adapter is not None else "-"
+
+    @property
+    def kernel(self) -> str:
+        """The kernel this layer runs with: ``torch._C._select_batch_norm_backend``'s
+        choice (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs) for ``aten``,
+        ``"BatchNormInternal (ORT)"`` for ``ort``, ``"-"`` when skipped. Computed when
+        read (a probe per layer: it cost more than convert itself on large models,
+        benchmarks P5)."""
+        if self.action != "swap" or self.module is None:
+            return "-"
+        if self.backend == "ort":
+            return _ORT_KERNEL
+        return select_kernel(self.module, self.device)
+
+    def to_dict(self) -> dict[str, str]:
+        """The table's columns as plain strings (for logging or JSON)."""
+        return {"name": self.name, "cls": self.cls, "action": self.action,
+                "reason": self.reason, "backend": self.backend, "kernel": self.kernel,
+                "adapter": self.adapter_name}
+
+
 class Plan(Sequence[PlanRow]):
     """The rows of a conversion, in ``named_modules()`` order.
 
     ``str(plan)`` is an aligned text table; ``plan.swapped`` / ``plan.skipped`` are the
-    rows by action; ``plan.to_dicts()`` gives plain dicts (for logging or JSON).
+    rows by action; ``plan.to_dicts()`` gives plain dicts (for logging or JSON);
+    :meth:`apply` carries it out.
+
+    Args:
+        rows: the rows.
+        model: the model planned (what :meth:`apply` returns or wraps).
+        backend: ``"aten"`` or ``"ort"``.
     """
 
-    def __init__(self, rows: Sequence[PlanRow]):
+    def __init__(self, rows: Sequence[PlanRow], model: nn.Module | None = None,
+                 backend: str = "aten"):
         self.rows: tuple[PlanRow, ...] = tuple(rows)
+        self.model = model
+        self.backend = backend
 
     def __getitem__(self, i):  # type: ignore[override]
         return self.rows[i]
@@ -94,15 +217,58 @@ class Plan(Sequence[PlanRow]):
         return [r for r in self.rows if r.action == "skip"]
 
     def to_dicts(self) -> list[dict[str, str]]:
-        return [asdict(r) for r in self.rows]
+        return [r.to_dict() for r in self.rows]
 
     def summary(self) -> str:
         return (f"bnswap plan: {len(self.swapped)} of {len(self.rows)} BatchNorm layers "
                 f"swapped, {len(self.skipped)} skipped")
 
+    def apply(self) -> nn.Module:
+        """Swap every layer the plan swaps and is not swapped yet; with
+        ``backend="ort"``, then wrap the model in ONNX Runtime's ``ORTModule``
+        (:func:`bnswap.ort.wrap`; not when the model has no BatchNorm layer).
+
+        Atomic: on any error (``KeyboardInterrupt`` included) every swap done so far is
+        undone and the error raised; the model is as it was.
+
+        Returns:
+            The model, or its ORT wrapper: what :func:`bnswap.convert` returns and
+            :func:`bnswap.revert` takes.
+
+        Raises:
+            ValueError: the plan has no model.
+            What :func:`bnswap.ort.wrap` raises, for ``backend="ort"``.
+
+        Examples::
+
+            >>> import bnswap
+            >>> from torch import nn
+            >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+            >>> p = bnswap.plan(model)
+            >>> p.apply() is model, bnswap.is_swapped(model[1])
+            (True, True)
+        """
+        if self.model is None:
+            raise ValueError("this Plan has no model to apply to (build it with bnswap.plan)")
+        undos: list[Callable[[], None]] = []
+        try:
+            for r in self.rows:
+                if r.action == "swap" and not r.already:
+                    assert r.adapter is not None and r.module is not None
+                    undos.append(swap(r.module, r.adapter))
+            if self.backend == "ort" and self.rows:
+                from bnswap import ort  # imported only when used (ONNX Runtime)
+
+                return ort.wrap(self.model)
+            return self.model
+        except BaseException:
+            for undo in reversed(undos):
+                undo()
+            raise
+
     def __str__(self) -> str:
         header = ("layer", "class", "action", "backend", "kernel", "adapter", "reason")
-        body = [(r.name, r.cls, r.action, r.backend, r.kernel, r.adapter, r.reason)
+        body = [(r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.reason)
                 for r in self.rows]
         if not body:
             return self.summary() + " (the model has no BatchNorm layers)"
@@ -119,23 +285,20 @@ class Plan(Sequence[PlanRow]):
         return f"Plan({len(self.swapped)} swap, {len(self.skipped)} skip)"
 
 
-def rows_from(decisions: Sequence[Decision], backend: str,
-              device: torch.device | str | None = None) -> Plan:
-    rows = []
-    for d in decisions:
-        if d.action == "swap":
-            kernel = ("BatchNormInternal (ORT)" if backend == "ort"
-                      else select_kernel(d.module, device))
-            adapter = qualified_name(d.adapter) if d.adapter is not None else "-"
-            be = backend
-        else:
-            kernel, adapter, be = "-", "-", "-"
-        reason = d.reason or "-"
-        if backend == "ort" and d.action == "skip":
-            reason += ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
-                       "backend='ort') refuses the model, BNSwap keeps its child eager")
-        rows.append(PlanRow(d.name, d.source.__name__, d.action, reason, be, kernel, adapter))
-    return Plan(rows)
+_NONE: tuple = ()
+
+
+def _display(name: str) -> str:
+    return name or "(root)"
+
+
+def _row(name: str, m: nn.Module, cls: type, backend: str, device, action: str,
+         reason: str, adapter: Adapter | None = None, **kw: bool) -> PlanRow:
+    if action == "skip" and backend == "ort":
+        reason += ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
+                   "backend='ort') refuses the model, BNSwap keeps its child eager")
+    return PlanRow(_display(name), cls.__name__, action, reason or "-",
+                   backend if action == "swap" else "-", adapter, m, device=device, **kw)
 
 
 def plan(
@@ -148,6 +311,10 @@ def plan(
 ) -> Plan:
     """What :func:`bnswap.convert` would do to ``module``, without changing it.
 
+    A layer is swapped unless it is excluded, is a ``SyncBatchNorm`` (its own
+    cross-process kernel), or overrides ``forward`` with no registered adapter
+    (pytorch issue 187298; :func:`bnswap.register`).
+
     Args:
         module: any ``nn.Module``.
         backend: ``"aten"`` (consolidated aten ops) or ``"ort"`` (ONNX Runtime's
@@ -155,16 +322,83 @@ def plan(
         include, exclude: glob pattern(s) on qualified names from ``named_modules()``
             and/or classes (matched with ``isinstance``); a layer is swapped only if it
             matches ``include`` (when given) and no ``exclude``.
-        device: where to evaluate the kernel choice
+        device: where to evaluate the kernel column
             (``torch._C._select_batch_norm_backend``); default: where each layer's
             parameters live.
 
     Returns:
-        A :class:`Plan`.
+        A :class:`Plan` (``plan.apply()`` carries it out).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
         ValueError: unknown ``backend``.
+
+    Warns:
+        UserWarning: for each include / exclude pattern that matches no BatchNorm layer.
+
+    Examples::
+
+        >>> import bnswap
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SyncBatchNorm(8))
+        >>> p = bnswap.plan(model)
+        >>> print(p.summary())
+        bnswap plan: 1 of 2 BatchNorm layers swapped, 1 skipped
+        >>> [(r.name, r.action, r.adapter_name) for r in p]
+        [('1', 'swap', 'bnswap.layers.batch_norm_forward'), ('2', 'skip', '-')]
+        >>> bnswap.is_swapped(model[1])  # a plan changes nothing
+        False
     """
     check_module(module, "plan")
-    return rows_from(decide(module, backend, include, exclude), backend, device)
+    check_backend(backend)
+    inc = _pattern_list(include, "include")
+    exc = _pattern_list(exclude, "exclude")
+    used: dict[str, set[int]] = {"include": set(), "exclude": set()}
+    rows: list[PlanRow] = []
+    for name, m in module.named_modules(remove_duplicate=True):
+        if not isinstance(m, _BatchNorm):
+            continue
+        cls = type_before_parametrizations(m)
+        # (no list per layer without patterns: on 10,000-layer models the garbage
+        # collector's passes over the model, not this loop, set convert's time)
+        hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)] if exc else _NONE
+        hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)] if inc else _NONE
+        if hit_exc:
+            used["exclude"].update(hit_exc)
+        if hit_inc:
+            used["include"].update(hit_inc)
+        lazy = isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
+        uninit = (f"uninitialized {cls.__name__}: keeps the swap when it initializes"
+                  if lazy else "")
+        current = adapter_of(m)
+        if current is not None:
+            reason = "already swapped" + ("; " + uninit if lazy else "")
+            rows.append(_row(name, m, cls, backend, device, "swap", reason, current,
+                             lazy=lazy, already=True))
+        elif hit_exc:
+            rows.append(_row(name, m, cls, backend, device, "skip",
+                             f"excluded by {_pattern_str(exc[hit_exc[0]])}"))
+        elif inc and not hit_inc:
+            rows.append(_row(name, m, cls, backend, device, "skip", "not matched by include"))
+        elif isinstance(m, nn.SyncBatchNorm):
+            rows.append(_row(name, m, cls, backend, device, "skip",
+                             "SyncBatchNorm runs its own cross-process kernel; left as is"))
+        elif (adapter := registry.lookup(cls)) is not None:
+            rows.append(_row(name, m, cls, backend, device, "swap",
+                             uninit.replace("keeps", "swapped now, keeps"), adapter,
+                             lazy=lazy))
+        else:
+            rows.append(_row(
+                name, m, cls, backend, device, "skip",
+                f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
+                f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
+                "see docs/adapters.md"))
+    for kind, pats in (("include", inc), ("exclude", exc)):
+        for i, p in enumerate(pats):
+            if i not in used[kind]:
+                warnings.warn(
+                    f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
+                    UserWarning,
+                    stacklevel=2,
+                )
+    return Plan(rows, module, backend)

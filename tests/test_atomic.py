@@ -1,7 +1,8 @@
 """Atomic convert: if the k-th layer's conversion fails, the model afterwards is
 structurally and bitwise identical to before, hooks included.
 
-The one test double of the suite: ``bnswap.convert.swap`` (the per-layer step)
+The one test double of the suite: ``bnswap.plan.swap`` (the per-layer step of
+``Plan.apply``)
 is wrapped to raise on its k-th call, for every k; the other calls do the real swap.
 """
 
@@ -20,8 +21,8 @@ from torch.nn.utils import parametrize
 import bnswap
 from tests._helpers_reliab import state_diff
 
-# bnswap.convert is the function (bnswap/__init__ re-exports it); the module is here:
-convert_mod = importlib.import_module("bnswap.convert")
+# bnswap.plan is the function (bnswap/__init__ re-exports it); the module is here:
+plan_mod = importlib.import_module("bnswap.plan")
 
 
 CALLS: list[str] = []
@@ -153,7 +154,7 @@ class Injected(RuntimeError):
 
 
 def _fail_on(monkeypatch, k: int, exc: type[BaseException] = Injected) -> list[int]:
-    real = convert_mod.swap
+    real = plan_mod.swap
     calls = [0]
 
     def swap(module, adapter):
@@ -162,7 +163,7 @@ def _fail_on(monkeypatch, k: int, exc: type[BaseException] = Injected) -> list[i
             raise exc(f"injected failure on swap {k}")
         return real(module, adapter)
 
-    monkeypatch.setattr(convert_mod, "swap", swap)
+    monkeypatch.setattr(plan_mod, "swap", swap)
     return calls
 
 

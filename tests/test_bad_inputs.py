@@ -558,7 +558,7 @@ def test_subclass_with_its_own_forward_is_left_as_is():
     plan = bnswap.plan(model)
     assert [r.action for r in plan] == ["skip", "swap", "swap"]
     assert "overrides forward" in plan[0].reason
-    assert plan[1].adapter == "bnswap.layers.batch_norm_forward"
+    assert plan[1].adapter_name == "bnswap.layers.batch_norm_forward"
     bnswap.convert(model)
     assert type(model[1]) is BatchNormReLU and type(model[2]) is PlainSubclass
     assert [bnswap.is_swapped(m) for m in model[1:]] == [False, True, True]

@@ -221,7 +221,7 @@ def test_plan_table_and_logging(caplog):
         for s in starts:
             assert line[s - 2:s] == "  " and line[s] != " "
     assert row1.split()[:5] == ["1", "BatchNorm2d", "swap", "aten", "Native"]
-    assert p[0].adapter == "bnswap.layers.batch_norm_forward" and p[0].kernel == "Native"
+    assert p[0].adapter_name == "bnswap.layers.batch_norm_forward" and p[0].kernel == "Native"
     assert bnswap.plan(model, device="cuda")[0].kernel.startswith(
         ("Cudnn", "n/a")) or torch.cuda.is_available()
     caplog.set_level(logging.INFO, logger="bnswap")

@@ -28,6 +28,7 @@ from bnswap.lightning import BNSwap  # noqa: E402
 from bnswap.models import ConvNet4  # noqa: E402
 
 CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
+RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where rank_zero_info logs
 
 
 
@@ -174,14 +175,14 @@ def test_layers_built_in_init_are_swapped_at_setup_and_plan_logged_once():
             records.append(record)
 
     h = H(level=logging.INFO)
-    logging.getLogger("bnswap.lightning").addHandler(h)
+    logging.getLogger(RANK_ZERO_LOGGER).addHandler(h)  # rank_zero_info's logger
     try:
         cb = BNSwap()
         model = Classifier()
         t = trainer([cb], max_epochs=2, limit_train_batches=2)
         t.fit(model, data())
     finally:
-        logging.getLogger("bnswap.lightning").removeHandler(h)
+        logging.getLogger(RANK_ZERO_LOGGER).removeHandler(h)
     plans = [r.getMessage() for r in records if "bnswap plan:" in r.getMessage()]
     assert len(plans) == 1, plans  # once per run, although validation starts twice
     assert plans[0] == str(cb.plan)
@@ -486,17 +487,14 @@ def test_sync_batchnorm_is_left_alone_and_reported():
     model = Classifier()
     weights = [m.weight for m in bn_layers(model).values()]
     cb = BNSwap()
-    records = []
-    h = logging.Handler(level=logging.INFO)
-    h.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("bnswap.lightning").addHandler(h)
     try:
         cb.setup(_FakeTrainer(), model, "fit")
         assert all(bnswap.is_swapped(m) for m in bn_layers(model).values())
         model = TorchSyncBatchNorm().apply(model)  # what DDPStrategy.setup does
-        cb.on_fit_start(_FakeTrainer(), model)
+        with warnings.catch_warnings(record=True) as caught:  # rank_zero_warn
+            warnings.simplefilter("always")
+            cb.on_fit_start(_FakeTrainer(), model)
     finally:
-        logging.getLogger("bnswap.lightning").removeHandler(h)
         cb.teardown(_FakeTrainer(), model, "fit")
     layers = bn_layers(model)
     assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
@@ -504,7 +502,7 @@ def test_sync_batchnorm_is_left_alone_and_reported():
     assert [r.action for r in cb.plan.rows] == ["skip"] * 4
     assert {r.reason for r in cb.plan.rows} == {
         "SyncBatchNorm runs its own cross-process kernel; left as is"}
-    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    warned = [str(w.message) for w in caught if "BNSwap" in str(w.message)]
     assert len(warned) == 1 and "4 layer(s) are torch.nn.SyncBatchNorm" in warned[0]
     assert "sync_batchnorm=False" in warned[0]
     assert global_registration_hooks() == 0
@@ -677,7 +675,7 @@ class RebuildBatchNorm(pl.Callback):
 def test_layers_built_during_fit_are_swapped_before_their_first_training_step(caplog):
     """Guards: BNSwap swapped only what existed when the stage started, so layers a
     callback rebuilt mid-fit trained on stock BatchNorm, silently."""
-    caplog.set_level(logging.INFO, logger="bnswap.lightning")
+    caplog.set_level(logging.INFO, logger=RANK_ZERO_LOGGER)
     runs = fit_pair(Classifier, {"max_epochs": 2}, extra_callbacks=[RebuildBatchNorm])
     model, t = runs["bnswap"]
     stock_model, _ = runs["stock"]
@@ -709,15 +707,15 @@ class _NoBatchNorm(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_a_model_without_batchnorm_warns_like_convert(caplog):
+def test_a_model_without_batchnorm_warns_like_convert():
     """bnswap.convert warns for a model with no BatchNorm layer; so does the callback
-    (once, on rank zero), and it wraps nothing."""
-    caplog.set_level(logging.INFO, logger="bnswap.lightning")
+    (once, on rank zero: rank_zero_warn), and it wraps nothing."""
     model = _NoBatchNorm()
     cb = BNSwap()
-    trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
-    warned = [r for r in caplog.records if r.levelno == logging.WARNING
-              and "no BatchNorm layer" in r.getMessage()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
+    warned = [w for w in caught if "BNSwap: the model has no BatchNorm layer" in str(w.message)]
     assert len(warned) == 1 and len(cb.plan) == 0
     with pytest.warns(UserWarning, match="the model has no BatchNorm layer"):
         bnswap.convert(_NoBatchNorm().net)

@@ -259,8 +259,8 @@ def test_running_stats_puts_back_the_nan_ort_writes_for_an_empty_batch():
     x = torch.randn(3, 3, 6, 6)
     wrapped(x), ref(x)
     empty = torch.randn(0, 3, 6, 6)
-    stats = wrapped.__dict__["_bnswap_stats"]
-    out = stats.step((empty,), {}, lambda: wrapped._bnswap_call((empty,), {}), eager=None)
+    stats = wrapped._bnswap_state().stats
+    out = stats.step((empty,), {}, lambda: wrapped._bnswap_ort_call((empty,), {}), eager=None)
     ref(empty)
     assert out.shape == (0, 4, 4, 4)
     assert_stats_equal(model, ref)

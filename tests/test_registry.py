@@ -87,16 +87,16 @@ def test_custom_subclass_skipped_until_registered(clean_registry):
     table = bnswap.plan(_net())
     by_name = {r.name: r for r in table}
     assert by_name["bn"].action == "swap"
-    assert by_name["bn"].adapter == "bnswap.layers.batch_norm_forward"
+    assert by_name["bn"].adapter_name == "bnswap.layers.batch_norm_forward"
     for name in ("bnact", "block.1"):
         assert by_name[name].action == "skip"
         assert "BatchNormSiLU2d overrides forward" in by_name[name].reason
         assert ("bnswap.register(BatchNormSiLU2d, <function>), see docs/adapters.md"
                 in by_name[name].reason)
-        assert by_name[name].adapter == "-"
+        assert by_name[name].adapter_name == "-"
     # a subclass that keeps torch's forward needs no registration
     assert by_name["block.3"].action == "swap"
-    assert by_name["block.3"].adapter == "bnswap.layers.batch_norm_forward"
+    assert by_name["block.3"].adapter_name == "bnswap.layers.batch_norm_forward"
     net = _net()
     bnswap.convert(net)
     assert not bnswap.is_swapped(net.bnact) and bnswap.is_swapped(net.block[3])
@@ -112,7 +112,7 @@ def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
     keys = list(stock.state_dict())
     table = bnswap.plan(converted)
     assert len(table.swapped) == len(table) == 4
-    adapters = {r.name: r.adapter for r in table}
+    adapters = {r.name: r.adapter_name for r in table}
     assert adapters == {
         "bn": "bnswap.layers.batch_norm_forward",
         "bnact": _qual(batch_norm_silu_2d),
@@ -362,7 +362,7 @@ def test_timm_entry_is_resolved_only_when_a_model_holds_the_class():
         from bnswap.adapters.timm import batch_norm_act_2d
         assert registry.lookup(BatchNormAct2d) is batch_norm_act_2d
         row, = bnswap.plan(converted)
-        print(row.cls, row.action, row.adapter)
+        print(row.cls, row.action, row.adapter_name)
         assert type(converted[1]) is BatchNormAct2d and bnswap.is_swapped(converted[1])
         assert converted[1].act is not None
         x = torch.randn(4, 3, 5, 5)

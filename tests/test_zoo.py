@@ -119,7 +119,7 @@ def test_plan_swaps_every_batchnorm(lib, name, count, classes):
     assert [r.name for r in table] == [n for n, _ in layers]
     assert len(table.swapped) == count, str(table)
     for row in table:
-        assert row.adapter == ADAPTERS[row.cls], row
+        assert row.adapter_name == ADAPTERS[row.cls], row
 
     # The converted copy: every layer swapped with the planned adapter, of its stock
     # class still, with the same children (timm's drop / act) and the same state_dict
@@ -306,7 +306,7 @@ def test_timm_batchnormact_family_swapped(name, count, bitwise):
     stock, converted = _pair("timm", name)
     table = bnswap.plan(stock)
     assert len(table) == len(table.swapped) == count, str(table)
-    assert {(r.cls, r.adapter) for r in table} == {
+    assert {(r.cls, r.adapter_name) for r in table} == {
         ("BatchNormAct2d", ADAPTERS["BatchNormAct2d"])}
     assert all(bnswap.is_swapped(m) for _, m in _bn_layers(converted))
     if not bitwise:
@@ -404,7 +404,7 @@ def test_timm_lightning_two_epochs_same_val_accuracy_as_stock(tmp_path):
 
     assert callback.plan is not None
     assert len(callback.plan.swapped) == len(callback.plan) == 52, str(callback.plan)
-    assert {r.adapter for r in callback.plan} == {ADAPTERS["BatchNormAct2d"]}
+    assert {r.adapter_name for r in callback.plan} == {ADAPTERS["BatchNormAct2d"]}
     layers = _bn_layers(swapped)
     assert len(layers) == 52 and all(bnswap.is_swapped(m) for _, m in layers)
     assert not any(bnswap.is_swapped(m) for m in stock.modules())

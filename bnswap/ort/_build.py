@@ -36,15 +36,13 @@ import sysconfig
 import time
 from pathlib import Path
 
+from bnswap.ort.errors import BuildError
+
 logger = logging.getLogger("bnswap.ort")
 
 __all__ = ["cache_dir", "extension_path", "ensure_extension", "BuildError", "EXTENSION"]
 
 EXTENSION = "aten_op_executor"
-
-
-class BuildError(RuntimeError):
-    """The ORT C++ extension could not be built (no compiler, or the compile failed)."""
 
 
 def _versions() -> tuple[str, str]:

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT, consolidated_ops_while_tracing
+from bnswap.ort.errors import UnsupportedVersionError
 
 logger = logging.getLogger("bnswap.ort")
 
@@ -76,10 +77,6 @@ _lock = threading.RLock()
 BNSWAP_MODULES: weakref.WeakSet = weakref.WeakSet()
 _applied = False
 _scope_depth = 0
-
-
-class UnsupportedVersionError(RuntimeError):
-    """The installed onnxruntime-training / torch pair is not one bnswap was tested with."""
 
 
 # ---------------------------------------------------------------------------- versions
@@ -422,7 +419,7 @@ def apply() -> types.ModuleType:
 
     Raises:
         UnsupportedVersionError: untested ORT / torch (see :func:`check_versions`).
-        bnswap.ort._build.BuildError: the extension cannot be built.
+        BuildError: the extension cannot be built.
         ImportError: ORTModule still fails to import (message names the cause).
     """
     global _applied
@@ -442,7 +439,10 @@ def apply() -> types.ModuleType:
         _load_extension()
         ortmodule = _import_ortmodule()
         init_error = ortmodule._FALLBACK_INIT_EXCEPTION
-        if init_error is not None and "extensions were not detected" in str(init_error):
+        if init_error is not None and not ortmodule.is_torch_cpp_extensions_installed(
+                ortmodule.ORTMODULE_TORCH_CPP_DIR):
+            # ORT's own check (a glob of its package folder) failed, as it does whenever
+            # the extension lives in bnswap's cache (loaded above): not an error here.
             ortmodule._FALLBACK_INIT_EXCEPTION = None
         elif init_error is not None:
             raise ImportError(f"ORTModule cannot initialize: {init_error}") from init_error

@@ -34,6 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from bnswap.functional import exponential_average_factor
+from bnswap.ort.errors import LayerRunsTwiceError, StatsNotWrittenError
 
 logger = logging.getLogger("bnswap.ort")
 
@@ -43,16 +44,7 @@ T = TypeVar("T")
 # with the batch mean (sentinel * 0 + mean), so a survivor means no write happened.
 _SENTINEL = 1.0e30
 
-__all__ = ["RunningStats", "tracked_layers", "leaf_key", "StatsNotWrittenError",
-           "LayerRunsTwiceError"]
-
-
-class StatsNotWrittenError(RuntimeError):
-    """ORT did not write a layer's batch statistics into its running_mean buffer."""
-
-
-class LayerRunsTwiceError(RuntimeError):
-    """A BatchNorm layer runs more than once in one forward."""
+__all__ = ["RunningStats", "tracked_layers", "leaf_key"]
 
 
 def tracked_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, _BatchNorm]]:
@@ -155,7 +147,7 @@ class RunningStats:
         Raises:
             What the model raises for these inputs in eager mode (wrong rank, channel
             count, one value per channel...), before ORT runs.
-            LayerRunsTwiceError (a RuntimeError): a layer runs more than once per forward.
+            LayerRunsTwiceError (an ORTRunError): a layer runs more than once per forward.
         """
         key = _signature(args, kwargs)
         sizes = self._sizes.get(key)
@@ -197,7 +189,7 @@ class RunningStats:
                 as stock does.
 
         Raises:
-            StatsNotWrittenError (a RuntimeError): ``verify`` and ORT did not write a
+            StatsNotWrittenError (an ORTRunError): ``verify`` and ORT did not write a
                 layer's statistics (the statistics are restored; nothing is silently
                 wrong).
         """

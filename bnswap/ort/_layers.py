@@ -1,0 +1,75 @@
+"""What ORT can run, checked on the model's BatchNorm layers before anything is built
+(and again when the model changes under a wrapper), and the per-layer trace buffers of
+affine=False layers. Imports no ONNX Runtime."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from bnswap._swap import is_swapped
+from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT, drop_trace_buffers
+
+__all__ = ["bn_layers", "check_layers", "trace_constants"]
+
+
+def bn_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, layer)`` for every ``_BatchNorm`` of ``module``, in ``named_modules()`` order."""
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def check_layers(module: nn.Module) -> None:
+    """Raise TypeError unless every BatchNorm layer is swapped, float32, on CPU or CUDA.
+
+    Raises:
+        TypeError: ``"bnswap.ort.wrap: BatchNorm layer 'name' (Class) is not a bnswap
+            layer ..."`` (ORT would export it with a momentum frozen at trace time),
+            ``"... has weight of dtype torch.float64; ONNX Runtime's CPU
+            BatchNormInternal kernel is float32 only ..."``, or ``"... is on meta; ..."``.
+    """
+    for name, m in bn_layers(module):
+        label = name or type(m).__name__
+        if not is_swapped(m):
+            raise TypeError(
+                f"bnswap.ort.wrap: BatchNorm layer {label!r} ({type(m).__name__}) is not a "
+                "bnswap layer (SyncBatchNorm, an excluded layer, a subclass without an "
+                "adapter, a layer added after wrapping, or a model reverted while wrapped). "
+                "ORT would export it with a momentum frozen at trace time and "
+                "PyTorch's running statistics would be lost. Convert it, or use "
+                "backend='aten'. See bnswap.plan(model, backend='ort').")
+        for pname, t in (("weight", m.weight), ("bias", m.bias),
+                         ("running_mean", m.running_mean), ("running_var", m.running_var)):
+            if t is not None and t.dtype != torch.float32:
+                raise TypeError(
+                    f"bnswap.ort.wrap: layer {label!r} has {pname} of dtype {t.dtype}; ONNX "
+                    "Runtime's CPU BatchNormInternal kernel is float32 only. Use float32 "
+                    "parameters, or backend='aten'.")
+            if t is not None and t.device.type != "cpu" and t.device.type != "cuda":
+                raise TypeError(f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
+                                "ORTModule runs on CPU or CUDA.")
+
+
+def trace_constants(module: nn.Module, add: bool) -> None:
+    """Register (``add``) or remove each affine=False layer's per-layer ones / zeros
+    buffers (:data:`bnswap.functional.TRACE_WEIGHT` / ``TRACE_BIAS``, non-persistent).
+
+    Traced as constants, the ones / zeros of two affine=False layers of the same width
+    are one value; ORT 1.19.2's pre-gradient optimizations merge them, and its gradient
+    builder then emits the merged tensor's gradient once per BatchNormalizationGrad
+    ("Duplicate definition of name ..._grad"). Buffers are graph inputs, one per layer,
+    which ORT never merges; ORTModule feeds them by name.
+    """
+    for _, m in bn_layers(module):
+        if m.affine:
+            continue
+        if not add:
+            drop_trace_buffers(m)
+            continue
+        if TRACE_WEIGHT in m._buffers and TRACE_BIAS in m._buffers:
+            continue
+        like = next((t for t in (m.running_mean, m.running_var) if t is not None), None)
+        device = like.device if like is not None else torch.device("cpu")
+        c = int(m.num_features)
+        m.register_buffer(TRACE_WEIGHT, torch.ones(c, device=device), persistent=False)
+        m.register_buffer(TRACE_BIAS, torch.zeros(c, device=device), persistent=False)

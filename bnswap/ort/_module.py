@@ -1,0 +1,356 @@
+"""``BNSwapORTModule``: ONNX Runtime's ``ORTModule`` with PyTorch's BatchNorm semantics.
+
+Importing this module imports ONNX Runtime training (through
+:func:`bnswap.ort._compat.apply`); :mod:`bnswap.ort` imports it only when a model is
+wrapped. Everything bnswap keeps on a wrapper lives in one :class:`WrapperState`, in
+the wrapper's ``__dict__`` under :data:`bnswap._swap.WRAPPER_STATE` (``"_bnswap"``).
+
+A forward, in named steps (:meth:`BNSwapORTModule._bnswap_forward`):
+
+1. :meth:`~BNSwapORTModule._bnswap_sync_mode`: ORT's mode follows the wrapped model's
+   ``training`` flag;
+2. :meth:`~BNSwapORTModule._bnswap_check_modes`: every BatchNorm layer in the model's mode;
+3. :meth:`~BNSwapORTModule._bnswap_check_export`: re-export when what the graph baked in
+   changed;
+4. :meth:`~BNSwapORTModule._bnswap_train_step` (running statistics by PyTorch's rule,
+   :mod:`bnswap.ort._stats`) or :meth:`~BNSwapORTModule._bnswap_eval_step`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+
+from bnswap._swap import WRAPPER_STATE
+from bnswap.ort import _compat
+from bnswap.ort._layers import check_layers, trace_constants
+from bnswap.ort._stats import RunningStats, detach_tree, leaf_key
+from bnswap.ort.errors import ORTRunError
+
+__all__ = ["BNSwapORTModule", "Verification", "WrapperState"]
+
+logger = logging.getLogger("bnswap.ort")
+
+_ortmodule = _compat.apply()
+_fallback_exceptions = __import__(
+    "onnxruntime.training.ortmodule._fallback_exceptions", fromlist=["_"])
+
+
+class Verification(enum.Enum):
+    """Whether the next training step checks that ORT wrote the batch statistics into
+    the running_mean buffers (:meth:`bnswap.ort._stats.RunningStats.step`)."""
+
+    NEXT_STEP = "next step"  # a new training session: its in-place writes are unproven
+    DONE = "done"
+
+
+@dataclass
+class WrapperState:
+    """Everything bnswap keeps on one wrapper.
+
+    ``model``, ``fallback``, ``session_options``, ``eager`` and ``stats`` survive
+    pickling; the rest is per object (rebuilt by :meth:`BNSwapORTModule._bnswap_install`).
+    """
+
+    model: nn.Module
+    fallback: str | None
+    session_options: dict[str, Any]
+    stats: RunningStats
+    eager: bool = False  # ORT failed with fallback="aten": the model runs eagerly
+    verification: Verification = Verification.NEXT_STEP
+    warned_eval_grad: bool = False
+    export_keys: dict[bool, tuple] = field(default_factory=dict)
+    ort_forward: Callable[..., Any] | None = None
+    graph_files: dict[str, str] = field(default_factory=dict)
+    ops: dict[str, Any] = field(default_factory=dict)
+    tmp: str | None = None
+
+    def __getstate__(self) -> dict:
+        keep = ("model", "fallback", "session_options", "stats", "eager")
+        return {k: v for k, v in self.__dict__.items() if k in keep}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+
+def _is_ort_error(err: BaseException) -> bool:
+    """An error raised by ONNX Runtime itself (by type: ORTModule's fallback exceptions
+    and the classes of ORT's own modules, e.g. its C++ ``Fail`` / ``InvalidArgument``)."""
+    return (isinstance(err, _fallback_exceptions.ORTModuleFallbackException)
+            or type(err).__module__.startswith("onnxruntime"))
+
+
+class BNSwapORTModule(_ortmodule.ORTModule):
+    """``ORTModule`` with PyTorch's BatchNorm running-statistics semantics.
+
+    Made by :func:`bnswap.ort.wrap`. ``module`` is the wrapped model (its BatchNorm
+    layers are swapped); ``state_dict`` keys, parameters and buffers are the model's own
+    (ORT trains them in place).
+    """
+
+    def __init__(self, module: nn.Module, *, fallback: str | None,
+                 session_options: dict[str, Any], debug_options: Any = None):
+        with _compat.scoped_env("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE"), \
+                _compat.ort_scope():
+            super().__init__(module, debug_options)
+        self.__dict__[WRAPPER_STATE] = WrapperState(
+            model=module, fallback=fallback, session_options=dict(session_options),
+            stats=RunningStats(module))
+        self._bnswap_install()
+
+    def _bnswap_state(self) -> WrapperState:
+        """The wrapper's :class:`WrapperState` (a method, not a property: ORT's
+        ``ORTModule.__init__`` reads every member before the state exists)."""
+        return self.__dict__[WRAPPER_STATE]
+
+    # ------------------------------------------------------------------ setup
+    def _bnswap_install(self) -> None:
+        """Per-object runtime state, on creation and on unpickling / deepcopy (which
+        never carry it): our symbolics for this model's export, a private folder for
+        ORT's optimized graphs, and the forward / session hooks."""
+        state = self._bnswap_state()
+        _compat.BNSWAP_MODULES.add(state.model)
+        state.tmp = tempfile.mkdtemp(prefix="bnswap-ort-")
+        weakref.finalize(self, shutil.rmtree, state.tmp, True)
+        state.ort_forward = self.__dict__["forward"]
+        self.__dict__["forward"] = self._bnswap_forward
+        for training in (True, False):
+            mgr = self._torch_module._execution_manager(training)
+            mgr._bnswap_session_hook = self._bnswap_session_hook
+
+    def _bnswap_session_hook(self, manager: Any, so: Any) -> None:
+        """Called by ORT (patched ``_get_session_config``) for each new session: set
+        bnswap's session options and record the graph file the session runs."""
+        state = self._bnswap_state()
+        mode = ("training" if manager._export_mode == torch.onnx.TrainingMode.TRAINING
+                else "inference")
+        path = os.path.join(state.tmp or tempfile.gettempdir(), f"{mode}.onnx")
+        so.optimized_model_filepath = path
+        state.graph_files[mode] = path
+        if mode == "training":  # a new session: verify its in-place writes
+            state.verification = Verification.NEXT_STEP
+        state.ops.pop(mode, None)
+        for key, value in state.session_options.items():
+            if key.startswith("config:"):
+                so.add_session_config_entry(key[len("config:"):], str(value))
+            else:
+                setattr(so, key, value)
+
+    # ---------------------------------------------------------------- forward
+    def _bnswap_forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = self._bnswap_state()
+        model = state.model
+        if state.eager:
+            return model(*args, **kwargs)
+        training = model.training
+        self._bnswap_sync_mode(training)
+        mods = list(model.named_modules())  # the one walk of the model per call
+        layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
+        self._bnswap_check_modes(layers, training)
+        self._bnswap_check_export(mods, layers, args, kwargs, training)
+        if training:
+            return self._bnswap_train_step(layers, args, kwargs)
+        self._bnswap_warn_eval_grad()
+        return self._bnswap_eval_step(args, kwargs)
+
+    def _bnswap_sync_mode(self, training: bool) -> None:
+        """Make ORT's mode follow the wrapped model's ``training`` flag.
+
+        ORT picks its training or inference graph from the hidden
+        ``_torch_module._flattened_module.training``, which only ``ORTModule.train()`` /
+        ``eval()`` update. Code that sets ``.training`` on every module of
+        ``named_modules()`` instead (Lightning 2.x restores the train mode after
+        validation that way, ``_ModuleMode.restore``) never reaches it nor the ORTModule
+        itself (``named_modules`` yields the wrapped model's modules), so ORT kept
+        running its inference graph in a training step. The wrapped model's own flag is
+        the one bnswap reads.
+        """
+        if self.__dict__.get("training") is not training:
+            self.__dict__["training"] = training
+        flat = getattr(self._torch_module, "_flattened_module", None)
+        if flat is not None and flat.training is not training:
+            flat.training = training  # its only child is the wrapped model
+
+    @staticmethod
+    def _bnswap_check_modes(layers: list[tuple[str, nn.Module]], training: bool) -> None:
+        """ORT exports the whole model in one mode: refuse layers in the other one."""
+        for name, m in layers:
+            if m.training == training:
+                continue
+            if training:
+                raise ORTRunError(
+                    f"bnswap.ort: BatchNorm layer {name!r} is in eval mode while the model "
+                    "trains; ORT exports the whole model in one mode, so frozen (eval-mode) "
+                    "BatchNorm layers inside a training model need backend='aten' "
+                    "(bnswap.convert(model)).")
+            raise ORTRunError(
+                f"bnswap.ort: BatchNorm layer {name!r} is in train mode while the model is "
+                "in eval; ORT exports the whole model in one mode (its inference graph "
+                "would neither use batch statistics nor update running ones). Statistics "
+                "recalibration (AdaBN, swa_utils.update_bn on an eval model) needs "
+                "backend='aten', or put the whole model in train mode.")
+
+    def _bnswap_check_export(self, mods: list, layers: list, args: tuple, kwargs: dict,
+                      training: bool) -> None:
+        """Re-export when something the exported graph baked in has changed.
+
+        The graph fixes the module structure (and which forward each layer runs), the
+        Parameter and buffer tensors it is fed, each BatchNorm layer's
+        ``track_running_stats`` and ``eps`` (Lightning's ``BaseFinetuning`` flips
+        ``track_running_stats`` when it freezes / unfreezes), the values of non-tensor
+        forward arguments, and, in training, which inputs and parameters require grad.
+        ORT 1.19.2 checks none of this after its first call (its default
+        ``ORTMODULE_SKIP_CHECK``): it kept writing the statistics of a layer that stopped
+        tracking them, returned no gradient for an input that started requiring one, ran
+        an old classifier head after the user replaced it, ignored a changed
+        ``forward(x, flag=...)`` argument. When the key changes bnswap re-checks the
+        layers (as :func:`bnswap.ort.wrap` does) and makes ORT export again
+        (:func:`bnswap.ort._compat.force_reexport`).
+        """
+        state = self._bnswap_state()
+        keys = state.export_keys
+        old = keys.get(training)
+        key = self._bnswap_export_key(mods, layers, args, kwargs, training)
+        if old is None or old == key:
+            keys[training] = key
+            return
+        # A replaced or added submodule must pass wrap's checks (a stock BatchNorm would
+        # be exported with a frozen momentum); a new affine=False layer needs its trace
+        # buffers.
+        check_layers(state.model)
+        trace_constants(state.model, add=True)
+        state.stats.invalidate()
+        keys.clear()  # the other mode's graph is stale too
+        mods = list(state.model.named_modules())
+        keys[training] = self._bnswap_export_key(
+            mods, [(n, m) for n, m in mods if isinstance(m, _BatchNorm)], args, kwargs,
+            training)
+        logger.info("bnswap.ort: the model or its inputs changed in a way the exported "
+                    "graph depends on; ONNX Runtime exports again")
+        for mode in (True, False):
+            _compat.force_reexport(self, mode)
+
+    @staticmethod
+    def _bnswap_export_key(mods: list, layers: list, args: tuple, kwargs: dict,
+                    training: bool) -> tuple:
+        """What the exported graph depends on, from one pass over ``mods`` (the model's
+        ``named_modules()``): its structure, the identity of every Parameter / buffer
+        slot (ORT feeds the tensors it found at export; a replaced one would be ignored),
+        each BatchNorm's flags, the non-tensor arguments (graph constants) and, in
+        training, ``requires_grad``."""
+        structure, tensors, grads = [], [], []
+        for n, m in mods:
+            # the forward a layer runs too: bnswap swaps it per instance
+            structure.append((n, type(m), m.__dict__.get("forward")))
+            for p in m._parameters.values():
+                tensors.append(id(p))
+                grads.append(p is not None and p.requires_grad)
+            tensors.extend(id(b) for b in m._buffers.values())
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key: tuple = (
+            tuple(structure), tuple(tensors),
+            tuple((m.track_running_stats, float(m.eps)) for _, m in layers),
+            str(spec),
+            tuple(None if isinstance(x, torch.Tensor) else leaf_key(x) for x in leaves),
+        )
+        if training:
+            key += (tuple(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)),
+                    tuple(grads))
+        return key
+
+    def _bnswap_warn_eval_grad(self) -> None:
+        state = self._bnswap_state()
+        if (not state.warned_eval_grad and torch.is_grad_enabled()
+                and any(p.requires_grad for p in state.model.parameters())):
+            state.warned_eval_grad = True
+            warnings.warn(
+                "bnswap.ort: the model is in eval mode with gradients enabled; ORT runs its "
+                "inference graph, whose outputs carry no gradient (eager's would). Evaluate "
+                "under torch.no_grad(), or use backend='aten' to backpropagate through an "
+                "eval-mode model.", UserWarning, stacklevel=5)
+
+    def _bnswap_train_step(self, layers: list, args: tuple, kwargs: dict) -> Any:
+        """One training forward on ORT, the running statistics by PyTorch's rule."""
+        state = self._bnswap_state()
+        grad = torch.is_grad_enabled()
+
+        def run() -> Any:
+            if grad:
+                # ORT 1.19.2's backward can reuse the memory of forward outputs it handed
+                # to torch (a returned ReLU activation was found overwritten with gradient
+                # values after backward, with stock BN under raw ORTModule too): return
+                # copies.
+                return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone,
+                                            self._bnswap_ort_call(args, kwargs))
+            # Eager BN in training mode normalizes with batch statistics and updates them
+            # also under no_grad; ORT would pick its inference graph (running
+            # statistics): run the training graph instead.
+            with torch.enable_grad():
+                return detach_tree(self._bnswap_ort_call(args, kwargs))
+
+        verify = state.verification is Verification.NEXT_STEP
+        try:
+            out = state.stats.step(args, kwargs, run, verify=verify, layers=layers,
+                                   eager=lambda: state.model(*args, **kwargs))
+        except ORTRunError as err:  # StatsNotWrittenError, LayerRunsTwiceError included
+            return self._bnswap_fallback(err, args, kwargs)
+        if state.stats.verified:
+            state.verification = Verification.DONE
+        return out
+
+    def _bnswap_eval_step(self, args: tuple, kwargs: dict) -> Any:
+        try:
+            return self._bnswap_ort_call(args, kwargs)
+        except ORTRunError as err:
+            return self._bnswap_fallback(err, args, kwargs)
+
+    def _bnswap_ort_call(self, args: tuple, kwargs: dict) -> Any:
+        """ORT's own forward; its errors become :class:`ORTRunError`."""
+        try:
+            return self._bnswap_state().ort_forward(*args, **kwargs)
+        except Exception as err:
+            if _is_ort_error(err):
+                raise ORTRunError(
+                    "ONNX Runtime could not run this model (no fallback: pass "
+                    f"fallback='aten' to run it eagerly instead): {err}") from err
+            raise
+
+    def _bnswap_fallback(self, err: ORTRunError, args: tuple, kwargs: dict) -> Any:
+        state = self._bnswap_state()
+        if state.fallback != "aten":
+            raise err
+        warnings.warn(
+            "bnswap.ort: ONNX Runtime cannot run this model; falling back to the eager "
+            f"'aten' backend (fallback='aten'). Cause: {err.__cause__ or err}",
+            RuntimeWarning, stacklevel=6)  # the user's call of the wrapper
+        state.eager = True
+        return state.model(*args, **kwargs)
+
+    # ------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # Bound methods are rebuilt by __setstate__. The key stays (as None): ORT's
+        # __setstate__ assigns self.forward, and ORTModule.__setattr__ forwards a name
+        # that is not in __dict__ to the wrapped model.
+        state["forward"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        # copy.deepcopy / pickle / torch.save: ORT rebuilds its managers; the copy exports
+        # and verifies afresh on its first call.
+        with _compat.ort_scope():
+            super().__setstate__(state)
+        self._bnswap_install()
