@@ -23,7 +23,7 @@ from torch import nn
 
 import bnswap
 from benchmarks.harness import interleaved
-from bnswap.models import ConvNet4, MobileNetV2, ResNet18
+from bnswap.app.models import ConvNet4, MobileNetV2, ResNet18
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +45,7 @@ class Settings:
         return quick if self.quick else default
 
 
-# name -> (factory, batch, H=W): the networks of the issue, from bnswap.models (the
+# name -> (factory, batch, H=W): the networks of the issue, from bnswap.app.models (the
 # MobileNetV2 is the main job's, width 1.0, here on 3-channel input).
 NETS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
     "convnet4": (lambda: ConvNet4(num_classes=10, in_channels=3), 32, 32),

@@ -60,9 +60,9 @@ T0 = time.perf_counter()
 
 # ----------------------------------------------------------------------------- nets
 def _nets() -> dict[str, Callable[[], nn.Module]]:
-    """The networks of ``bnswap.models`` on 3-channel input, 10 classes (the MobileNetV2 is
+    """The networks of ``bnswap.app.models`` on 3-channel input, 10 classes (the MobileNetV2 is
     the main job's, width 1.0)."""
-    from bnswap.models import ConvNet4, MobileNetV2
+    from bnswap.app.models import ConvNet4, MobileNetV2
 
     return {"convnet4": lambda: ConvNet4(num_classes=10, in_channels=3),
             "mobilenetv2": lambda: MobileNetV2(num_classes=10, in_channels=3)}

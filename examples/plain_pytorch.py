@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import bnswap
-from bnswap.digits import digits_split
-from bnswap.models import MobileNetV2
+from bnswap.app.digits import digits_split
+from bnswap.app.models import MobileNetV2
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:

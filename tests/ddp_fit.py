@@ -31,9 +31,9 @@ def _kind(m: nn.Module) -> str:
 def main(variant: str, out_dir: str) -> None:
     import lightning.pytorch as pl
 
-    from bnswap.data import DigitsDataModule
+    from bnswap.app.data import DigitsDataModule
     from bnswap.lightning import BNSwap
-    from bnswap.models import ConvNet4
+    from bnswap.app.models import ConvNet4
 
     class Classifier(pl.LightningModule):
         def __init__(self):

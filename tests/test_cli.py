@@ -34,7 +34,7 @@ def tiny(tmp: Path) -> list[str]:
 
 def test_console_script_is_installed():
     eps = importlib.metadata.entry_points(group="console_scripts", name="bnswap")
-    assert [ep.value for ep in eps] == ["bnswap.cli:main"]
+    assert [ep.value for ep in eps] == ["bnswap.app.cli:main"]
 
 
 def test_configs_differ_only_by_the_callback():
@@ -51,7 +51,7 @@ def test_configs_differ_only_by_the_callback():
 
 def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
-    cmd = [exe] if exe else [sys.executable, "-m", "bnswap.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "bnswap.app.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, "train", "--config", str(CONFIG), *tiny(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
@@ -71,7 +71,7 @@ def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
 
 
 def test_bnswap_compare_plots_stock_vs_bnswap(tmp_path, capsys):
-    from bnswap.cli import main
+    from bnswap.app.cli import main
 
     png = tmp_path / "cmp.png"
     main(["compare", "--configs", json.dumps([str(STOCK), str(CONFIG)]), "--out", str(png),
@@ -105,7 +105,7 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
     else changed; a smoke run of it executes BatchNormInternal for every BatchNorm layer
     and ends close to the same smoke run on the aten backend."""
     import bnswap.ort
-    from bnswap.cli import run_train
+    from bnswap.app.cli import run_train
 
     if not bnswap.ort.is_available():
         pytest.skip("onnxruntime-training / torch-ort not installed")

@@ -23,9 +23,9 @@ import bnswap
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # noqa: E402
 
-from bnswap.data import DigitsDataModule  # noqa: E402
+from bnswap.app.data import DigitsDataModule  # noqa: E402
 from bnswap.lightning import BNSwap  # noqa: E402
-from bnswap.models import ConvNet4  # noqa: E402
+from bnswap.app.models import ConvNet4  # noqa: E402
 
 CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where rank_zero_info logs

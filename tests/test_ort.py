@@ -428,8 +428,8 @@ def test_mobilenetv2_step_as_close_to_float64_as_eager_float32():
     here (it does on the given cases above); what must hold is that ORT is no further from
     the exact (float64) answer than eager float32 is. Measured on seeds 0-3: eager
     4.7e-3 / 9.6e-3 / 5.7e-3 / 9.2e-3, ORT 3.9e-3 / 9.3e-3 / 5.1e-3 / 9.8e-3."""
-    from bnswap.digits import load_digits_tensors
-    from bnswap.models import MobileNetV2
+    from bnswap.app.digits import load_digits_tensors
+    from bnswap.app.models import MobileNetV2
 
     torch.manual_seed(0)
     ref = MobileNetV2(num_classes=10, in_channels=1, width_mult=0.5)

@@ -331,10 +331,11 @@ def test_timm_batchnormact_family_swapped(name, count, bitwise):
 
 
 def _lightning_parts() -> tuple[Any, Any, Any]:
-    """(lightning.pytorch, bnswap.lightning.BNSwap, bnswap.data.DigitsDataModule), or skip."""
+    """(lightning.pytorch, bnswap.lightning.BNSwap, bnswap.app.data.DigitsDataModule), or skip."""
     try:
+        pl = importlib.import_module("lightning.pytorch")
         bl = importlib.import_module("bnswap.lightning")
-        data = importlib.import_module("bnswap.data")
+        data = importlib.import_module("bnswap.app.data")
     except ModuleNotFoundError as e:
         name = e.name or ""
         if name.startswith("bnswap."):
@@ -342,7 +343,7 @@ def _lightning_parts() -> tuple[Any, Any, Any]:
         if name.split(".")[0] in ("lightning", "pytorch_lightning", "sklearn"):
             pytest.skip(f"{name} is not installed here; install bnswap[lightning]")
         raise
-    return bl.pl, bl.BNSwap, data.DigitsDataModule
+    return pl, bl.BNSwap, data.DigitsDataModule
 
 
 def test_timm_lightning_two_epochs_same_val_accuracy_as_stock(tmp_path):
@@ -350,7 +351,7 @@ def test_timm_lightning_two_epochs_same_val_accuracy_as_stock(tmp_path):
     two epochs, with and without the BNSwap callback, same seed: the same validation
     accuracy after each epoch, and the same final weights and statistics, bitwise.
 
-    Skipped until ``bnswap.lightning`` / ``bnswap.data`` are in the checkout; checked
+    Skipped until ``bnswap.lightning`` / ``bnswap.app.data`` are in the checkout; checked
     against the ``lightning`` branch at 1611077 and c3c3040 (stock 0.148 then 0.513
     validation accuracy, bnswap the same; about 60 s on one thread)."""
     timm = _import("timm")

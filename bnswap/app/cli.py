@@ -25,15 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bnswap.lightning import BNSwap, pl
+import lightning.pytorch as pl
+from lightning.pytorch.cli import LightningCLI
 
-try:
-    from lightning.pytorch.cli import LightningCLI
-except ImportError:  # pragma: no cover - pytorch_lightning only
-    from pytorch_lightning.cli import LightningCLI  # type: ignore[no-redef]
-
-from bnswap.data import DigitsDataModule
-from bnswap.task import DigitsClassifier
+from bnswap.app.data import DigitsDataModule
+from bnswap.app.task import DigitsClassifier
+from bnswap.lightning import BNSwap
 
 __all__ = ["BNSwapCLI", "Trainer", "compare", "main", "run_train"]
 
@@ -58,8 +55,8 @@ class Trainer(pl.Trainer):
 
 class BNSwapCLI(LightningCLI):
     """LightningCLI with the subcommands ``train`` (fit), ``validate``, ``test``,
-    ``predict``, defaulting to :class:`~bnswap.task.DigitsClassifier` and
-    :class:`~bnswap.data.DigitsDataModule` (any LightningModule / DataModule may be given
+    ``predict``, defaulting to :class:`~bnswap.app.task.DigitsClassifier` and
+    :class:`~bnswap.app.data.DigitsDataModule` (any LightningModule / DataModule may be given
     with ``class_path``)."""
 
     def __init__(self, args: Sequence[str] | None = None, **kwargs: Any) -> None:

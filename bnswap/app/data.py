@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from bnswap.digits import digits_split, load_digits_tensors
-from bnswap.lightning import pl
+from bnswap.app.digits import digits_split, load_digits_tensors
 
 __all__ = ["DigitsDataModule", "EpochShuffleSampler", "digits_split", "load_digits_tensors"]
 

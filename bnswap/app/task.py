@@ -1,4 +1,4 @@
-"""The LightningModule of the main job: an image classifier over :mod:`bnswap.models`.
+"""The LightningModule of the main job: an image classifier over :mod:`bnswap.app.models`.
 
 The network is built from stock ``torch.nn`` layers; whether it trains on stock
 BatchNorm or on bnswap layers is decided by the Trainer's callbacks (``bnswap.BNSwap``),
@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from bnswap.lightning import pl
-from bnswap.models import build_model
+from bnswap.app.models import build_model
 
 __all__ = ["DigitsClassifier"]
 
@@ -25,7 +25,7 @@ class DigitsClassifier(pl.LightningModule):
 
     Args:
         arch: ``"mobilenetv2"``, ``"convnet4"`` or ``"resnet18"`` (see
-            :func:`bnswap.models.build_model`).
+            :func:`bnswap.app.models.build_model`).
         num_classes, in_channels: passed to the model.
         model_kwargs: further constructor arguments of the model (e.g. ``width_mult``).
         optimizer: ``"sgd"`` (momentum, Nesterov) or ``"adamw"``.

@@ -1,0 +1,12 @@
+"""The demo application: the ``bnswap`` console script (LightningCLI) and its main job.
+
+Apart from the library: it imports Lightning, scikit-learn and matplotlib itself (the
+``bnswap[lightning]`` extra), and the library never imports it.
+
+* :mod:`bnswap.app.cli`: the ``bnswap`` console script (``train`` / ``validate`` /
+  ``test`` / ``predict`` / ``compare``);
+* :mod:`bnswap.app.task`: the LightningModule (an image classifier);
+* :mod:`bnswap.app.data`: the LightningDataModule (scikit-learn's digits);
+* :mod:`bnswap.app.digits`: the digits data as tensors;
+* :mod:`bnswap.app.models`: small image classifiers built from stock ``torch.nn`` layers.
+"""
