@@ -1,29 +1,39 @@
 """Every patch bnswap applies to torch and torchao, in one place (the ONNX Runtime ones
 live in :mod:`bnswap.ort._compat`). Each is version-gated, applied once by
-:func:`install` (at ``import bnswap``), and changes nothing for a model that holds no
-swapped layer.
+:func:`install` (at ``import bnswap``; a module not imported yet is patched when it is,
+by an import hook, so ``import bnswap`` imports none of them), and changes nothing for a
+model that holds no swapped layer. Each is what a consumer that hands the model to a
+runtime of its own needs to see stock's BatchNorm (README, "After training").
 
-* **TorchScript** (``torch.jit.script``). TorchScript compiles ``module.forward``, and on
-  a swapped layer that is bnswap's Python forward (an instance attribute,
-  :mod:`bnswap._swap`), which it cannot compile. The patched
-  ``torch.jit._recursive.infer_methods_to_compile`` (the function ``torch.jit.script``
-  asks which methods to compile) hides that attribute while it reads the module, so the
-  class's own ``forward`` is compiled: a scripted swapped model is stock's scripted
-  model (``aten::batch_norm``, whose kernel TorchScript's runtime picks), and the user's
-  model is back as it was before ``torch.jit.script`` returns. Gate: the function exists
-  with torch's one-argument signature (torch 2.4 - 2.14 tested 2.13 / 2.14).
-* **torchao pt2e** (``prepare_pt2e`` / ``prepare_qat_pt2e``). Its conv-BN fold and the
-  quantizers' conv-BN patterns look for stock's ``aten.batch_norm``; the graph of a
-  swapped model carries the consolidated ops, so they silently matched nothing. The first
-  helper both functions call, ``torchao.quantization.pt2e.quantize_pt2e.
-  _get_node_name_to_scope(model)``, now runs :func:`bnswap.to_stock_ops` on the model
-  first, so every later step sees stock's graph. Patched when that module is imported
-  (an import hook; at once if it already is). Gate: torchao >= 0.18 (tested 0.18.0) and
-  both functions calling that helper by name.
+* **TorchScript** (``torch.jit.script``): ``torch.jit._recursive.create_script_module``
+  scripts a *stock view* of the model: the same Parameter and buffer tensors in new
+  module objects of the same classes, without bnswap's forward entry or the ORT
+  backend's trace buffers, and with each ORT wrapper replaced by the model it wraps. The
+  class's ``forward`` (``aten::batch_norm``, whose kernel TorchScript's runtime picks) is
+  compiled, and the user's model is never touched, not even briefly. Gate: the function
+  exists with torch's signature (tested on torch 2.13 / 2.14).
+* **torch.onnx, dynamo exporter**: its decomposition table
+  (``torch.onnx._internal.exporter._decomp.create_onnx_friendly_decomposition_table``)
+  maps ``_batch_norm_with_update_functional`` / ``_batch_norm_no_update`` to stock's
+  ``_native_batch_norm_legit_functional`` / ``_no_training``, which ONNX translates (and
+  folds into Conv) as stock's; without it an exported program given to
+  ``torch.onnx.export`` decomposed them into Sub / Mul / Add. Gate: that function exists.
+* **torchao pt2e** (``prepare_pt2e`` / ``prepare_qat_pt2e``, and
+  ``move_exported_model_to_eval`` / ``_train``): their conv-BN fold, the quantizers'
+  conv-BN patterns and the train / eval switch look for stock's ``aten.batch_norm``; the
+  graph of a swapped model carries the consolidated ops, so they silently matched
+  nothing. The first helper each calls by its module-global name
+  (``quantize_pt2e._get_node_name_to_scope``, ``export_utils._replace_batchnorm``) now
+  runs :func:`bnswap.to_stock_ops` on the graph first, so every later step sees stock's
+  graph, however the user imported the public function. A ``momentum=None`` layer is
+  refused there with a clear error (stock's graph cannot hold it: ``torch.export`` of a
+  stock one raises; torchao would drop bnswap's cumulative update). Gate: torchao >= 0.18
+  (tested 0.18.0) and the helpers called by name.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.abc
 import importlib.machinery
@@ -35,45 +45,121 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
-from bnswap._swap import SwappedForward
+from bnswap._graph import to_stock_ops
+from bnswap._swap import SwappedForward, wrapped_model
+from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT
 
-__all__ = ["install", "TORCHAO_PT2E", "MIN_TORCHAO"]
+__all__ = ["MIN_TORCHAO", "install", "stock_view"]
 
 logger = logging.getLogger("bnswap")
 
-TORCHAO_PT2E = "torchao.quantization.pt2e.quantize_pt2e"
 MIN_TORCHAO = (0, 18)
 _PATCHED = "_bnswap_patched"
 _lock = threading.Lock()
 _installed = False
+_aten = torch.ops.aten
+
+
+def _mark(fn: Callable) -> Callable:
+    setattr(fn, _PATCHED, True)
+    return fn
+
+
+def _patched(fn: object) -> bool:
+    return bool(getattr(fn, _PATCHED, False))
 
 
 # ------------------------------------------------------------------------ TorchScript
+def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
+    """``module`` as stock sees it, for TorchScript: new module objects (``copy.copy``, the
+    same classes) sharing every Parameter and buffer tensor, without bnswap's forward
+    entry or the ORT trace buffers; an ORT wrapper becomes the view of the model it wraps.
+    A module with nothing of bnswap's in its tree is returned itself."""
+    memo = {} if memo is None else memo
+    key = id(module)
+    if key in memo:
+        return memo[key]
+    inner = wrapped_model(module)
+    if inner is not None:
+        memo[key] = view = stock_view(inner, memo)
+        return view
+    if isinstance(module, torch.jit.ScriptModule):
+        return module
+    children = {k: (stock_view(v, memo) if v is not None else None)
+                for k, v in module._modules.items()}
+    own = (type(module.__dict__.get("forward")) is SwappedForward
+           or TRACE_WEIGHT in module._buffers or TRACE_BIAS in module._buffers)
+    if not own and all(children[k] is module._modules[k] for k in children):
+        memo[key] = module
+        return module
+    view = copy.copy(module)
+    memo[key] = view
+    d = view.__dict__
+    if type(d.get("forward")) is SwappedForward:
+        del d["forward"]
+    if TRACE_WEIGHT in module._buffers or TRACE_BIAS in module._buffers:
+        d["_buffers"] = {k: v for k, v in module._buffers.items()
+                         if k not in (TRACE_WEIGHT, TRACE_BIAS)}
+        d["_non_persistent_buffers_set"] = (module._non_persistent_buffers_set
+                                            - {TRACE_WEIGHT, TRACE_BIAS})
+    d["_modules"] = children
+    return view
+
+
 def _patch_torchscript() -> bool:
     rec = getattr(torch.jit, "_recursive", None)
-    original = getattr(rec, "infer_methods_to_compile", None)
-    if original is None or getattr(original, _PATCHED, False):
+    original = getattr(rec, "create_script_module", None)
+    if original is None or _patched(original):
         return original is not None
-    if list(inspect.signature(original).parameters) != ["nn_module"]:
-        logger.debug("bnswap: torch.jit._recursive.infer_methods_to_compile has an unknown "
+    if list(inspect.signature(original).parameters)[:2] != ["nn_module", "stubs_fn"]:
+        logger.debug("bnswap: torch.jit._recursive.create_script_module has an unknown "
                      "signature; torch.jit.script of swapped layers is not supported here")
         return False
 
     @functools.wraps(original)
-    def infer_methods_to_compile(nn_module: torch.nn.Module) -> Any:
-        d = nn_module.__dict__
-        fwd = d.get("forward")
-        if type(fwd) is not SwappedForward:
-            return original(nn_module)
-        del d["forward"]  # the class's forward is what TorchScript compiles
-        try:
-            return original(nn_module)
-        finally:
-            d["forward"] = fwd
+    def create_script_module(nn_module: Any, stubs_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        tracing = kwargs.get("is_tracing", args[1] if len(args) > 1 else False)
+        if not tracing and isinstance(nn_module, nn.Module):
+            nn_module = stock_view(nn_module)
+        return original(nn_module, stubs_fn, *args, **kwargs)
 
-    setattr(infer_methods_to_compile, _PATCHED, True)
-    rec.infer_methods_to_compile = infer_methods_to_compile
+    rec.create_script_module = _mark(create_script_module)
+    return True
+
+
+# ---------------------------------------------------------------- torch.onnx (dynamo)
+def _with_update_functional(input, weight, bias, running_mean, running_var, momentum, eps):
+    """``_batch_norm_with_update_functional`` as stock's functional training op (the
+    same schema arguments; ``reserve`` is an empty uint8 tensor, as on CPU)."""
+    out, save_mean, save_rstd, new_mean, new_var = _aten._native_batch_norm_legit_functional(
+        input, weight, bias, running_mean, running_var, True, momentum, eps)
+    reserve = input.new_empty((0,), dtype=torch.uint8)
+    return out, save_mean, save_rstd, reserve, new_mean, new_var
+
+
+def _no_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """``_batch_norm_no_update`` as stock's ``_native_batch_norm_legit_no_training``."""
+    out, save_mean, save_rstd = _aten._native_batch_norm_legit_no_training(
+        input, weight, bias, running_mean, running_var, momentum, eps)
+    return out, save_mean, save_rstd, input.new_empty((0,), dtype=torch.uint8)
+
+
+def patch_onnx_decomposition(mod: Any) -> bool:
+    """Make torch.onnx's dynamo exporter translate the consolidated ops as stock's."""
+    original = getattr(mod, "create_onnx_friendly_decomposition_table", None)
+    if original is None or _patched(original):
+        return original is not None
+
+    @functools.wraps(original)
+    def create_onnx_friendly_decomposition_table(*args: Any, **kwargs: Any) -> dict:
+        table = original(*args, **kwargs)
+        table[_aten._batch_norm_with_update_functional.default] = _with_update_functional
+        table[_aten._batch_norm_no_update.default] = _no_update
+        return table
+
+    mod.create_onnx_friendly_decomposition_table = _mark(create_onnx_friendly_decomposition_table)
     return True
 
 
@@ -87,15 +173,47 @@ def _version(mod_name: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def patch_torchao_pt2e(mod: Any) -> bool:
-    """Make ``mod`` (torchao's ``quantize_pt2e`` module) rewrite swapped layers' nodes to
-    stock's before its prepare functions look at a graph; False if not applicable."""
-    helper = getattr(mod, "_get_node_name_to_scope", None)
-    if helper is None or getattr(helper, _PATCHED, False):
-        return helper is not None
+def _refuse_cumulative(gm: torch.fx.GraphModule) -> None:
+    """bnswap's compiled momentum=None update: batch statistics via momentum 1 on
+    ``zeros_like`` scratch statistics, then a ``lerp_`` into the running ones."""
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target is _aten._batch_norm_with_update.default
+                and node.args[5] == 1.0 and getattr(node.args[3], "target", None)
+                is _aten.zeros_like.default):
+            raise NotImplementedError(
+                "bnswap: a BatchNorm layer with momentum=None (a cumulative moving average) "
+                "is in this exported graph; torchao's pt2e fold would drop its running-"
+                "statistics update, silently (torch.export of a stock one raises instead). "
+                "Set a momentum (e.g. 0.1) on the layer before exporting, or "
+                "bnswap.revert(model).")
+
+
+def _rewrite_first(helper: Callable) -> Callable:
+    @functools.wraps(helper)
+    def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(model, torch.fx.GraphModule):
+            _refuse_cumulative(model)
+            to_stock_ops(model)
+        return helper(model, *args, **kwargs)
+
+    return _mark(patched)
+
+
+def _torchao_ok(what: str) -> bool:
     if _version("torchao") < MIN_TORCHAO:
-        logger.debug("bnswap: torchao %s is older than tested; pt2e rewrite not applied",
-                     _version("torchao"))
+        logger.debug("bnswap: torchao %s is older than tested; %s not patched",
+                     _version("torchao"), what)
+        return False
+    return True
+
+
+def patch_torchao_pt2e(mod: Any) -> bool:
+    """Make torchao's ``quantize_pt2e`` module rewrite swapped layers' nodes to stock's
+    before its prepare functions look at a graph; False if not applicable."""
+    helper = getattr(mod, "_get_node_name_to_scope", None)
+    if helper is None or _patched(helper):
+        return helper is not None
+    if not _torchao_ok("prepare_pt2e"):
         return False
     for name in ("prepare_pt2e", "prepare_qat_pt2e"):
         fn = getattr(mod, name, None)
@@ -103,17 +221,31 @@ def patch_torchao_pt2e(mod: Any) -> bool:
             logger.debug("bnswap: torchao's %s does not call _get_node_name_to_scope; "
                          "pt2e rewrite not applied", name)
             return False
-    from bnswap._graph import to_stock_ops
-
-    @functools.wraps(helper)
-    def _get_node_name_to_scope(model: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(model, torch.fx.GraphModule):
-            to_stock_ops(model)
-        return helper(model, *args, **kwargs)
-
-    setattr(_get_node_name_to_scope, _PATCHED, True)
-    mod._get_node_name_to_scope = _get_node_name_to_scope
+    mod._get_node_name_to_scope = _rewrite_first(helper)
     return True
+
+
+def patch_torchao_export_utils(mod: Any) -> bool:
+    """The same for torchao's ``move_exported_model_to_eval`` / ``_train``."""
+    helper = getattr(mod, "_replace_batchnorm", None)
+    if helper is None or _patched(helper):
+        return helper is not None
+    if not _torchao_ok("move_exported_model_to_eval / _train"):
+        return False
+    for name in ("_move_exported_model_to_eval", "_move_exported_model_to_train"):
+        fn = getattr(mod, name, None)
+        if fn is None or "_replace_batchnorm" not in fn.__code__.co_names:
+            return False
+    mod._replace_batchnorm = _rewrite_first(helper)
+    return True
+
+
+# ----------------------------------------------------------------------- import hook
+_PATCHES: dict[str, Callable[[Any], bool]] = {
+    "torch.onnx._internal.exporter._decomp": patch_onnx_decomposition,
+    "torchao.quantization.pt2e.quantize_pt2e": patch_torchao_pt2e,
+    "torchao.quantization.pt2e.export_utils": patch_torchao_export_utils,
+}
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -138,11 +270,8 @@ class _ImportHook(importlib.abc.MetaPathFinder):
     """Patches a module right after it is first imported (the module's own code runs
     unchanged; only the finished module object is patched)."""
 
-    def __init__(self, patches: dict[str, Callable[[Any], object]]) -> None:
-        self._patches = patches
-
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        patch = self._patches.get(fullname)
+        patch = _PATCHES.get(fullname)
         if patch is None:
             return None
         for finder in sys.meta_path:
@@ -159,15 +288,6 @@ class _ImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _hook_torchao() -> None:
-    loaded = sys.modules.get(TORCHAO_PT2E)
-    if loaded is not None:
-        patch_torchao_pt2e(loaded)
-        return
-    if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _ImportHook({TORCHAO_PT2E: patch_torchao_pt2e}))
-
-
 def install() -> None:
     """Apply the patches above (idempotent, thread-safe; a no-op after the first call)."""
     global _installed
@@ -175,5 +295,9 @@ def install() -> None:
         if _installed:
             return
         _patch_torchscript()
-        _hook_torchao()
+        for name, patch in _PATCHES.items():
+            if name in sys.modules:
+                patch(sys.modules[name])
+        if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+            sys.meta_path.insert(0, _ImportHook())
         _installed = True

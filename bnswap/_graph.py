@@ -27,6 +27,7 @@ stock's layer records, node for node:
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 from torch.fx import GraphModule, Node
@@ -57,7 +58,8 @@ def _fill_value(arg: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def _rewrite(graph: torch.fx.Graph, node: Node) -> bool:
+def _rewrite(graph: torch.fx.Graph, node: Node,
+             renamed: Callable[[str, str], None] | None = None) -> bool:
     users = list(node.users)
     if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in users):
         return False  # an output other than the first is used: not what bnswap records
@@ -84,6 +86,8 @@ def _rewrite(graph: torch.fx.Graph, node: Node) -> bool:
     for u in users:
         if u is first:
             u.replace_all_uses_with(new)
+            if renamed is not None:  # an ExportedProgram's signature names its outputs
+                renamed(u.name, new.name)
         graph.erase_node(u)
     graph.erase_node(node)
     for c in constants:
@@ -144,8 +148,10 @@ def to_stock_ops(module: GraphModule | torch.export.ExportedProgram) -> int:
         >>> [str(n.target) for n in gm.graph.nodes if "batch_norm" in str(n.target)]
         ['aten.batch_norm.default']
     """
+    renamed = None
     if isinstance(module, torch.export.ExportedProgram):
         gm = module.graph_module
+        renamed = module.graph_signature.replace_all_uses
     elif isinstance(module, GraphModule):
         gm = module
     else:
@@ -160,7 +166,7 @@ def to_stock_ops(module: GraphModule | torch.export.ExportedProgram) -> int:
         changed = False
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target in (_WITH_UPDATE, _NO_UPDATE):
-                if _rewrite(graph, node):
+                if _rewrite(graph, node, renamed if sub is gm else None):
                     count += 1
                     changed = True
         before = len(graph.nodes)

@@ -1,34 +1,14 @@
 """The swap primitive: one BatchNorm layer runs bnswap's forward, its class unchanged.
 
-bnswap never changes a layer's class. :func:`swap` stores a :class:`SwappedForward` in
-the layer's instance ``__dict__`` under ``"forward"``; ``nn.Module.__call__`` looks
-``self.forward`` up on the instance before the class, so the layer runs bnswap's kernel
-while ``type(layer)`` stays the stock class (``nn.BatchNorm2d``,
-``ParametrizedBatchNorm2d``, timm's ``BatchNormAct2d``...). Tools that look a layer up by
-its exact type (``torch.fx.experimental.optimization.fuse``, the ``torch.ao.quantization``
-mappings, FLOP counters such as ptflops) therefore see a stock layer, and the module
-object, its Parameter and buffer objects, hooks, flags and state_dict keys are never
-touched. :func:`unswap` deletes the entry: the exact inverse.
-
-Where a consumer records the model to hand it to a runtime of its own, a swapped layer
-records exactly what its stock class records (its class's ``forward``):
-
-* the TorchScript tracer (``torch.jit.trace``, ``torch.onnx.export(dynamo=False)``),
-  except inside :func:`bnswap.functional.consolidated_ops_while_tracing` (the ORT backend's
-  export);
-* ``torch.onnx.export(dynamo=True)`` (its ``torch.export`` runs with
-  ``torch.onnx.is_in_onnx_export()`` set);
-* ``torch.fx.symbolic_trace`` tracing through a layer that is not a leaf (an adapter's
-  class, e.g. timm's ``BatchNormAct2d``).
-
-``torch.jit.script`` compiles the class's ``forward`` too (:mod:`bnswap._compat`). Every
-other run, eager, ``torch.compile`` and ``torch.export``, runs the adapter: PyTorch's
-consolidated batch-norm ops (pytorch PR 116092).
-
-``copy.deepcopy``, pickle and ``torch.save`` of a swapped layer (or a model holding one)
-give swapped copies bound to the copy. A *shallow* copy (``copy.copy``, the replicas of
-``nn.DataParallel`` on several GPUs) shares the original's :class:`SwappedForward`, which
-normalizes with the original layer's tensors: call :func:`swap` on the copy.
+:func:`swap` stores a :class:`SwappedForward` in the layer's instance ``__dict__`` under
+``"forward"``; ``nn.Module.__call__`` looks ``self.forward`` up on the instance before the
+class, so the layer runs an adapter on the consolidated ops while ``type(layer)`` stays
+the stock class, and the module, its Parameters, buffers, hooks and state_dict keys are
+untouched. :func:`unswap` deletes the entry: the exact inverse. Where a consumer records
+the model for another runtime (the TorchScript tracer, ``torch.onnx.export``, fx tracing
+through a non-leaf layer) the layer runs its class's own ``forward``, so that consumer
+gets stock's graph. Why this design and what it costs (shallow copies share the entry):
+``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -67,13 +47,15 @@ def type_before_parametrizations(module: nn.Module) -> type:
     return type(module)
 
 
-def _records_stock(args: tuple) -> bool:
+def _records_stock(args: tuple, kwargs: dict) -> bool:
     """Whether this call is being recorded for another runtime (see the module docstring)."""
     if torch.jit.is_tracing():
         return not records_consolidated_ops()
     if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
         return torch.onnx.is_in_onnx_export()
-    return bool(args) and isinstance(args[0], torch.fx.Proxy)
+    # fx tracing through a layer that is not a leaf: any argument may be the Proxy
+    return any(isinstance(a, torch.fx.Proxy) for a in args) or any(
+        isinstance(a, torch.fx.Proxy) for a in kwargs.values())
 
 
 class SwappedForward:
@@ -98,7 +80,7 @@ class SwappedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if _records_stock(args):
+        if _records_stock(args, kwargs):
             return type(module).forward(module, *args, **kwargs)
         return self.adapter(module, *args, **kwargs)
 

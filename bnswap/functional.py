@@ -1,44 +1,14 @@
-"""The one batch-norm core every bnswap layer uses.
+"""The one batch-norm core every bnswap adapter uses (torch calls this layer
+``functional``).
 
-It reproduces ``torch.nn.modules.batchnorm._BatchNorm.forward`` + ``F.batch_norm``
-semantics exactly, but calls PyTorch's consolidated, backend-agnostic batch-norm ops
-(pytorch PR 116092) instead of the legacy ``aten::batch_norm`` stack:
-
-* ``aten::_batch_norm_with_update(Tensor input, Tensor? weight, Tensor? bias,
-  Tensor(a!) running_mean, Tensor(b!) running_var, float momentum, float eps)
-  -> (Tensor out, Tensor save_mean, Tensor save_invstd, Tensor reserve)``
-  when normalizing with batch statistics;
-* ``aten::_batch_norm_no_update(Tensor input, Tensor? weight, Tensor? bias,
-  Tensor? running_mean, Tensor? running_var, float momentum, float eps)
-  -> (Tensor, Tensor, Tensor, Tensor)`` when normalizing with running statistics.
-
-Their derivative is ``aten::batch_norm_backward``. Under ``torch.export`` /
-``torch.compile`` these become ``_batch_norm_with_update_functional`` /
-``_batch_norm_no_update`` + ``batch_norm_backward``, which pick cuDNN / MIOpen /
-native at run time, so a graph captured on CPU still runs cuDNN on CUDA (the legacy
-``_native_batch_norm_legit_functional`` + ``native_batch_norm_backward`` pair binds the
-native kernel: pytorch issue 111384).
-
-Facts about these ops on torch 2.13 that the core handles:
-
-* ``batch_norm_backward`` needs a weight tensor, and cuDNN is selected only when weight
-  and bias are both defined: layers without affine parameters pass constant ones /
-  zeros (never parameters, never in the state_dict).
-* ``_batch_norm_no_update`` with running stats None crashes the process and
-  ``_batch_norm_with_update`` with None stats raises: batch-statistics-only
-  normalization (``track_running_stats=False``) runs ``_batch_norm_with_update`` on
-  throw-away statistics.
-* The ops do not check for one value per channel in training (they write NaN into
-  running_var) nor channel counts before they run: all checks happen here, before any
-  kernel runs and before num_batches_tracked moves.
-* functorch has no batching rule for the consolidated ops (``vmap`` of a training
-  layer fails): inside ``torch.func`` transforms the core calls ``F.batch_norm`` with
-  exactly stock's arguments.
-* The ops take ``momentum`` as a float. ``momentum=None`` (cumulative moving average)
-  needs ``1 / num_batches_tracked``: eager code reads it as a Python float exactly as
-  stock does (bitwise-equal statistics); code being compiled or exported computes the
-  update with tensor maths so no graph break occurs (stock breaks there: pytorch issue
-  194504).
+:func:`module_batch_norm` reproduces ``torch.nn.modules.batchnorm._BatchNorm.forward`` +
+``F.batch_norm`` exactly, on PyTorch's consolidated, backend-agnostic ops (pytorch PR
+116092): ``aten::_batch_norm_with_update`` with batch statistics,
+``aten::_batch_norm_no_update`` with running statistics, ``aten::batch_norm_backward``
+as their derivative. The input checks (:func:`check_batch_norm_input`) and torch's
+``exponential_average_factor`` rule (:func:`exponential_average_factor`) live here too.
+What these ops need on torch 2.13, and how the core provides it: ``docs/architecture.md``,
+"The core".
 """
 
 from __future__ import annotations
@@ -386,9 +356,11 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
             input, weight, bias, batch_mean, batch_var, 1.0, bn.eps
         )[0]
         w = exponential_average_factor(None, nbt, traced=True).to(running_mean.dtype)
-        with torch.no_grad():
-            running_mean.lerp_(batch_mean, w)
-            running_var.lerp_(batch_var, w)
+        # No torch.no_grad() needed (nothing here requires grad), and none wanted: under
+        # torch.export it became a wrap_with_set_grad_enabled node whose missing meta
+        # made torch.export.load refuse the saved program.
+        running_mean.lerp_(batch_mean, w)
+        running_var.lerp_(batch_var, w)
         return out
     return _with_update(
         input, weight, bias, running_mean, running_var, factor, bn.eps

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import bnswap
-from tests._helpers_reliab import state_diff
+from tests._helpers import state_diff
 
 # bnswap.plan is the function (bnswap/__init__ re-exports it); the module is here:
 plan_mod = importlib.import_module("bnswap.plan")

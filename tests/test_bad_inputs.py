@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import bnswap
-from tests._helpers_reliab import (
+from tests._helpers import (
     json_lines,
     outcome,
     pair,

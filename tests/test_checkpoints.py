@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 import bnswap
-from tests._helpers_reliab import outcome, state_diff
+from tests._helpers import outcome, state_diff
 
 
 

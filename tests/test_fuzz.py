@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import bnswap
-from tests._helpers_reliab import same_tensor, state_diff
+from tests._helpers import same_tensor, state_diff
 
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]

@@ -15,7 +15,7 @@ from torch.func import functional_call, jacrev, replace_all_batch_norm_modules_,
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
-from tests._helpers_reliab import (
+from tests._helpers import (
     outcome,
     pair,
     same_tensor,
@@ -362,6 +362,36 @@ def test_fx_symbolic_trace_through_an_adapter_like_stock():
                 x = torch.randn(4, 3, 6, 6)
                 assert torch.equal(gs(x), gb(x))
                 assert state_diff(gs, gb) == []
+    finally:
+        registry._ADAPTERS.clear()
+        registry._ADAPTERS.update(saved)
+
+
+class _KeywordCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), _BNReLU(4)
+
+    def forward(self, x):
+        return self.bn(x=self.conv(x))  # the layer's input passed by keyword
+
+
+def test_fx_symbolic_trace_through_an_adapter_called_with_a_keyword_input():
+    """Guards: the stock-recording check looked at positional arguments only, so a Proxy
+    passed by keyword reached bnswap's core (TraceError where stock traces)."""
+    from bnswap import registry
+
+    saved = dict(registry._ADAPTERS)
+    bnswap.register(_BNReLU, bn_relu)
+    try:
+        torch.manual_seed(0)
+        stock = _KeywordCall()
+        swapped = bnswap.convert(copy.deepcopy(stock))
+        gs, gb = torch.fx.symbolic_trace(stock), torch.fx.symbolic_trace(swapped)
+        assert [(n.op, n.target) for n in gs.graph.nodes] == [
+            (n.op, n.target) for n in gb.graph.nodes]
+        x = torch.randn(4, 3, 6, 6)
+        assert torch.equal(gs(x), gb(x))
     finally:
         registry._ADAPTERS.clear()
         registry._ADAPTERS.update(saved)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import bnswap
-from tests._reference import assert_state_equal, pair, step
+from tests._helpers import assert_state_equal, pair, step
 
 SHAPES = {
     nn.BatchNorm1d: [(8, 3), (4, 3, 5)],

@@ -645,3 +645,19 @@ def test_eval_model_with_a_train_mode_batchnorm_is_refused():
     with buffers_unchanged(model), torch.no_grad(), \
             pytest.raises(bnswap.ort.ORTRunError, match="needs backend='aten'"):
         wrapped(torch.randn(8, 3, 8, 8))
+
+
+def test_works_where_stdout_has_no_file_descriptor(monkeypatch):
+    """Jupyter's, IDLE's and doctest's sys.stdout have no fileno(); ORT's exporter hides
+    its output by redirecting file descriptors and failed every export there
+    ("TypeError: 'NoneType' object cannot be interpreted as an integer")."""
+    import io
+
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(4, 3, 6, 6)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    assert_stats_equal(model, ref)

@@ -36,6 +36,9 @@ ORT-side fixes (ORT's own modules only):
   ORT's "extensions not installed" init error (a glob of its own folder) is cleared.
 * NVTX range calls (``onnxruntime.training.utils.torch_profile_utils``) raise on CPU
   builds of torch: they become no-ops when CUDA is not available.
+* ORT hides its exporter's output by redirecting the stdout / stderr file descriptors;
+  where ``sys.stdout`` has none (Jupyter, IDLE, doctest) that failed every export: there
+  the streams are left alone.
 * ``GraphExecutionManager._get_session_config`` calls a per-manager hook
   (``_bnswap_session_hook``) so bnswap can set session options and record the graph
   the session runs (:func:`bnswap.ort.executed_ops`).
@@ -411,6 +414,34 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
     gem._get_session_config = _get_session_config
 
 
+def _has_fileno(stream: Any) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
+    return True
+
+
+def _patch_stream_suppression() -> None:
+    """ORT's ``_logger._suppress_os_stream_output`` redirects the stdout / stderr file
+    descriptors while it exports; where ``sys.stdout`` has none (Jupyter's and IDLE's
+    streams, doctest, pytest's ``capsys``) it raised ``TypeError: 'NoneType' object cannot
+    be interpreted as an integer`` from its cleanup, and every export failed. There it
+    now leaves the streams alone (ORT's messages are then shown, not hidden)."""
+    lg = importlib.import_module(f"{_ORTM}._logger")
+    original = lg._suppress_os_stream_output
+    if getattr(original, "_bnswap_patched", False):
+        return
+
+    @functools.wraps(original)
+    def _suppress_os_stream_output(enable=True, on_exit=None):
+        usable = _has_fileno(sys.stdout) and _has_fileno(sys.stderr)
+        return original(enable=enable and usable, on_exit=on_exit)
+
+    _suppress_os_stream_output._bnswap_patched = True  # type: ignore[attr-defined]
+    lg._suppress_os_stream_output = _suppress_os_stream_output
+
+
 def apply() -> types.ModuleType:
     """Make ``onnxruntime.training.ortmodule`` usable on this torch; return it.
 
@@ -447,6 +478,7 @@ def apply() -> types.ModuleType:
         elif init_error is not None:
             raise ImportError(f"ORTModule cannot initialize: {init_error}") from init_error
         _patch_export(ortmodule)
+        _patch_stream_suppression()
         _applied = True
         logger.debug("bnswap.ort: ORT compatibility layer applied")
         return ortmodule

@@ -86,6 +86,10 @@ class WrapperState:
         self.__init__(**state)  # type: ignore[misc]
 
 
+def _recorded_elsewhere() -> bool:
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
 def _is_ort_error(err: BaseException) -> bool:
     """An error raised by ONNX Runtime itself (by type: ORTModule's fallback exceptions
     and the classes of ORT's own modules, e.g. its C++ ``Fail`` / ``InvalidArgument``)."""
@@ -153,7 +157,11 @@ class BNSwapORTModule(_ortmodule.ORTModule):
     def _bnswap_forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._bnswap_state()
         model = state.model
-        if state.eager:
+        if state.eager or _recorded_elsewhere():
+            # Being traced or exported (torch.jit.trace, torch.onnx.export, Lightning's
+            # to_onnx / to_torchscript) records the model ORT wraps, as stock's layers:
+            # the exporter's runtime picks its kernels. (ORT's own export traces that
+            # model directly, never this wrapper.)
             return model(*args, **kwargs)
         training = model.training
         self._bnswap_sync_mode(training)

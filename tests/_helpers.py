@@ -1,5 +1,5 @@
-"""Shared helpers for the reliability tests (fuzz, bad inputs, atomic convert,
-checkpoints, isinstance-based torch functions, gradcheck).
+"""The test suite's shared helpers: stock-vs-bnswap pairs, one step on both, state
+comparisons, subprocess runs.
 
 Every comparison is against stock ``torch.nn`` BatchNorm on an identical deepcopy.
 """
@@ -31,7 +31,7 @@ def swapped_copy(model: nn.Module) -> nn.Module:
 
 
 def pair(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(stock model, converted deepcopy): identical state, different classes."""
+    """(stock model, converted deepcopy): identical state; only the copy is swapped."""
     return model, swapped_copy(model)
 
 
@@ -113,3 +113,33 @@ def run_script(code: str, timeout: float = 120) -> tuple[int, str, str]:
 
 def json_lines(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def step(stock: nn.Module, swapped: nn.Module, x: torch.Tensor, grad_seed: int = 1):
+    """One forward+backward on identical inputs; returns (y1, y2, gx1, gx2)."""
+    x1 = x.detach().clone().requires_grad_(x.is_floating_point())
+    x2 = x.detach().clone().requires_grad_(x.is_floating_point())
+    y1, y2 = stock(x1), swapped(x2)
+    g = torch.randn(y1.shape, generator=torch.Generator().manual_seed(grad_seed)).to(y1.dtype)
+    if y1.requires_grad:
+        y1.backward(g)
+        y2.backward(g)
+    return y1, y2, x1.grad, x2.grad
+
+
+def assert_state_equal(a: nn.Module, b: nn.Module, exact: bool = True, **tol) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if exact:
+            assert torch.equal(sa[k], sb[k]), k
+        else:
+            torch.testing.assert_close(sa[k], sb[k], **tol, msg=k)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb
+        if pa.grad is None:
+            assert pb.grad is None, na
+        elif exact:
+            assert torch.equal(pa.grad, pb.grad), na
+        else:
+            torch.testing.assert_close(pa.grad, pb.grad, **tol, msg=na)
