@@ -199,45 +199,35 @@ def _rewrite_first(helper: Callable) -> Callable:
     return _mark(patched)
 
 
-def _torchao_ok(what: str) -> bool:
+def _patch_torchao(mod: Any, helper_name: str, callers: tuple[str, ...]) -> bool:
+    """Make ``mod``'s ``helper_name`` (which each of ``callers`` calls by its module-global
+    name, first) rewrite swapped layers' nodes to stock's; False if not applicable."""
+    helper = getattr(mod, helper_name, None)
+    if helper is None or _patched(helper):
+        return helper is not None
     if _version("torchao") < MIN_TORCHAO:
         logger.debug("bnswap: torchao %s is older than tested; %s not patched",
-                     _version("torchao"), what)
+                     _version("torchao"), mod.__name__)
         return False
+    for name in callers:
+        fn = getattr(mod, name, None)
+        if fn is None or helper_name not in fn.__code__.co_names:
+            logger.debug("bnswap: torchao's %s does not call %s; not patched", name,
+                         helper_name)
+            return False
+    setattr(mod, helper_name, _rewrite_first(helper))
     return True
 
 
 def patch_torchao_pt2e(mod: Any) -> bool:
-    """Make torchao's ``quantize_pt2e`` module rewrite swapped layers' nodes to stock's
-    before its prepare functions look at a graph; False if not applicable."""
-    helper = getattr(mod, "_get_node_name_to_scope", None)
-    if helper is None or _patched(helper):
-        return helper is not None
-    if not _torchao_ok("prepare_pt2e"):
-        return False
-    for name in ("prepare_pt2e", "prepare_qat_pt2e"):
-        fn = getattr(mod, name, None)
-        if fn is None or "_get_node_name_to_scope" not in fn.__code__.co_names:
-            logger.debug("bnswap: torchao's %s does not call _get_node_name_to_scope; "
-                         "pt2e rewrite not applied", name)
-            return False
-    mod._get_node_name_to_scope = _rewrite_first(helper)
-    return True
+    """torchao's ``quantize_pt2e``: ``prepare_pt2e`` / ``prepare_qat_pt2e``."""
+    return _patch_torchao(mod, "_get_node_name_to_scope", ("prepare_pt2e", "prepare_qat_pt2e"))
 
 
 def patch_torchao_export_utils(mod: Any) -> bool:
-    """The same for torchao's ``move_exported_model_to_eval`` / ``_train``."""
-    helper = getattr(mod, "_replace_batchnorm", None)
-    if helper is None or _patched(helper):
-        return helper is not None
-    if not _torchao_ok("move_exported_model_to_eval / _train"):
-        return False
-    for name in ("_move_exported_model_to_eval", "_move_exported_model_to_train"):
-        fn = getattr(mod, name, None)
-        if fn is None or "_replace_batchnorm" not in fn.__code__.co_names:
-            return False
-    mod._replace_batchnorm = _rewrite_first(helper)
-    return True
+    """torchao's ``export_utils``: ``move_exported_model_to_eval`` / ``_train``."""
+    return _patch_torchao(mod, "_replace_batchnorm", ("_move_exported_model_to_eval",
+                                                      "_move_exported_model_to_train"))
 
 
 # ----------------------------------------------------------------------- import hook

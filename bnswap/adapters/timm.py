@@ -36,8 +36,10 @@ def batch_norm_act_2d(layer: _timm_norm_act.BatchNormAct2d, x: Tensor) -> Tensor
 
         >>> import torch, timm, bnswap
         >>> layer = bnswap.convert(timm.layers.BatchNormAct2d(4))
-        >>> bnswap.layers.adapter_name(layer)
+        >>> bnswap.plan(layer)[0].adapter_name
         'bnswap.adapters.timm.batch_norm_act_2d'
+        >>> type(layer) is timm.layers.BatchNormAct2d
+        True
     """
     _assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")
     x = module_batch_norm(layer, x)  # type: ignore[arg-type]
