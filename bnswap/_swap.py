@@ -144,14 +144,12 @@ def swap(module: nn.Module, adapter: Adapter) -> Callable[[], None]:
     return undo
 
 
-def unswap(module: nn.Module) -> bool:
-    """Give ``module`` its class's forward back (and drop the ORT trace buffers, if any);
-    False if it was not swapped."""
-    if _entry(module) is None:
-        return False
-    del module.__dict__["forward"]
-    drop_trace_buffers(module)  # type: ignore[arg-type]  # registered by bnswap.ort.wrap
-    return True
+def unswap(module: nn.Module) -> None:
+    """Give ``module`` its class's forward back and drop the ORT trace buffers (if any);
+    a module that is not swapped is left as it is."""
+    if _entry(module) is not None:
+        del module.__dict__["forward"]
+        drop_trace_buffers(module)  # type: ignore[arg-type]  # registered by bnswap.ort.wrap
 
 
 def wrapped_model(module: object) -> nn.Module | None:

@@ -445,7 +445,8 @@ def test_every_layer_row_ran_in_the_subprocess(results):
                                  nn.BatchNorm2d])
 @pytest.mark.parametrize("fn", ["convert", "plan", "revert"])
 def test_non_module_is_a_type_error(fn, obj):
-    with pytest.raises(TypeError, match=f"expects a torch.nn.Module, got {type(obj).__name__}"):
+    with pytest.raises(TypeError, match=fr"^bnswap\.{fn}\(\) expects a torch\.nn\.Module, "
+                                        f"got {type(obj).__name__}$"):
         getattr(bnswap, fn)(obj)
 
 

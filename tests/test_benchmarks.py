@@ -127,7 +127,9 @@ def test_suite_quick_writes_json_md_png_with_sane_numbers(tmp_path):
     assert [r["layers"] for r in p5["rows"]] == [10, 100, 1000]
     for r in p5["rows"]:
         assert _finite_pos(r["convert_ms"]) and _finite_pos(r["revert_ms"])
-    assert p5["rows"][-1]["verdict"] in ("met", "missed")
+    last = p5["rows"][-1]  # the verdict follows from the figures (goal: < 20 ms)
+    assert last["verdict"] == ("met" if max(last["convert_ms"], last["revert_ms"]) < 20.0
+                               else "missed")
     # P6: memory measured in subprocesses: identical peaks (same kernels, same buffers)
     p6 = cases["P6"]["rows"][0]
     assert _finite_pos(p6["bnswap_peak_mib"]) and _finite_pos(p6["stock_peak_mib"])

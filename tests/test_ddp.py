@@ -73,6 +73,10 @@ def test_ddp_two_processes_fit_with_ort_backend_like_stock(tmp_path):
     assert list(s0) == list(stock[0]["state"])
     assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
     # ... and equal stock DDP within float32 rounding (ORT's kernels are not bitwise
-    # aten's; measured max |diff| 1.5e-7 after 8 steps)
+    # aten's; measured max |diff| 1.5e-7 after 8 steps; the README says "within 1e-6")
+    diffs = {k: float((s0[k].double() - want.double()).abs().max())
+             for k, want in stock[0]["state"].items() if want.is_floating_point()}
+    assert max(diffs.values()) <= 1e-6, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
     for k, want in stock[0]["state"].items():
-        torch.testing.assert_close(s0[k], want, rtol=1e-4, atol=1e-5, msg=k)
+        if not want.is_floating_point():
+            assert torch.equal(s0[k], want), k  # num_batches_tracked

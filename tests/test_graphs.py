@@ -64,14 +64,21 @@ def test_export_eval_graph():
     assert not ep.run_decompositions().graph_signature.buffers_to_mutate
 
 
-def test_exported_program_runs_like_eager():
+def test_exported_program_runs_like_eager_stock():
+    """The exported program's outputs and its statistics after each call, against eager
+    stock BatchNorm on an identical copy (bitwise: the same CPU kernels)."""
     torch.manual_seed(1)
-    m = bnswap.convert(model())
-    ref = copy.deepcopy(m)
+    ref = model()
+    m = bnswap.convert(copy.deepcopy(ref))
     x = torch.randn(4, 3, 8, 8)
-    ep = torch.export.export(m, (x,))
-    out = ep.module()(x)
-    torch.testing.assert_close(out, ref(x))
+    run = torch.export.export(m, (x,)).module()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8, generator=g)
+        assert torch.equal(run(x), ref(x))
+        buffers = dict(run.named_buffers())
+        for k, v in ref.named_buffers():
+            assert torch.equal(buffers[k], v), k
 
 
 def _capture():
@@ -91,8 +98,8 @@ def _capture():
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_compile_fullgraph_aot_graphs(momentum):
     torch._dynamo.reset()
-    m = bnswap.convert(model(momentum))
-    ref = copy.deepcopy(m)
+    ref = model(momentum)  # eager stock on an identical copy
+    m = bnswap.convert(copy.deepcopy(ref))
     graphs, backend = _capture()
     cm = torch.compile(m, backend=backend, fullgraph=True)
     g = torch.Generator().manual_seed(7)
@@ -116,8 +123,8 @@ def test_compile_fullgraph_aot_graphs(momentum):
 def test_inductor_matches_eager_with_train_eval_switches():
     torch._dynamo.reset()
     torch.manual_seed(3)
-    m = bnswap.convert(model(None))
-    ref = copy.deepcopy(m)
+    ref = model(None)  # eager stock on an identical copy
+    m = bnswap.convert(copy.deepcopy(ref))
     cm = torch.compile(m)  # inductor
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)

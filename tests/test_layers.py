@@ -98,24 +98,16 @@ def test_case4_subclass_with_own_forward_is_left_in_place():
 
 
 def test_case5_half_channels_last_with_float_params():
-    bn = bnswap.convert(nn.BatchNorm2d(3))
-    ref = copy.deepcopy(bn)
-    x = torch.randn(4, 3, 16, 16).half()
-    xc = x.to(memory_format=torch.channels_last).requires_grad_()
-    xr = x.clone().requires_grad_()
-    y = bn(xc)
-    yr = ref(xr)
+    """Half input in channels_last, float32 parameters: against stock on the same
+    input, bitwise (the reference used to be a copy of the converted layer)."""
+    stock, bn = pair(nn.BatchNorm2d(3))
+    x = torch.randn(4, 3, 16, 16).half().to(memory_format=torch.channels_last)
+    y_stock, y, gx_stock, gx = step(stock, bn, x)
     assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
-    g = torch.randn_like(yr)
-    y.backward(g.to(memory_format=torch.channels_last))
-    yr.backward(g)
-    for t in (xc.grad, bn.weight.grad, bn.bias.grad):
-        assert torch.isfinite(t).all()
-    torch.testing.assert_close(y, yr, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(xc.grad, xr.grad, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(bn.weight.grad, ref.weight.grad, rtol=1e-3, atol=1e-2)
-    torch.testing.assert_close(bn.bias.grad, ref.bias.grad, rtol=1e-3, atol=1e-2)
+    assert torch.equal(y, y_stock) and torch.equal(gx, gx_stock)
+    assert_state_equal(stock, bn)  # statistics and parameter gradients
     assert bn.weight.dtype == torch.float32
+    assert torch.isfinite(bn.weight.grad).all() and torch.isfinite(gx).all()
 
 
 # --- the matrix: bitwise equal to stock on CPU ------------------------------------------
@@ -220,6 +212,14 @@ def test_errors_match_stock(shape, kw, training):
     x = torch.randn(shape)
     e1, e2 = _errors(lambda: stock(x)), _errors(lambda: swapped(x))
     assert e1 == e2
+    if e1 is None:  # neither raised (no channel to check against): the same answer
+        assert torch.equal(stock(x), swapped(x))
+        assert_state_equal(stock, swapped)
+    else:  # both raised; the statistics are untouched on both sides (the counter may
+        # differ: stock counts the batch before some errors, docs/reliability.md dev. 1)
+        for name in ("running_mean", "running_var"):
+            a, b = getattr(stock, name), getattr(swapped, name)
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_one_value_per_channel_raises_before_touching_statistics():

@@ -557,8 +557,92 @@ def test_deepcopy_and_torch_save_of_a_wrapped_model():
         assert_stats_equal(clone.module, clone_ref)
         assert bnswap.ort.executed_ops(clone)["BatchNormInternal"] == 1
     assert int(model[1].num_batches_tracked) == 1  # the original is untouched
-    averaged = torch.optim.swa_utils.AveragedModel(wrapped)
-    assert type(averaged.module) is bnswap.ort.BNSwapORTModule
+
+
+def test_ema_of_a_wrapped_model_follows_stocks_ema():
+    """AveragedModel (EMA, buffers averaged too) of the wrapper: updated after each step
+    and run in eval, against the same EMA of eager stock. Guards: the README says EMA
+    works; the old test built an AveragedModel and never updated or ran it."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    ref = _small()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+            for m in (wrapped, ref)]
+    assert type(emas[0].module) is bnswap.ort.BNSwapORTModule
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 3, 8, 8, generator=g)
+        _step_both(wrapped, ref, x)
+        for m in (wrapped, ref):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        emas[0].update_parameters(wrapped)
+        emas[1].update_parameters(ref)
+    for a, b in zip(emas[0].module.module.state_dict().values(),
+                    emas[1].module.state_dict().values(), strict=True):
+        torch.testing.assert_close(a.double(), b.double(), rtol=RTOL, atol=1e-5)
+    for ema in emas:
+        ema.eval()
+    x = torch.randn(8, 3, 8, 8, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(emas[0](x), emas[1](x), rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("momentum", [0.3, 0.9])
+def test_the_layers_own_momentum_drives_the_statistics(momentum):
+    """Guards: every other ORT test uses momentum 0.1 (torch's default) or None, so a
+    fixed 0.1 in RunningStats passed them all."""
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) * (i + 1), steps=3)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.bn(x))
+
+
+def test_a_layer_run_twice_per_forward_is_refused_before_its_statistics_move():
+    ref = _Twice()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(6, 4)
+    with buffers_unchanged(model), pytest.raises(bnswap.ort.LayerRunsTwiceError,
+                                                  match="'bn' runs 2 times in one forward"):
+        wrapped(x)
+    assert isinstance(bnswap.ort.LayerRunsTwiceError("x"), bnswap.ort.ORTRunError)
+    # with fallback="aten" the model runs eagerly instead, as stock
+    eager = bnswap.ort.wrap(bnswap.convert(copy.deepcopy(ref)), fallback="aten")
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        out = eager(x)
+    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
+
+
+def test_unwritten_statistics_are_detected_and_restored(monkeypatch):
+    """The first training step of every ORT session checks that ORT wrote the batch
+    statistics (BatchNormInternal's aliased outputs). Without bnswap's rewrite for a
+    network ending in a batch norm (_symbolic.keep_running_stat_aliases), ORT 1.19.2
+    does not write them: StatsNotWrittenError, statistics as they were."""
+    from bnswap.ort import _symbolic
+
+    monkeypatch.setattr(_symbolic, "keep_running_stat_aliases", lambda model: 0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    with buffers_unchanged(model), pytest.raises(bnswap.ort.StatsNotWrittenError,
+                                                  match="did not write the batch statistics"):
+        wrapped(torch.randn(2, 3, 5, 5))
 
 
 class _TwoOutputs(nn.Module):
