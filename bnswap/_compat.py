@@ -5,19 +5,21 @@ by an import hook, so ``import bnswap`` imports none of them), and changes nothi
 model that holds no swapped layer. Each is what a consumer that hands the model to a
 runtime of its own needs to see stock's BatchNorm (README, "After training").
 
-* **TorchScript** (``torch.jit.script``): ``torch.jit._recursive.create_script_module``
-  scripts a *stock view* of the model: the same Parameter and buffer tensors in new
+* **TorchScript** (``torch.jit.script``, ``torch.jit.trace``):
+  ``torch.jit._recursive.create_script_module`` builds its module from a *stock view* of
+  the model: the same Parameter and buffer tensors in new
   module objects of the same classes, without bnswap's forward entry or the ORT
   backend's trace buffers, and with each ORT wrapper replaced by the model it wraps. The
   class's ``forward`` (``aten::batch_norm``, whose kernel TorchScript's runtime picks) is
   compiled, and the user's model is never touched, not even briefly. Gate: the function
   exists with torch's signature (tested on torch 2.13 / 2.14).
-* **torch.onnx, dynamo exporter**: its decomposition table
-  (``torch.onnx._internal.exporter._decomp.create_onnx_friendly_decomposition_table``)
-  maps ``_batch_norm_with_update_functional`` / ``_batch_norm_no_update`` to stock's
-  ``_native_batch_norm_legit_functional`` / ``_no_training``, which ONNX translates (and
-  folds into Conv) as stock's; without it an exported program given to
-  ``torch.onnx.export`` decomposed them into Sub / Mul / Add. Gate: that function exists.
+* **torch.onnx, dynamo exporter**, given an exported program:
+  ``torch.onnx._internal.exporter._fx_passes.decompose_with_registry`` decomposes it
+  (into a new program, as before) keeping the consolidated ops, then rewrites them into
+  stock's core ATen ops (:func:`bnswap.to_stock_ops` with ``core_aten=True``), so ONNX
+  translates (and folds into Conv) what it translates for stock; without it they were
+  decomposed into Sub / Mul / Add, and track_running_stats=False layers lost their batch
+  statistics. Gate: that function and its ``_decomp`` helpers exist (torch 2.13 / 2.14).
 * **torchao pt2e** (``prepare_pt2e`` / ``prepare_qat_pt2e``, and
   ``move_exported_model_to_eval`` / ``_train``): their conv-BN fold, the quantizers'
   conv-BN patterns and the train / eval switch look for stock's ``aten.batch_norm``; the
@@ -94,7 +96,9 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
     if not own and all(children[k] is module._modules[k] for k in children):
         memo[key] = module
         return module
-    view = copy.copy(module)
+    # not copy.copy: a parametrized module's __getstate__ refuses (torch's parametrize)
+    view = object.__new__(type(module))
+    view.__dict__.update(module.__dict__)
     memo[key] = view
     d = view.__dict__
     if type(d.get("forward")) is SwappedForward:
@@ -120,8 +124,9 @@ def _patch_torchscript() -> bool:
 
     @functools.wraps(original)
     def create_script_module(nn_module: Any, stubs_fn: Any, *args: Any, **kwargs: Any) -> Any:
-        tracing = kwargs.get("is_tracing", args[1] if len(args) > 1 else False)
-        if not tracing and isinstance(nn_module, nn.Module):
+        # torch.jit.script and torch.jit.trace (which builds its module here, then
+        # records the original's forward: swapped layers record stock's op then)
+        if isinstance(nn_module, nn.Module):
             nn_module = stock_view(nn_module)
         return original(nn_module, stubs_fn, *args, **kwargs)
 
@@ -130,36 +135,36 @@ def _patch_torchscript() -> bool:
 
 
 # ---------------------------------------------------------------- torch.onnx (dynamo)
-def _with_update_functional(input, weight, bias, running_mean, running_var, momentum, eps):
-    """``_batch_norm_with_update_functional`` as stock's functional training op (the
-    same schema arguments; ``reserve`` is an empty uint8 tensor, as on CPU)."""
-    out, save_mean, save_rstd, new_mean, new_var = _aten._native_batch_norm_legit_functional(
-        input, weight, bias, running_mean, running_var, True, momentum, eps)
-    reserve = input.new_empty((0,), dtype=torch.uint8)
-    return out, save_mean, save_rstd, reserve, new_mean, new_var
+def _has_bnswap_nodes(ep: torch.export.ExportedProgram) -> bool:
+    return any(n.op == "call_function" and n.target in (
+        _aten._batch_norm_with_update.default, _aten._batch_norm_no_update.default)
+        for n in ep.graph.nodes)
 
 
-def _no_update(input, weight, bias, running_mean, running_var, momentum, eps):
-    """``_batch_norm_no_update`` as stock's ``_native_batch_norm_legit_no_training``."""
-    out, save_mean, save_rstd = _aten._native_batch_norm_legit_no_training(
-        input, weight, bias, running_mean, running_var, momentum, eps)
-    return out, save_mean, save_rstd, input.new_empty((0,), dtype=torch.uint8)
-
-
-def patch_onnx_decomposition(mod: Any) -> bool:
-    """Make torch.onnx's dynamo exporter translate the consolidated ops as stock's."""
-    original = getattr(mod, "create_onnx_friendly_decomposition_table", None)
-    if original is None or _patched(original):
+def patch_onnx_exporter(mod: Any) -> bool:
+    """Make torch.onnx's dynamo exporter see stock's core ATen ops in an exported
+    program: it decomposes the program (into a new one) keeping bnswap's ops, then
+    rewrites those with :func:`bnswap.to_stock_ops` (``core_aten=True``); the user's
+    program is not changed."""
+    original = getattr(mod, "decompose_with_registry", None)
+    decomp = getattr(mod, "_decomp", None)
+    if original is None or decomp is None or _patched(original):
         return original is not None
 
     @functools.wraps(original)
-    def create_onnx_friendly_decomposition_table(*args: Any, **kwargs: Any) -> dict:
-        table = original(*args, **kwargs)
-        table[_aten._batch_norm_with_update_functional.default] = _with_update_functional
-        table[_aten._batch_norm_no_update.default] = _no_update
-        return table
+    def decompose_with_registry(exported_program: Any, registry: Any) -> Any:
+        if not _has_bnswap_nodes(exported_program):
+            return original(exported_program, registry)
+        ops = set(decomp.get_onnx_implemented_overloads(registry))
+        table = decomp.create_onnx_friendly_decomposition_table(ops)
+        for op in (_aten._batch_norm_with_update_functional.default,
+                   _aten._batch_norm_no_update.default):
+            table.pop(op, None)  # kept for the rewrite below (ONNX decomposed them)
+        decomposed = exported_program.run_decompositions(table)
+        to_stock_ops(decomposed, core_aten=True)
+        return decomposed
 
-    mod.create_onnx_friendly_decomposition_table = _mark(create_onnx_friendly_decomposition_table)
+    mod.decompose_with_registry = _mark(decompose_with_registry)
     return True
 
 
@@ -232,7 +237,7 @@ def patch_torchao_export_utils(mod: Any) -> bool:
 
 # ----------------------------------------------------------------------- import hook
 _PATCHES: dict[str, Callable[[Any], bool]] = {
-    "torch.onnx._internal.exporter._decomp": patch_onnx_decomposition,
+    "torch.onnx._internal.exporter._fx_passes": patch_onnx_exporter,
     "torchao.quantization.pt2e.quantize_pt2e": patch_torchao_pt2e,
     "torchao.quantization.pt2e.export_utils": patch_torchao_export_utils,
 }

@@ -38,7 +38,9 @@ __all__ = ["to_stock_ops"]
 
 _aten = torch.ops.aten
 _WITH_UPDATE = _aten._batch_norm_with_update.default
+_WITH_UPDATE_FUNCTIONAL = _aten._batch_norm_with_update_functional.default
 _NO_UPDATE = _aten._batch_norm_no_update.default
+_TARGETS = (_WITH_UPDATE, _WITH_UPDATE_FUNCTIONAL, _NO_UPDATE)
 # aten.batch_norm's last argument as stock's layer records it under torch.export, which
 # traces with cuDNN off (torch/export/_trace.py, _ignore_backend_decomps).
 _CUDNN_ENABLED = False
@@ -58,13 +60,9 @@ def _fill_value(arg: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def _rewrite(graph: torch.fx.Graph, node: Node,
-             renamed: Callable[[str, str], None] | None = None) -> bool:
-    users = list(node.users)
-    if any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in users):
-        return False  # an output other than the first is used: not what bnswap records
-    x, w, b, mean, var, momentum, eps = node.args
-    training = node.target is _WITH_UPDATE
+def _stand_ins(node: Node, training: bool) -> tuple[list, list[Node]]:
+    """The op's (x, w, b, mean, var) with bnswap's stand-ins as None, and those nodes."""
+    x, w, b, mean, var = node.args[:5]
     constants = []
     if _fill_value(w) == 1.0:
         constants.append(w)
@@ -75,20 +73,58 @@ def _rewrite(graph: torch.fx.Graph, node: Node,
     if training and _fill_value(mean) == 0.0 and _fill_value(var) == 1.0:
         constants += [mean, var]  # track_running_stats=False: stock passes no statistics
         mean = var = None
+    return [x, w, b, mean, var], constants
+
+
+def _rewrite(graph: torch.fx.Graph, node: Node, core_aten: bool,
+             renamed: Callable[[str, str], None] | None = None) -> bool:
+    users = list(node.users)
+    if any(u.target is not operator.getitem for u in users):
+        return False
+    momentum, eps = node.args[5], node.args[6]
+    functional = node.target is _WITH_UPDATE_FUNCTIONAL
+    training = node.target is not _NO_UPDATE
+    (x, w, b, mean, var), constants = _stand_ins(node, training)
+    # which outputs of the new op the old op's outputs become (None: must be unused)
+    if functional and mean is None:  # (out, save_mean, save_invstd) of no_stats
+        target, args = _aten._native_batch_norm_legit.no_stats, (x, w, b, True, momentum, eps)
+        index: dict[int, int | None] = {0: 0, 1: 1, 2: 2}
+    elif functional:  # (out, save_mean, save_rstd, running_mean_out, running_var_out)
+        target = _aten._native_batch_norm_legit_functional.default
+        args = (x, w, b, mean, var, True, momentum, eps)
+        index = {0: 0, 1: 1, 2: 2, 4: 3, 5: 4}
+    elif core_aten and not training:  # (out, save_mean, save_rstd)
+        target = _aten._native_batch_norm_legit_no_training.default
+        args = (x, w, b, mean, var, momentum, eps)
+        index = {0: 0, 1: 1, 2: 2}
+    else:  # the pre-dispatch graph torch.export.export returns: one tensor
+        target = _aten.batch_norm.default
+        args = (x, w, b, mean, var, training, momentum, eps, _CUDNN_ENABLED)
+        index = {0: None}
+    if any(u.args[1] not in index and u.users for u in users):
+        return False  # an output stock's op has no counterpart for is used
     with graph.inserting_before(node):
-        new = graph.call_function(
-            _aten.batch_norm.default,
-            (x, w, b, mean, var, training, momentum, eps, _CUDNN_ENABLED))
+        new = graph.call_function(target, args)
     new.meta.update(node.meta)
     first = next((u for u in users if u.args[1] == 0), None)
-    if first is not None and "val" in first.meta:
-        new.meta["val"] = first.meta["val"]
+    old_val = node.meta.get("val")
+    if isinstance(old_val, (tuple, list)):
+        if index == {0: None}:
+            new.meta["val"] = old_val[0]
+        else:  # new output j is old output i where index[i] == j
+            new.meta["val"] = tuple(old_val[i] for i, _ in sorted(
+                index.items(), key=lambda kv: kv[1]))
     for u in users:
-        if u is first:
+        i = u.args[1]
+        if index == {0: None} and u is first:
             u.replace_all_uses_with(new)
             if renamed is not None:  # an ExportedProgram's signature names its outputs
                 renamed(u.name, new.name)
-        graph.erase_node(u)
+            graph.erase_node(u)
+        elif index != {0: None} and index.get(i) is not None:
+            u.args = (new, index[i])  # the same getitem node: the signature's names stay
+        else:
+            graph.erase_node(u)
     graph.erase_node(node)
     for c in constants:
         if not c.users:
@@ -111,7 +147,8 @@ def _drop_empty_batch_asserts(graph: torch.fx.Graph) -> None:
                     graph.erase_node(n)
 
 
-def to_stock_ops(module: GraphModule | torch.export.ExportedProgram) -> int:
+def to_stock_ops(module: GraphModule | torch.export.ExportedProgram, *,
+                 core_aten: bool = False) -> int:
     """Rewrite bnswap's batch-norm nodes of an exported graph into stock's
     ``aten.batch_norm``, in place.
 
@@ -125,11 +162,14 @@ def to_stock_ops(module: GraphModule | torch.export.ExportedProgram) -> int:
     Args:
         module: a ``torch.fx.GraphModule`` (``exported_program.module()``, or a
             ``torch.export`` / ``make_fx`` graph) or a ``torch.export.ExportedProgram``
-            (its ``graph_module``), holding ``aten._batch_norm_with_update`` /
-            ``aten._batch_norm_no_update`` nodes (the pre-dispatch graph
-            ``torch.export.export`` returns; the functional
-            ``_batch_norm_with_update_functional`` of ``run_decompositions()`` is left
-            alone).
+            (its ``graph_module``, and its signature), holding
+            ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` nodes (the
+            pre-dispatch graph ``torch.export.export`` returns) or, after
+            ``run_decompositions()``, ``_batch_norm_with_update_functional``.
+        core_aten: the graph is core ATen (``run_decompositions()`` was run): the nodes
+            become stock's decomposed ops, ``_native_batch_norm_legit_functional`` /
+            ``_native_batch_norm_legit.no_stats`` (track_running_stats=False) /
+            ``_native_batch_norm_legit_no_training``, not ``aten.batch_norm``.
 
     Returns:
         The number of batch-norm nodes rewritten (0 for a stock graph).
@@ -165,8 +205,8 @@ def to_stock_ops(module: GraphModule | torch.export.ExportedProgram) -> int:
             continue
         changed = False
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in (_WITH_UPDATE, _NO_UPDATE):
-                if _rewrite(graph, node, renamed if sub is gm else None):
+            if node.op == "call_function" and node.target in _TARGETS:
+                if _rewrite(graph, node, core_aten, renamed if sub is gm else None):
                     count += 1
                     changed = True
         before = len(graph.nodes)

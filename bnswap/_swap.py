@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 from bnswap.functional import drop_trace_buffers, records_consolidated_ops
 
 __all__ = ["Adapter", "SwappedForward", "WRAPPER_STATE", "adapter_of", "is_swapped", "swap",
-           "type_before_parametrizations", "unswap", "wrapped_model"]
+           "type_before_parametrizations", "undo_of", "unswap", "wrapped_model"]
 
 #: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (the ORT
 #: backend's ``ORTModule``) keeps its state; the state's ``model`` is the model it wraps.
@@ -122,18 +122,10 @@ def adapter_of(module: object) -> Adapter | None:
     return None if entry is None else entry.adapter
 
 
-def swap(module: nn.Module, adapter: Adapter) -> Callable[[], None]:
-    """Make ``module`` run ``adapter(module, ...)`` as its forward; return the undo.
-
-    A layer that is already swapped gets the new adapter (the undo restores the old one).
-    Uninitialized lazy layers (``nn.LazyBatchNorm2d``...) keep the entry when they
-    initialize (torch changes their ``__class__``, never their ``__dict__``).
-    """
+def undo_of(module: nn.Module) -> Callable[[], None]:
+    """What puts ``module``'s forward entry back as it is now (taken before :func:`swap`)."""
     d = module.__dict__
     old = d.get("forward", _MISSING)
-    # The instance dict directly: nn.Module.__setattr__ would only check, slowly, that
-    # the value is no Parameter / Module / buffer before doing the same (benchmarks P5).
-    d["forward"] = SwappedForward(module, adapter)
 
     def undo() -> None:
         if old is _MISSING:
@@ -141,6 +133,20 @@ def swap(module: nn.Module, adapter: Adapter) -> Callable[[], None]:
         else:
             d["forward"] = old
 
+    return undo
+
+
+def swap(module: nn.Module, adapter: Adapter) -> Callable[[], None]:
+    """Make ``module`` run ``adapter(module, ...)`` as its forward; return the undo.
+
+    A layer that is already swapped gets the new adapter (the undo restores the old one).
+    Uninitialized lazy layers (``nn.LazyBatchNorm2d``...) keep the entry when they
+    initialize (torch changes their ``__class__``, never their ``__dict__``).
+    """
+    undo = undo_of(module)
+    # The instance dict directly: nn.Module.__setattr__ would only check, slowly, that
+    # the value is no Parameter / Module / buffer before doing the same (benchmarks P5).
+    module.__dict__["forward"] = SwappedForward(module, adapter)
     return undo
 
 

@@ -85,21 +85,8 @@ def convert(
     """
     check_module(module, "convert")
     check_backend(backend)
-    inner = wrapped_model(module)
-    if inner is not None:
-        if backend != "ort":
-            raise ValueError(
-                f"bnswap.convert(..., backend={backend!r}) got an ONNX Runtime wrapper "
-                "(what backend='ort' returned); it would keep running ONNX Runtime. To run "
-                "the model on the aten backend, use the model it wraps: "
-                "model = wrapper.module (its layers are already swapped), or "
-                "bnswap.revert(wrapper.module) for stock BatchNorm.")
-        todo = plan(inner, "aten", include=include, exclude=exclude)
-        todo.apply()  # the wrapper exports again on its next call
-        _log(todo)
-        return module
     todo = plan(module, backend, include=include, exclude=exclude)
-    if not todo.rows:
+    if not todo.rows and wrapped_model(module) is None:
         warnings.warn(
             "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
             + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "

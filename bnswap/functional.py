@@ -272,7 +272,20 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         Tensor of the same shape, dtype and memory format as ``input``.
 
     Raises:
-        See :func:`check_batch_norm_input`; all raised before any state changes.
+        What :func:`check_batch_norm_input` raises, before any state changes; the
+        kernel's own errors (``"mixed dtype (CPU): ..."``) after the batch is counted,
+        as stock.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> bn, stock = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+        >>> x = torch.randn(4, 3, 5, 5)
+        >>> torch.equal(bnswap.module_batch_norm(bn, x), stock(x))  # stock's forward
+        True
+        >>> torch.equal(bn.running_var, stock.running_var), int(bn.num_batches_tracked)
+        (True, 1)
     """
     training = bn.training
     running_mean = bn.running_mean

@@ -39,10 +39,11 @@ def batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
         Tensor of the same shape, dtype and memory format.
 
     Raises:
-        What stock raises, before any state changes: ValueError for the wrong rank
-        (``"expected 4D input (got 3D input)"``) or one value per channel in training,
-        RuntimeError for the wrong channel count, NotImplementedError for integer input
-        (:func:`bnswap.functional.check_batch_norm_input`).
+        What stock raises: ValueError for the wrong rank (``"expected 4D input (got 3D
+        input)"``) or one value per channel in training, RuntimeError for the wrong
+        channel count, NotImplementedError for integer input, all before any state
+        changes (:func:`bnswap.functional.check_batch_norm_input`); RuntimeError
+        ``"mixed dtype (CPU): ..."`` from the kernel, after counting the batch, as stock.
 
     Examples::
 

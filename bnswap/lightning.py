@@ -19,12 +19,20 @@ from typing import Any
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 from bnswap.convert import revert
 from bnswap.layers import is_swapped
-from bnswap.plan import Plan, Patterns, check_backend, check_patterns, plan
+from bnswap.plan import (
+    Patterns,
+    Plan,
+    UnmatchedPatternWarning,
+    check_backend,
+    check_patterns,
+    plan,
+)
 
 try:  # the unified package first, the standalone one otherwise
     import lightning.pytorch as pl
@@ -34,9 +42,6 @@ except ImportError:  # pragma: no cover - exercised only without `lightning`
     from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn  # type: ignore
 
 __all__ = ["BNSwap"]
-
-_PATTERN_WARNING = r"bnswap: (include|exclude) pattern"
-
 
 def _has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in module.modules())
@@ -90,7 +95,7 @@ class _BNSwapBase:
         with warnings.catch_warnings():
             # patterns may match layers that configure_model has not built yet; the
             # final plan warns about patterns that match nothing.
-            warnings.filterwarnings("ignore", message=_PATTERN_WARNING)
+            warnings.simplefilter("ignore", UnmatchedPatternWarning)
             todo = plan(root, "aten", include=self.include, exclude=self.exclude)
         fresh = [r for r in todo.swapped if not r.already]
         if fresh:
@@ -108,13 +113,16 @@ class _BNSwapBase:
 
     def _wrap_children(self, root: nn.Module) -> None:
         """backend="ort": wrap each direct child whose BatchNorm layers are all swapped
-        (a child holding an excluded or unswappable layer stays eager, on aten)."""
+        (a child holding an excluded or unswappable layer stays eager, on aten; one
+        holding an uninitialized lazy layer is wrapped once a step has initialized it)."""
         ort = _ort()
         for name, child in list(root.named_children()):
             if self._wrapped(child):
                 continue
             bns = [m for m in child.modules() if isinstance(m, _BatchNorm)]
-            if bns and all(is_swapped(m) for m in bns):
+            if bns and all(is_swapped(m) and not (isinstance(m, LazyModuleMixin)
+                                                  and m.has_uninitialized_params())
+                           for m in bns):
                 self._busy = True
                 try:
                     setattr(root, name, ort.wrap(child))
@@ -200,6 +208,8 @@ class _BNSwapBase:
         the next. Only layers not seen before are planned. Their Parameters are kept (an
         optimizer stays valid); each addition is logged on global rank zero.
         """
+        if self.backend == "ort":
+            self._wrap_children(pl_module)  # children whose lazy layers initialized since
         if not any(isinstance(m, _BatchNorm) and not is_swapped(m)
                    and m not in self._left_alone for m in pl_module.modules()):
             return

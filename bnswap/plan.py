@@ -18,11 +18,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from bnswap import registry
-from bnswap._swap import Adapter, adapter_of, swap, type_before_parametrizations
+from bnswap._swap import (
+    Adapter,
+    adapter_of,
+    swap,
+    type_before_parametrizations,
+    undo_of,
+    wrapped_model,
+)
 from bnswap.registry import qualified_name
 
-__all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "check_backend",
-           "check_module", "check_patterns", "plan", "select_kernel"]
+__all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "UnmatchedPatternWarning",
+           "check_backend", "check_module", "check_patterns", "plan", "select_kernel"]
 
 #: The backends: PyTorch's consolidated ops, or ONNX Runtime training.
 BACKENDS = ("aten", "ort")
@@ -31,6 +38,10 @@ Pattern = str | type
 Patterns = Pattern | Iterable[Pattern] | None
 
 _ORT_KERNEL = "BatchNormInternal (ORT)"
+
+
+class UnmatchedPatternWarning(UserWarning):
+    """An include / exclude pattern matches no BatchNorm layer of the model."""
 
 
 def check_backend(backend: str) -> None:
@@ -67,7 +78,8 @@ def check_patterns(include: Patterns = None, exclude: Patterns = None) -> None:
     Examples::
 
         >>> import bnswap
-        >>> bnswap.check_patterns(include="backbone.*", exclude=[torch.nn.BatchNorm1d])
+        >>> from torch import nn
+        >>> bnswap.check_patterns(include="backbone.*", exclude=[nn.BatchNorm1d])
         >>> bnswap.check_patterns(include=[3])
         Traceback (most recent call last):
         ...
@@ -142,6 +154,14 @@ class PlanRow:
             initializes).
         already: swapped before this plan was made (apply leaves it as it is).
         device: where :attr:`kernel` is evaluated (None: where the layer's tensors are).
+
+    Examples::
+
+        >>> import bnswap
+        >>> from torch import nn
+        >>> row = bnswap.plan(nn.Sequential(nn.BatchNorm1d(4)))[0]
+        >>> row.name, row.cls, row.action, row.backend, row.kernel, row.adapter_name
+        ('0', 'BatchNorm1d', 'swap', 'aten', 'Native', 'bnswap.layers.batch_norm_forward')
     """
 
     name: str
@@ -191,6 +211,16 @@ class Plan(Sequence[PlanRow]):
         rows: the rows.
         model: the model planned (what :meth:`apply` returns or wraps).
         backend: ``"aten"`` or ``"ort"``.
+
+    Examples::
+
+        >>> import bnswap
+        >>> from torch import nn
+        >>> p = bnswap.plan(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)))
+        >>> p
+        Plan(1 swap, 0 skip)
+        >>> p.to_dicts()[0]["kernel"], len(p.swapped), len(p.skipped)
+        ('Native', 1, 0)
     """
 
     def __init__(self, rows: Sequence[PlanRow], model: nn.Module | None = None,
@@ -210,16 +240,20 @@ class Plan(Sequence[PlanRow]):
 
     @property
     def swapped(self) -> list[PlanRow]:
+        """The rows with action ``"swap"`` (swapped now by :meth:`apply`, or already)."""
         return [r for r in self.rows if r.action == "swap"]
 
     @property
     def skipped(self) -> list[PlanRow]:
+        """The rows with action ``"skip"``, each with its reason."""
         return [r for r in self.rows if r.action == "skip"]
 
     def to_dicts(self) -> list[dict[str, str]]:
+        """One plain dict per row (:meth:`PlanRow.to_dict`; JSON-serializable)."""
         return [r.to_dict() for r in self.rows]
 
     def summary(self) -> str:
+        """``"bnswap plan: N of M BatchNorm layers swapped, K skipped"``."""
         return (f"bnswap plan: {len(self.swapped)} of {len(self.rows)} BatchNorm layers "
                 f"swapped, {len(self.skipped)} skipped")
 
@@ -255,12 +289,15 @@ class Plan(Sequence[PlanRow]):
             for r in self.rows:
                 if r.action == "swap" and not r.already:
                     assert r.adapter is not None and r.module is not None
-                    undos.append(swap(r.module, r.adapter))
-            if self.backend == "ort" and self.rows:
+                    # the undo is taken before the swap, so an interrupt between the
+                    # two (a KeyboardInterrupt) cannot leave a layer swapped
+                    undos.append(undo_of(r.module))
+                    swap(r.module, r.adapter)
+            if self.backend == "ort" and self.rows and wrapped_model(self.model) is None:
                 from bnswap import ort  # imported only when used (ONNX Runtime)
 
                 return ort.wrap(self.model)
-            return self.model
+            return self.model  # (an ORT wrapper exports again on its next call)
         except BaseException:
             for undo in reversed(undos):
                 undo()
@@ -329,12 +366,17 @@ def plan(
     Returns:
         A :class:`Plan` (``plan.apply()`` carries it out).
 
+    Given an ORT wrapper (what ``backend="ort"`` returned), plans the model it wraps;
+    :meth:`Plan.apply` then swaps what was added inside and returns the wrapper.
+
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
-        ValueError: unknown ``backend``.
+        ValueError: unknown ``backend``; ``backend="aten"`` for an ORT wrapper.
+        RuntimeError: ``device`` is not a device torch knows (``"gpu"``).
 
     Warns:
-        UserWarning: for each include / exclude pattern that matches no BatchNorm layer.
+        UnmatchedPatternWarning: (a UserWarning) for each include / exclude pattern that
+            matches no BatchNorm layer.
 
     Examples::
 
@@ -351,6 +393,18 @@ def plan(
     """
     check_module(module, "plan")
     check_backend(backend)
+    if device is not None:
+        torch.device(device)  # an unknown device type fails here, not in the table
+    wrapper, inner = module, wrapped_model(module)
+    if inner is not None:
+        if backend != "ort":
+            raise ValueError(
+                f"bnswap: backend={backend!r} given an ONNX Runtime wrapper (what "
+                "backend='ort' returned); it would keep running ONNX Runtime. To run the "
+                "model on the aten backend, use the model it wraps: model = wrapper.module "
+                "(its layers are already swapped), or bnswap.revert(wrapper.module) for "
+                "stock BatchNorm.")
+        module = inner
     inc = _pattern_list(include, "include")
     exc = _pattern_list(exclude, "exclude")
     used: dict[str, set[int]] = {"include": set(), "exclude": set()}
@@ -398,7 +452,7 @@ def plan(
             if i not in used[kind]:
                 warnings.warn(
                     f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
-                    UserWarning,
+                    UnmatchedPatternWarning,
                     stacklevel=2,
                 )
-    return Plan(rows, module, backend)
+    return Plan(rows, wrapper, backend)

@@ -112,7 +112,22 @@ def register(source_cls: type, adapter: Adapter) -> None:
 
 def unregister(source_cls: type) -> None:
     """Remove ``source_cls``'s entry (a no-op if it has none). Layers swapped earlier keep
-    their adapter until :func:`bnswap.revert`."""
+    their adapter until :func:`bnswap.revert`.
+
+    Examples::
+
+        >>> import bnswap
+        >>> from torch import nn
+        >>> class MyBN(nn.BatchNorm2d):
+        ...     def forward(self, x):
+        ...         return super().forward(x) * 2
+        >>> bnswap.register(MyBN, lambda layer, x: bnswap.module_batch_norm(layer, x) * 2)
+        >>> bnswap.plan(MyBN(3))[0].action
+        'swap'
+        >>> bnswap.unregister(MyBN)
+        >>> bnswap.plan(MyBN(3))[0].action
+        'skip'
+    """
     _ADAPTERS.pop(source_cls, None)
     _LAZY.pop(qualified_name(source_cls), None)
     _FOUND.clear()

@@ -433,20 +433,26 @@ def test_torchao_move_exported_model_to_eval_and_train_like_stock(to_eval):
         assert state_diff(gs, gb) == []
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"affine": False}, {"track_running_stats": False}],
+                         ids=["default", "no-affine", "no-tracking"])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-def test_onnx_dynamo_export_of_an_exported_program_like_stock(train):
+def test_onnx_dynamo_export_of_an_exported_program_like_stock(train, kwargs):
     """Guards: torch.onnx.export given a swapped model's ExportedProgram decomposed the
     consolidated ops into Sub / Mul / Add (not folded) or, in training, into reductions
-    with batch statistics (outputs 1.35 off). bnswap._compat maps them to stock's ops in
-    the exporter's decomposition table."""
+    with batch statistics (outputs 1.35 off); a track_running_stats=False layer then got
+    its throw-away statistics as running ones (0.17 off). bnswap._compat keeps them
+    through the exporter's decomposition and rewrites them into stock's core ATen ops."""
     pytest.importorskip("onnxscript")
-    stock, swapped = pair(train=train)
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, **kwargs)).train(train)
+    swapped = bnswap.convert(copy.deepcopy(stock))
     protos = []
     for m in (stock, swapped):
         ep = torch.export.export(m, (X,))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             protos.append(torch.onnx.export(ep, (X,), dynamo=True, verbose=False).model_proto)
+        assert bnswap.to_stock_ops(copy.deepcopy(ep)) == (1 if m is swapped else 0)
     ps, pb = protos
     assert _ops(pb) == _ops(ps)
     assert torch.equal(_run_onnx(pb, X), _run_onnx(ps, X))
@@ -523,4 +529,7 @@ def test_exports_of_an_ort_wrapper_record_the_model_it_wraps_like_stock():
     ps, pb = _torchscript_onnx(stock), _torchscript_onnx(wrapped)
     assert _ops(pb) == _ops(ps) == collections.Counter({"Conv": 1, "Relu": 1})
     with torch.no_grad():
-        torch.testing.assert_close(torch.jit.trace(wrapped, (X,))(X), stock(X), rtol=0, atol=1e-6)
+        ts = torch.jit.trace(stock, (X,))
+        for traced in (torch.jit.trace(wrapped, (X,)), torch.jit.trace(wrapped.module, (X,))):
+            torch.testing.assert_close(traced(X), stock(X), rtol=0, atol=1e-6)
+            assert list(traced.state_dict()) == list(ts.state_dict())  # no trace buffers

@@ -252,3 +252,22 @@ def test_revert_after_success_restores_the_same_structure():
     before = snapshot(model)
     bnswap.revert(bnswap.convert(model))
     assert_same(before, snapshot(model))
+
+
+def test_an_interrupt_right_after_a_swap_is_rolled_back_too(monkeypatch):
+    """Guards a window: the undo used to be recorded after the layer was swapped, so an
+    interrupt between the two left that layer swapped."""
+    real = plan_mod.swap
+    calls = [0]
+
+    def swap_then_interrupt(module, adapter):
+        real(module, adapter)
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_mod, "swap", swap_then_interrupt)
+    model = nn.Sequential(*[nn.BatchNorm2d(2) for _ in range(3)])
+    with pytest.raises(KeyboardInterrupt):
+        bnswap.plan(model).apply()
+    assert [bnswap.is_swapped(m) for m in model] == [False, False, False]

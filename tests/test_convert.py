@@ -1,4 +1,4 @@
-"""The walker: convert / revert / plan keep everything a user attached to the model."""
+"""convert / revert / plan keep everything a user attached to the model."""
 
 from __future__ import annotations
 
@@ -257,3 +257,8 @@ def test_revert_keeps_training_flags_and_hooks_of_a_mixed_mode_model():
     assert torch.equal(model(x), ref(x)) and calls == ["hook", "hook"]
     for (k, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_an_unknown_device_fails_when_planned_not_when_shown():
+    with pytest.raises(RuntimeError, match="Expected one of cpu, cuda"):
+        bnswap.plan(net(), device="gpu")

@@ -719,3 +719,42 @@ def test_a_model_without_batchnorm_warns_like_convert():
     assert len(warned) == 1 and len(cb.plan) == 0
     with pytest.warns(UserWarning, match="the model has no BatchNorm layer"):
         bnswap.convert(_NoBatchNorm().net)
+
+
+class _LazyHead(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.LazyBatchNorm1d(),
+                                 nn.ReLU(), nn.Linear(16, 10))
+        self.wrapped_at_step: list[bool] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        self.wrapped_at_step.append(type(self.net).__name__ == "BNSwapORTModule")
+        return nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_wraps_a_child_with_a_lazy_layer_once_it_has_initialized():
+    """Guards: the child was wrapped while its LazyBatchNorm had no parameters, and its
+    first forward crashed inside ORT's setup (a raw ValueError). It now runs eagerly
+    (swapped, aten) until its first step has initialized the layer, then on ORT."""
+    states = []
+    for callbacks in ([], [BNSwap("ort")]):
+        pl.seed_everything(0)
+        model = _LazyHead()
+        trainer(callbacks, max_epochs=1, limit_train_batches=3,
+                limit_val_batches=0).fit(model, data())
+        states.append((model, state(model)))
+    (stock, s_state), (swapped, b_state) = states
+    assert swapped.wrapped_at_step == [False, True, True]
+    assert s_state.keys() == b_state.keys()
+    for k in s_state:
+        torch.testing.assert_close(b_state[k].double(), s_state[k].double(), rtol=1e-4,
+                                   atol=1e-5, msg=k)

@@ -745,3 +745,44 @@ def test_works_where_stdout_has_no_file_descriptor(monkeypatch):
     x = torch.randn(4, 3, 6, 6)
     torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
     assert_stats_equal(model, ref)
+
+
+def test_every_refusal_is_an_ort_backend_error_of_the_builtin_type(monkeypatch):
+    """One base class for everything the backend refuses, each also the builtin it
+    resembles, and the specific type kept through convert / wrap."""
+    errors = bnswap.ort.errors
+    f64 = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).double())
+    with pytest.raises(errors.UnsupportedLayerError, match="float32") as e:
+        bnswap.ort.wrap(f64)
+    assert isinstance(e.value, (errors.ORTBackendError, TypeError))
+    lazy = bnswap.convert(nn.Sequential(nn.Linear(5, 4), nn.LazyBatchNorm1d()))
+    with pytest.raises(errors.UnsupportedLayerError, match="uninitialized LazyBatchNorm1d"):
+        bnswap.ort.wrap(lazy)
+    assert not any("_bnswap_trace" in k for k in dict(lazy.named_buffers()))
+    wrapped = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend="ort")
+    with pytest.raises(errors.ORTRunError, match="has not built its training session"):
+        bnswap.ort.executed_ops(wrapped)
+    model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+
+    def refuse():
+        raise errors.UnsupportedVersionError("untested pair")
+
+    monkeypatch.setattr(bnswap.ort, "_require", refuse)
+    with pytest.raises(errors.UnsupportedVersionError, match="untested pair"):
+        bnswap.ort.wrap(model)
+    with pytest.warns(RuntimeWarning, match="cannot be set up"):
+        assert bnswap.ort.wrap(model, fallback="aten") is model
+
+
+def test_plan_of_a_wrapper_applies_to_the_model_inside():
+    """Guards: plan(wrapper, "ort").apply() wrapped the wrapper again (its first forward
+    then failed with a misleading "runs 3 times"); plan(wrapper, "aten") was accepted."""
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    p = bnswap.plan(wrapped, "ort")
+    assert [r.name for r in p] == ["1"] and p.apply() is wrapped
+    with pytest.raises(ValueError, match=r"wrapper\.module"):
+        bnswap.plan(wrapped)
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)

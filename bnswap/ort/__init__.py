@@ -34,6 +34,7 @@ from bnswap.ort.errors import (
     ORTNotAvailableError,
     ORTRunError,
     StatsNotWrittenError,
+    UnsupportedLayerError,
     UnsupportedVersionError,
 )
 
@@ -41,7 +42,8 @@ logger = logging.getLogger("bnswap.ort")
 
 __all__ = ["DEFAULT_SESSION_OPTIONS", "INSTALL", "BuildError", "LayerRunsTwiceError",
            "ORTBackendError", "ORTNotAvailableError", "ORTRunError", "StatsNotWrittenError",
-           "UnsupportedVersionError", "build", "executed_ops", "is_available", "wrap"]
+           "UnsupportedLayerError", "UnsupportedVersionError", "build", "executed_ops",
+           "is_available", "wrap"]
 
 #: The exact install commands for the CPU backend (torch first, pinned).
 INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
@@ -57,7 +59,14 @@ DEFAULT_SESSION_OPTIONS: dict[str, Any] = {}
 
 
 def is_available() -> bool:
-    """True if onnxruntime-training and torch-ort are installed (nothing is imported)."""
+    """True if onnxruntime-training and torch-ort are installed (nothing is imported).
+
+    Examples::
+
+        >>> import bnswap.ort
+        >>> isinstance(bnswap.ort.is_available(), bool)
+        True
+    """
     # find_spec of a submodule would import onnxruntime, whose __init__ imports ORTModule
     # (which patches torch); only top-level specs and the file system are consulted.
     try:
@@ -87,9 +96,19 @@ def _require() -> Any:
 def build(*, force: bool = False) -> str:
     """Build ORT's ``aten_op_executor`` extension into the cache (once); return its path.
 
+    The cache is ``$BNSWAP_CACHE_DIR/ort-ext`` (default ``~/.cache/bnswap``), one folder
+    per torch / ORT / Python version; about a minute on 2 cores, progress on stderr.
+
     Raises:
         ORTNotAvailableError: ORT training is not installed.
         BuildError: no C++ compiler, or the compile failed.
+
+    Examples::
+
+        >>> import bnswap.ort
+        >>> path = bnswap.ort.build()  # once; later calls return at once
+        >>> path.endswith(".so")
+        True
     """
     if not is_available():
         _require()
@@ -133,8 +152,11 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
 
     Raises:
         ORTNotAvailableError: ORT training / torch-ort not installed (names the command).
-        TypeError: ``module`` is not an ``nn.Module``, a BatchNorm layer is not a bnswap
-            layer, or its parameters are not float32.
+        UnsupportedVersionError, BuildError: untested versions; the extension cannot be
+            built (``fallback=None``; with ``"aten"``: a warning and ``module``).
+        UnsupportedLayerError: a BatchNorm layer is not swapped, not initialized, not
+            float32 or not on CPU / CUDA (raised before ORT is imported).
+        TypeError: ``module`` is not an ``nn.Module`` or is a LightningModule.
         ValueError: unknown ``fallback``.
         ORTRunError: ORT cannot build the wrapper (``fallback=None``).
 
@@ -179,14 +201,15 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
                                debug_options=debug_options)
     except BaseException as err:
         trace_constants(module, add=False)
-        if not isinstance(err, Exception) or isinstance(err, ORTNotAvailableError):
+        if not isinstance(err, Exception):
             raise
         if fallback == "aten":
-            warnings.warn(f"bnswap.ort: ONNX Runtime unavailable ({err}); using the eager "
-                          "'aten' backend (fallback='aten').", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"bnswap.ort: ONNX Runtime cannot be set up ({err}); using the "
+                          "eager 'aten' backend (fallback='aten').", RuntimeWarning,
+                          stacklevel=2)
             return module
-        if isinstance(err, (TypeError, ValueError)):
-            raise
+        if isinstance(err, (ORTBackendError, TypeError, ValueError)):
+            raise  # its own type: ORTNotAvailableError, UnsupportedVersionError, BuildError
         raise ORTRunError(f"bnswap.ort: could not set up ONNX Runtime: {err}") from err
 
 
@@ -206,7 +229,19 @@ def executed_ops(model: nn.Module, training: bool | None = None) -> collections.
 
     Raises:
         TypeError: ``model`` was not made by :func:`wrap`.
-        RuntimeError: no ORT session exists yet for that mode (run a forward first).
+        ORTRunError: (a RuntimeError) no ORT session exists yet for that mode (run a
+            forward first).
+
+    Examples::
+
+        >>> import torch, bnswap, bnswap.ort
+        >>> from torch import nn
+        >>> wrapped = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
+        ...                          backend="ort")
+        >>> wrapped(torch.randn(2, 3, 6, 6)).sum().backward()
+        >>> ops = bnswap.ort.executed_ops(wrapped)
+        >>> ops["BatchNormInternal"], ops["BatchNormalizationGrad"]
+        (1, 1)
     """
     state = model.__dict__.get(WRAPPER_STATE) if isinstance(model, nn.Module) else None
     files = getattr(state, "graph_files", None)
@@ -220,8 +255,8 @@ def executed_ops(model: nn.Module, training: bool | None = None) -> collections.
     if mode not in cache:
         path = files.get(mode)
         if path is None or not os.path.isfile(path):
-            raise RuntimeError(f"ONNX Runtime has not built its {mode} session for this model "
-                               "yet: run a forward in that mode first.")
+            raise ORTRunError(f"ONNX Runtime has not built its {mode} session for this model "
+                              "yet: run a forward in that mode first.")
         import onnx
 
         model = onnx.load(path, load_external_data=False)

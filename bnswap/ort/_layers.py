@@ -8,8 +8,11 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from torch.nn.modules.lazy import LazyModuleMixin
+
 from bnswap._swap import is_swapped
 from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT, drop_trace_buffers
+from bnswap.ort.errors import UnsupportedLayerError
 
 __all__ = ["bn_layers", "check_layers", "trace_constants"]
 
@@ -20,33 +23,40 @@ def bn_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def check_layers(module: nn.Module) -> None:
-    """Raise TypeError unless every BatchNorm layer is swapped, float32, on CPU or CUDA.
+    """Raise unless every BatchNorm layer is swapped, initialized, float32, on CPU / CUDA.
 
     Raises:
-        TypeError: ``"bnswap.ort.wrap: BatchNorm layer 'name' (Class) is not a bnswap
-            layer ..."`` (ORT would export it with a momentum frozen at trace time),
+        UnsupportedLayerError: (a TypeError) ``"bnswap.ort.wrap: BatchNorm layer 'name'
+            (Class) is not a bnswap layer ..."`` (ORT would export it with a momentum
+            frozen at trace time), ``"... is an uninitialized LazyBatchNorm1d ..."``,
             ``"... has weight of dtype torch.float64; ONNX Runtime's CPU
             BatchNormInternal kernel is float32 only ..."``, or ``"... is on meta; ..."``.
     """
     for name, m in bn_layers(module):
         label = name or type(m).__name__
         if not is_swapped(m):
-            raise TypeError(
+            raise UnsupportedLayerError(
                 f"bnswap.ort.wrap: BatchNorm layer {label!r} ({type(m).__name__}) is not a "
                 "bnswap layer (SyncBatchNorm, an excluded layer, a subclass without an "
                 "adapter, a layer added after wrapping, or a model reverted while wrapped). "
                 "ORT would export it with a momentum frozen at trace time and "
                 "PyTorch's running statistics would be lost. Convert it, or use "
                 "backend='aten'. See bnswap.plan(model, backend='ort').")
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            raise UnsupportedLayerError(
+                f"bnswap.ort.wrap: layer {label!r} is an uninitialized {type(m).__name__}: "
+                "ONNX Runtime exports the model as it is, and this layer has no parameters "
+                "yet. Run one forward of the model before wrapping it (the Lightning "
+                "callback wraps such a child once it has), or use backend='aten'.")
         for pname, t in (("weight", m.weight), ("bias", m.bias),
                          ("running_mean", m.running_mean), ("running_var", m.running_var)):
             if t is not None and t.dtype != torch.float32:
-                raise TypeError(
+                raise UnsupportedLayerError(
                     f"bnswap.ort.wrap: layer {label!r} has {pname} of dtype {t.dtype}; ONNX "
                     "Runtime's CPU BatchNormInternal kernel is float32 only. Use float32 "
                     "parameters, or backend='aten'.")
             if t is not None and t.device.type != "cpu" and t.device.type != "cuda":
-                raise TypeError(f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
+                raise UnsupportedLayerError(f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
                                 "ORTModule runs on CPU or CUDA.")
 
 

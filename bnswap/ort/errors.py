@@ -9,12 +9,17 @@ never by the text of a message.
 class                      also a          raised when
 =========================  ==============  ==================================================
 ORTNotAvailableError       ImportError     onnxruntime-training / torch-ort not installed
+UnsupportedLayerError      TypeError       a BatchNorm layer ORT cannot run (not swapped, not
+                                           float32, not on CPU / CUDA, uninitialized lazy)
 UnsupportedVersionError    RuntimeError    an ORT / torch pair bnswap was not tested with
 BuildError                 RuntimeError    ORT's C++ extension cannot be built
 ORTRunError                RuntimeError    ORT cannot export, build or run the model
 StatsNotWrittenError       ORTRunError     ORT did not write a layer's batch statistics
 LayerRunsTwiceError        ORTRunError     a BatchNorm layer runs more than once per forward
 =========================  ==============  ==================================================
+
+Wrong arguments (a non-Module, an unknown ``fallback``) are plain ``TypeError`` /
+``ValueError``, as in torch.
 
 Examples::
 
@@ -26,7 +31,8 @@ Examples::
 from __future__ import annotations
 
 __all__ = ["BuildError", "LayerRunsTwiceError", "ORTBackendError", "ORTNotAvailableError",
-           "ORTRunError", "StatsNotWrittenError", "UnsupportedVersionError"]
+           "ORTRunError", "StatsNotWrittenError", "UnsupportedLayerError",
+           "UnsupportedVersionError"]
 
 
 class ORTBackendError(Exception):
@@ -35,6 +41,12 @@ class ORTBackendError(Exception):
 
 class ORTNotAvailableError(ORTBackendError, ImportError):
     """onnxruntime-training (with ORTModule) or torch-ort is not installed."""
+
+
+class UnsupportedLayerError(ORTBackendError, TypeError):
+    """A BatchNorm layer ORT cannot run: not swapped (ORT would export it with a momentum
+    frozen at trace time), parameters not float32, not on CPU / CUDA, or an uninitialized
+    lazy layer (nothing to export yet)."""
 
 
 class UnsupportedVersionError(ORTBackendError, RuntimeError):
