@@ -1,7 +1,7 @@
 """ORT session settings for bnswap's ORT backend: train step ORT / eager stock, same
 process, one row per setting.
 
-    python benchmarks/bench_ort.py [--net convnet4|mobilenetv2|resnet18] [--steps 10]
+    python benchmarks/bench_ort.py [--net convnet4|mobilenetv2|resnet18|mainjob] [--steps 10]
                                    [--warmup 3] [--threads N] [--config NAME ...]
 
 Nets, batches, the train step and the interleaved A/B harness are P4's
@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness import interleaved
 
     p = argparse.ArgumentParser()
-    p.add_argument("--net", default="convnet4", choices=["convnet4", "mobilenetv2", "resnet18"])
+    p.add_argument("--net", default="convnet4",
+                   choices=["convnet4", "mobilenetv2", "resnet18", "mainjob"],
+                   help="mainjob: the `bnswap train` main job's model and batch "
+                        "(MobileNetV2 width 0.5, 1x16x16 digits, batch 64)")
     p.add_argument("--steps", type=int, default=10, help="interleaved (ORT, eager) pairs")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
@@ -49,7 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     if not bnswap.ort.is_available():
         print(f"ORT not installed: {bnswap.ort.INSTALL}")
         return 0
-    _, base, x, y = _pair(args.net)
+    if args.net == "mainjob":
+        from bnswap.app.models import build_model
+
+        torch.manual_seed(0)
+        base = build_model("mobilenetv2", num_classes=10, in_channels=1, width_mult=0.5)
+        x, y = torch.randn(64, 1, 16, 16), torch.randint(0, 10, (64,))
+    else:
+        _, base, x, y = _pair(args.net)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {args.net}, "
           f"input {tuple(x.shape)}")
     for name in args.config:

@@ -15,7 +15,7 @@ import importlib
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -62,7 +62,7 @@ class _BNSwapBase:
 
     def __init__(
         self,
-        backend: str = "aten",
+        backend: Literal["aten", "ort"] = "aten",
         *,
         include: Patterns = None,
         exclude: Patterns = None,

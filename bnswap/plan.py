@@ -111,8 +111,9 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
 
     The probe input is (2, C, 1[, 1[, 1]]) (rank 3 for BatchNorm1d, which uses native
     for (N, C) input) in the layer's parameter dtype, with defined weight, bias and
-    statistics, as the bnswap core always passes them. Returns ``"n/a (...)"`` where the
-    device is not present or the function does not exist in this torch.
+    statistics, as the bnswap core always passes them. For ``cuda`` on a machine without
+    one, the choice is predicted from torch's rule (``"Cudnn (predicted)"``). Returns
+    ``"n/a (...)"`` for the meta device or a torch without the function.
     """
     dev = torch.device(device) if device is not None else _layer_device(m)
     select = getattr(torch._C, "_select_batch_norm_backend", None)
@@ -120,12 +121,12 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
         return "n/a (torch too old)"
     if dev.type == "meta":
         return "n/a (meta)"
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        return "n/a (no CUDA device)"
     c = int(getattr(m, "num_features", 1))
     dim = 5 if isinstance(m, nn.BatchNorm3d) else 4 if isinstance(m, nn.BatchNorm2d) else 3
     ref = getattr(m, "weight", None)
     dtype = ref.dtype if isinstance(ref, torch.Tensor) and ref.is_floating_point() else torch.float32
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return _predicted_cuda_kernel(dtype, float(getattr(m, "eps", 1e-5)))
     try:
         x = torch.empty((2, c) + (1,) * (dim - 2), device=dev, dtype=dtype)
         ones = torch.ones(c, device=dev, dtype=dtype)
@@ -134,6 +135,22 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
     except (RuntimeError, TypeError) as e:  # pragma: no cover - exotic devices
         return f"n/a ({type(e).__name__})"
     return str(backend).rsplit(".", 1)[-1]
+
+
+#: cuDNN's smallest batch-norm eps (CUDNN_BN_MIN_EPSILON, cudnn.h), below which torch
+#: keeps the native kernel.
+CUDNN_BN_MIN_EPSILON = 1e-5
+
+
+def _predicted_cuda_kernel(dtype: torch.dtype, eps: float) -> str:
+    """What ``torch._C._select_batch_norm_backend`` picks on an NVIDIA GPU for what the
+    core passes (defined weight, bias and statistics; rank >= 3), by its rule in
+    aten/src/ATen/native/Normalization.cpp: not bfloat16, eps >= cuDNN's minimum,
+    cuDNN enabled (``torch.backends.cudnn.enabled``), batch size at most 880,801 in
+    training (65,535 in eval; not known here). Marked "predicted": no CUDA device here."""
+    if dtype == torch.bfloat16 or eps < CUDNN_BN_MIN_EPSILON or not torch.backends.cudnn.enabled:
+        return "Native (predicted)"
+    return "Cudnn (predicted)"
 
 
 @dataclass(frozen=True)

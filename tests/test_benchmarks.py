@@ -102,6 +102,9 @@ def test_suite_quick_writes_json_md_png_with_sane_numbers(tmp_path):
                         "--pairs", "3", "--out", str(tmp_path)], capture_output=True, text=True,
                        env=_env(), cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # progress: which case runs (of how many) and an estimate of the time left
+    assert "P3 (1 of 3: layer over the raw op) ... (about" in p.stdout
+    assert "P6 (3 of 3: peak memory) ... (about" in p.stdout
     res = json.loads((tmp_path / "latest.json").read_text())
     assert (tmp_path / "latest.png").stat().st_size > 10_000
     md = (tmp_path / "latest.md").read_text()

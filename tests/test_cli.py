@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def tiny(tmp: Path) -> list[str]:
             "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false",
             "--model.init_args.model_kwargs={width_mult: 0.25}",
-            f"--trainer.default_root_dir={tmp}", f"--trainer.logger.init_args.save_dir={tmp}"]
+            f"--trainer.default_root_dir={tmp}"]
 
 
 def test_console_script_is_installed():
@@ -75,23 +76,82 @@ def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     assert hist["history"] == stock_hist["history"] and stock_hist["batchnorm"] == "stock"
 
 
-def test_bnswap_compare_plots_stock_vs_bnswap(tmp_path, capsys):
+def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys,
+                                                                 monkeypatch):
+    """From a folder with no configs/ (the shipped ones are used), without LightningCLI's
+    "args parameter" warning; the legend names the backend; seconds per epoch printed."""
     from bnswap.app.cli import main
 
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["bnswap", "compare", "--out", "cmp.png"])
     png = tmp_path / "cmp.png"
-    main(["compare", "--configs", json.dumps([str(STOCK), str(CONFIG)]), "--out", str(png),
-          "--overrides", json.dumps(tiny(tmp_path))])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["compare", "--out", str(png), "--overrides", json.dumps(tiny(tmp_path))])
+    assert not [w for w in caught if "args parameter" in str(w.message)]
     out = capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     res = json.loads(png.with_suffix(".json").read_text())
-    assert list(res) == ["stock", "bnswap"]
+    assert list(res) == ["stock", "bnswap (aten)"]
     assert [len(r["history"]) for r in res.values()] == [2, 2]
-    assert res["bnswap"]["plan"].startswith("bnswap plan: 52 of 52")
-    for label in ("stock", "bnswap"):
-        f = res[label]["final"]
+    assert res["bnswap (aten)"]["plan"].startswith("bnswap plan: 52 of 52")
+    for label, r in res.items():
+        f = r["final"]
         assert f"{label}: final val_acc {f['val_acc']:.4f}" in out
+        assert r["seconds_per_epoch"] > 0 and f"{r['seconds_per_epoch']} s per epoch" in out
+    assert f"wrote {png} and {png.with_suffix('.json')}" in out
     # the right value is stock's: on CPU both run the same native kernels
-    assert res["stock"]["history"] == res["bnswap"]["history"]
+    assert res["stock"]["history"] == res["bnswap (aten)"]["history"]
+
+
+def test_the_configs_ship_in_the_package_and_configs_links_to_them():
+    from bnswap.app import configs
+
+    for name in configs.NAMES:
+        assert (ROOT / "configs" / name).read_text() == Path(configs.path(name)).read_text()
+    assert configs.resolve("digits_mobilenetv2") == configs.path("digits_mobilenetv2.yaml")
+    with pytest.raises(FileNotFoundError, match="not one of bnswap's"):
+        configs.resolve("nosuch.yaml")
+
+
+def test_csv_logs_follow_default_root_dir(tmp_path):
+    """Guards: --trainer.default_root_dir did not move the CSV logs (the config's logger
+    had its own save_dir)."""
+    from bnswap.app.cli import run_train
+
+    root = tmp_path / "elsewhere"
+    cli = run_train(["--config", "digits_mobilenetv2.yaml", *tiny(root),
+                     "--trainer.max_epochs=1"])
+    assert Path(cli.trainer.log_dir).is_relative_to(root)
+    assert list(root.rglob("metrics.csv"))
+    # ... unless a save_dir is given
+    other = tmp_path / "logs_here"
+    cli = run_train(["--config", "digits_mobilenetv2.yaml", *tiny(root),
+                     "--trainer.max_epochs=1", f"--trainer.logger.init_args.save_dir={other}"])
+    assert Path(cli.trainer.log_dir).is_relative_to(other)
+
+
+def test_a_wrong_backend_fails_while_parsing_in_two_lines(tmp_path):
+    """Guards: `--trainer.callbacks.init_args.backend cuda` printed 83 lines of traceback
+    after `Seed set to 0`."""
+    proc = subprocess.run([sys.executable, "-m", "bnswap.app.cli", "train", "--config",
+                           "digits_mobilenetv2.yaml", "--trainer.callbacks.init_args.backend",
+                           "cuda"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) <= 2, lines
+    assert "expected one of 'aten', 'ort', got 'cuda'" in lines[0]
+    assert "Seed set" not in proc.stdout + proc.stderr
+
+
+def test_help_lists_every_subcommand(capsys):
+    from bnswap.app.cli import SUBCOMMANDS, main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    for name in ("train", "validate", "test", "predict", "compare", "plan"):
+        assert name in SUBCOMMANDS
+        assert any(line.strip().startswith(name + " ") for line in out.splitlines()), name
 
 
 def test_plain_pytorch_example_matches_stock():

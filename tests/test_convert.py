@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import subprocess
 import sys
 
@@ -223,9 +224,39 @@ def test_plan_table_and_logging(caplog):
     assert row1.split()[:5] == ["1", "BatchNorm2d", "swap", "aten", "Native"]
     assert p[0].adapter_name == "bnswap.layers.batch_norm_forward" and p[0].kernel == "Native"
     # (the kernel for another device: tests/test_kernel_selection.py)
+    assert text == (
+        "bnswap plan: 1 of 2 BatchNorm layers swapped, 1 skipped\n"
+        "layer  class          action  backend  kernel  adapter                           reason\n"
+        "-----  -------------  ------  -------  ------  --------------------------------  ------\n"
+        "1      BatchNorm2d    swap    aten     Native  bnswap.layers.batch_norm_forward  -\n"
+        "2      SyncBatchNorm  skip    -        -       -                                 "
+        "SyncBatchNorm runs its own cross-process kernel; left as is")
+    assert str(bnswap.plan(nn.Sequential(nn.Linear(2, 2)))) == (
+        "bnswap plan: 0 of 0 BatchNorm layers swapped, 0 skipped "
+        "(the model has no BatchNorm layers)")
     caplog.set_level(logging.INFO, logger="bnswap")
     bnswap.convert(model)
     assert text in caplog.text
+
+
+def test_a_layer_without_tensors_is_planned_for_the_cpu():
+    """affine=False, track_running_stats=False: no parameter or buffer says the device."""
+    p = bnswap.plan(nn.Sequential(nn.BatchNorm2d(3, affine=False, track_running_stats=False)))
+    assert p[0].action == "swap" and p[0].kernel == "Native"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(include=[3]), "include takes glob patterns (str) on qualified module names and/or "
+                        "classes, got 3"),
+    (dict(exclude=[nn.BatchNorm2d, None]), "exclude takes glob patterns (str) on qualified "
+                                           "module names and/or classes, got None"),
+])
+def test_bad_patterns_name_the_argument_and_the_item(kwargs, message):
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        bnswap.check_patterns(**kwargs)
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        bnswap.plan(net(), **kwargs)
+    bnswap.check_patterns(include="a.*", exclude=(nn.BatchNorm1d, "b"))  # accepted
 
 
 def test_plan_does_not_change_the_model():

@@ -69,8 +69,12 @@ def test_plan_kernel_for_cuda_says_what_it_knows():
     row = bnswap.plan(model, device="cuda")[0]
     if torch.cuda.is_available():
         assert row.kernel == "Cudnn"
-    else:
-        assert row.kernel == "n/a (no CUDA device)"
+    else:  # torch's rule, for what the core passes
+        assert row.kernel == "Cudnn (predicted)"
+        tiny_eps = nn.Sequential(nn.BatchNorm2d(4, eps=1e-6))
+        assert bnswap.plan(tiny_eps, device="cuda")[0].kernel == "Native (predicted)"
+        bf16 = nn.Sequential(nn.BatchNorm2d(4)).to(torch.bfloat16)
+        assert bnswap.plan(bf16, device="cuda")[0].kernel == "Native (predicted)"
     assert bnswap.plan(model, device="meta")[0].kernel == "n/a (meta)"
     assert bnswap.plan(model)[0].kernel == "Native"
 

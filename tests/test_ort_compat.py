@@ -134,3 +134,16 @@ def test_build_cli_info():
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "onnxruntime 1.19.2" in r.stdout and "aten_op_executor" in r.stdout
+
+
+def test_the_extension_build_shows_progress_while_the_compiler_is_silent(capsys):
+    """The compile prints nothing for 30 to 90 s: a line on stderr every few seconds."""
+    import time
+
+    from bnswap.ort import _build
+
+    t0 = time.monotonic()
+    with _build._progress(t0, every=0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert err.count(f"bnswap.ort: compiling {_build.EXTENSION}...") >= 3

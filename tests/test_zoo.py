@@ -12,6 +12,7 @@ Needs torchvision (and timm for the timm models): the ``.venv-zoo`` environment
 from __future__ import annotations
 
 import copy
+import json
 import importlib
 import importlib.util
 from collections import Counter
@@ -474,3 +475,20 @@ def test_timm_freeze_unfreeze_during_fit_stays_swapped(tmp_path, name, count):
     assert len(swapped.swapped) == 4 and all(len(s) == count and all(s) for s in swapped.swapped)
     for k, v in stock.state_dict().items():
         _assert_equal(k, v, swapped.state_dict()[k])
+
+
+@pytest.mark.parametrize(("model", "count"), [("torchvision.models.resnet18", 20),
+                                              ("timm.models.mobilenetv2_100", 52)])
+def test_bnswap_plan_of_a_zoo_model_swaps_every_layer(capsys, model, count):
+    """`bnswap plan --model torchvision.models.resnet18` (any importable function returning
+    an nn.Module, its arguments the jsonargparse way; timm's model functions take only
+    **kwargs, which jsonargparse cannot see): every layer swapped, exit 0."""
+    _import(model.split(".")[0])
+    pytest.importorskip("jsonargparse")
+    from bnswap.app import plan_cli
+
+    args = ["--model.num_classes", "10"] if model.startswith("torchvision") else []
+    code = plan_cli.main(["--model", model, *args, "--format", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["summary"]["swapped"] == data["summary"]["layers"] == count

@@ -1,4 +1,4 @@
-"""The ``bnswap`` console script.
+"""The ``bnswap`` console script (``bnswap --help`` lists the subcommands).
 
 ``bnswap train --config configs/digits_mobilenetv2.yaml``
     LightningCLI (jsonargparse): trains the configured model on the configured data.
@@ -9,32 +9,52 @@
 
 ``bnswap compare [--configs A.yaml B.yaml] [--out runs/compare.png]``
     Trains each config in turn (stock BatchNorm vs bnswap by default) and writes a PNG
-    of validation loss and accuracy per epoch, and prints both final figures.
+    of validation loss and accuracy per epoch (and a JSON of the figures), and prints
+    the final figures and the seconds per epoch of each run.
 
-All argument parsing is jsonargparse's (through LightningCLI for the Trainer
+``bnswap plan --model torchvision.models.resnet18`` (or ``--config ...``)
+    What bnswap would swap in a model, before training (:mod:`bnswap.app.plan_cli`).
+
+A ``--config`` that is not a file but the name of a config shipped with bnswap
+(:mod:`bnswap.app.configs`) is read from the package, so the commands work from any
+folder. All argument parsing is jsonargparse's (through LightningCLI for the Trainer
 subcommands, through ``jsonargparse.CLI`` for ``compare``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from bnswap.app import configs as shipped
 from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
-__all__ = ["BNSwapCLI", "Trainer", "compare", "main", "run_train"]
+__all__ = ["BNSwapCLI", "SUBCOMMANDS", "Trainer", "compare", "main", "run_train"]
 
-DEFAULT_CONFIGS = ("configs/digits_mobilenetv2_stock.yaml", "configs/digits_mobilenetv2.yaml")
+DEFAULT_CONFIGS = ("digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml")
+
+#: Every subcommand of the console script, with its one-line help.
+SUBCOMMANDS = {
+    "train": "train the configured model (Trainer.fit) and print the final validation figures",
+    "validate": "run one validation epoch (Trainer.validate)",
+    "test": "run one test epoch (Trainer.test)",
+    "predict": "run prediction (Trainer.predict)",
+    "compare": "train each config in turn (stock vs bnswap by default), plot them "
+               "(runs/compare.png, .json) and print seconds per epoch",
+    "plan": "show what bnswap would swap in a model, before training (exit 3 if a layer "
+            "would be skipped)",
+}
 
 
 class Trainer(pl.Trainer):
@@ -50,7 +70,42 @@ class Trainer(pl.Trainer):
             train_dataloaders, val_dataloaders, datamodule: as in ``Trainer.fit``.
             ckpt_path: checkpoint to resume from.
         """
+        t0 = time.perf_counter()
         self.fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        #: Wall-clock seconds of the fit (validation included).
+        self.fit_seconds = round(time.perf_counter() - t0, 2)
+
+
+_LITERAL = re.compile(r"Expected a typing\.Literal\[(?P<choices>.*?)\]\. Got value: (?P<got>.*)")
+_KEY = re.compile(r'Parser key "(?P<key>[^"]+)"')
+
+
+def short_error(message: str) -> str:
+    """jsonargparse's error ``message`` in one line where it names a choice: for a value
+    outside a ``Literal`` (``--trainer.callbacks.init_args.backend cuda``), the option
+    and the choices; otherwise the message as it is."""
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        m = _LITERAL.search(line)
+        if m:
+            keys = [k.group("key") for k in map(_KEY.search, lines[:i]) if k]
+            path = ".".join(k for k in keys if k)
+            return (f"{path or 'a value'}: expected one of {m.group('choices')}, "
+                    f"got {m.group('got').strip()!r}")
+    return message
+
+
+class _Parser(LightningArgumentParser):
+    """LightningCLI's parser, with its errors in one or two lines (no usage dump)."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:  # type: ignore[override]
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: error: {short_error(message)}\n"
+                         f"({prog} --help lists every option)\n")
+        self.exit(2)
 
 
 class BNSwapCLI(LightningCLI):
@@ -65,6 +120,7 @@ class BNSwapCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("trainer_class", Trainer)
+        kwargs.setdefault("parser_class", _Parser)
         kwargs.setdefault("parser_kwargs", {
             "prog": "bnswap",
             "description": "bnswap: train with BatchNorm on PyTorch's consolidated "
@@ -89,6 +145,12 @@ class BNSwapCLI(LightningCLI):
             import torch
 
             torch.set_num_threads(int(n))
+        # The logger writes under --trainer.default_root_dir unless its save_dir is given.
+        trainer = cfg.get("trainer")
+        logger = trainer.get("logger") if trainer is not None else None
+        init = getattr(logger, "init_args", None) if logger is not None else None
+        if init is not None and "save_dir" in init and init.get("save_dir") is None:
+            init["save_dir"] = trainer.get("default_root_dir") or "."
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -101,12 +163,16 @@ class BNSwapCLI(LightningCLI):
                    if k in ("val_loss", "val_acc")}
         history = list(getattr(self.model, "history", []))
         swap = next((c for c in self.trainer.callbacks if isinstance(c, BNSwap)), None)
+        epochs = self.trainer.current_epoch
+        seconds = getattr(self.trainer, "fit_seconds", None)
         self.results = {
             "batchnorm": "bnswap" if swap is not None else "stock",
             "backend": swap.backend if swap is not None else None,
             "plan": swap.plan.summary() if swap is not None and swap.plan is not None
             else "no BNSwap callback: stock torch.nn BatchNorm",
-            "final": metrics, "history": history, "epochs": self.trainer.current_epoch,
+            "final": metrics, "history": history, "epochs": epochs,
+            "fit_seconds": seconds,
+            "seconds_per_epoch": round(seconds / epochs, 2) if seconds and epochs else None,
         }
         if not self.trainer.is_global_zero:
             return
@@ -118,14 +184,40 @@ class BNSwapCLI(LightningCLI):
         if metrics:
             print(f"final validation accuracy: {metrics.get('val_acc', float('nan')):.4f}  "
                   f"(val_loss {metrics.get('val_loss', float('nan')):.4f}, "
-                  f"{self.trainer.current_epoch} epochs, {self.results['batchnorm']} BatchNorm"
+                  f"{epochs} epoch{'' if epochs == 1 else 's'}, "
+                  f"{self.results['batchnorm']} BatchNorm"
                   + (f", backend {swap.backend}" if swap is not None else "") + ")")
 
 
 def run_train(args: Sequence[str]) -> BNSwapCLI:
     """Run ``bnswap train`` with ``args`` (everything after ``train``) in this process
     and return the CLI object (``.model``, ``.trainer``, ``.results``)."""
-    return BNSwapCLI(args=["train", *args])
+    # LightningCLI warns when it gets args while sys.argv holds others (it cannot tell a
+    # run from Python from a mistake); these args are the whole command.
+    saved = sys.argv
+    sys.argv = saved[:1]
+    try:
+        return BNSwapCLI(args=["train", *_resolve_configs(list(args))])
+    finally:
+        sys.argv = saved
+
+
+def _resolve_configs(args: list[str]) -> list[str]:
+    """``--config NAME`` (or ``--config=NAME``) of a shipped config, as its path."""
+    out = list(args)
+    for i, a in enumerate(out):
+        if a == "--config" and i + 1 < len(out):
+            out[i + 1] = _resolve(out[i + 1])
+        elif a.startswith("--config="):
+            out[i] = "--config=" + _resolve(a.split("=", 1)[1])
+    return out
+
+
+def _resolve(value: str) -> str:
+    try:
+        return shipped.resolve(value)
+    except FileNotFoundError:
+        return value  # LightningCLI's own error, naming the path
 
 
 def compare(configs: list[str] | None = None, labels: list[str] | None = None,
@@ -133,17 +225,19 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     """Train each config in turn and plot validation loss and accuracy per epoch.
 
     Args:
-        configs: ``bnswap train`` config files; by default
-            ``configs/digits_mobilenetv2_stock.yaml`` then ``configs/digits_mobilenetv2.yaml``
-            (relative to the current folder).
-        labels: legend labels (default: "stock" / "bnswap" from each run's callbacks).
+        configs: ``bnswap train`` config files (paths, or names of the configs shipped
+            with bnswap); by default ``digits_mobilenetv2_stock.yaml`` then
+            ``digits_mobilenetv2.yaml``.
+        labels: legend labels (default: "stock", or "bnswap (aten)" / "bnswap (ort)" from
+            each run's callback).
         out: the PNG to write (parent folders are created); a JSON of the same name
             holds the figures.
         overrides: extra ``bnswap train`` arguments applied to every run, e.g.
             ``["--trainer.max_epochs=3"]``.
 
     Returns:
-        ``{label: {"final": {...}, "history": [...], "seconds": float}}``.
+        ``{label: {"final": {...}, "history": [...], "seconds": float,
+        "seconds_per_epoch": float, ...}}`` (also written next to ``out`` as JSON).
     """
     import matplotlib
 
@@ -158,7 +252,10 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
         res = dict(cli.results)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         res["config"] = cfg
-        label = labels[i] if labels and i < len(labels) else res.get("batchnorm", cfg)
+        default = res.get("batchnorm", cfg)
+        if res.get("backend"):
+            default += f" ({res['backend']})"
+        label = labels[i] if labels and i < len(labels) else default
         if label in results:
             label = f"{label} ({cfg})"
         results[label] = res
@@ -174,12 +271,15 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     ax_loss.set(xlabel="epoch", ylabel="validation loss (log scale)", title="Validation loss",
                 yscale="log")
     ax_acc.set(xlabel="epoch", ylabel="validation accuracy", title="Validation accuracy")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         ax.grid(alpha=0.3)
         ax.legend()
     histories = [res["history"] for res in results.values()]
     same = len(histories) > 1 and all(h == histories[0] for h in histories)
-    fig.suptitle("MobileNetV2-style net on scikit-learn digits: stock BatchNorm vs bnswap"
+    fig.suptitle("MobileNetV2-style net on scikit-learn digits: " + " vs ".join(results)
                  + ("\n(the curves coincide: identical figures at every epoch)" if same else ""))
     fig.tight_layout()
     out_path = Path(out)
@@ -188,29 +288,65 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     plt.close(fig)
     out_path.with_suffix(".json").write_text(json.dumps(results, indent=1))
 
-    print(f"\nwrote {out_path}")
+    print(f"\nwrote {out_path} and {out_path.with_suffix('.json')}")
+    width = max(len(label) for label in results)
     for label, res in results.items():
         f = res["final"]
-        print(f"{label:>8}: final val_acc {f.get('val_acc', float('nan')):.4f}  "
-              f"val_loss {f.get('val_loss', float('nan')):.4f}  ({res['seconds']} s)")
+        per = res.get("seconds_per_epoch")
+        print(f"{label:>{width}}: final val_acc {f.get('val_acc', float('nan')):.4f}  "
+              f"val_loss {f.get('val_loss', float('nan')):.4f}  ({res['seconds']} s"
+              + (f", {per} s per epoch" if per is not None else "") + ")")
     return results
 
 
+def _help() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    return "\n".join([
+        "usage: bnswap [-h] {" + ",".join(SUBCOMMANDS) + "} ...",
+        "",
+        "bnswap: train with BatchNorm on PyTorch's consolidated batch-norm ops (or ONNX "
+        "Runtime's), and inspect what it swaps.",
+        "",
+        "subcommands:",
+        *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()),
+        "",
+        "`bnswap SUBCOMMAND --help` lists a subcommand's options.",
+    ])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: ``bnswap compare ...`` goes to :func:`compare` (jsonargparse),
-    everything else to :class:`BNSwapCLI` (``train`` / ``validate`` / ``test`` /
-    ``predict``)."""
+    """Console entry point: ``plan`` goes to :mod:`bnswap.app.plan_cli`, ``compare`` to
+    :func:`compare` (jsonargparse), the rest to :class:`BNSwapCLI` (``train`` /
+    ``validate`` / ``test`` / ``predict``)."""
     args = list(sys.argv[1:] if argv is None else argv)
     # Lightning 2.6 on torch 2.13 warns on every batch about torch's own pytree API.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    if args[:1] == ["compare"]:
+    if not args or args[0] in ("-h", "--help"):
+        print(_help())
+        return
+    if args[0] == "plan":
+        from bnswap.app import plan_cli
+
+        sys.exit(plan_cli.main(args[1:]))
+    if args[0] == "compare":
         from jsonargparse import CLI
 
         CLI(compare, args=args[1:], as_positional=False)
         return
-    # LightningCLI reads sys.argv itself; pass args only when called from Python (passing
-    # both makes Lightning warn on every command-line run).
-    BNSwapCLI(args=None if argv is None else args)
+    if args[0] not in SUBCOMMANDS:
+        print(_help(), file=sys.stderr)
+        print(f"\nbnswap: error: unknown subcommand {args[0]!r}", file=sys.stderr)
+        sys.exit(2)
+    resolved = _resolve_configs(args)
+    if argv is None:  # LightningCLI reads sys.argv itself (it warns when given both)
+        sys.argv = [sys.argv[0], *resolved]
+        BNSwapCLI(args=None)
+    else:
+        saved, sys.argv = sys.argv, sys.argv[:1]
+        try:
+            BNSwapCLI(args=resolved)
+        finally:
+            sys.argv = saved
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,6 +27,7 @@ from torch import nn
 
 from bnswap._swap import WRAPPER_STATE
 from bnswap.ort._layers import check_layers, trace_constants
+from bnswap.ort._logs import LOG_LEVEL_ENV, ort_log_level
 from bnswap.ort.errors import (
     BuildError,
     LayerRunsTwiceError,
@@ -40,10 +41,10 @@ from bnswap.ort.errors import (
 
 logger = logging.getLogger("bnswap.ort")
 
-__all__ = ["DEFAULT_SESSION_OPTIONS", "INSTALL", "BuildError", "LayerRunsTwiceError",
+__all__ = ["DEFAULT_SESSION_OPTIONS", "INSTALL", "LOG_LEVEL_ENV", "BuildError", "LayerRunsTwiceError",
            "ORTBackendError", "ORTNotAvailableError", "ORTRunError", "StatsNotWrittenError",
            "UnsupportedLayerError", "UnsupportedVersionError", "build", "executed_ops",
-           "is_available", "wrap"]
+           "is_available", "ort_log_level", "wrap"]
 
 #: The exact install commands for the CPU backend (torch first, pinned).
 INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
@@ -190,8 +191,7 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
         if debug_options is None:
             from onnxruntime.training.ortmodule import DebugOptions, LogLevel
 
-            debug_options = DebugOptions(log_level=LogLevel.INFO if logger.isEnabledFor(
-                logging.INFO) else LogLevel.ERROR)
+            debug_options = DebugOptions(log_level=getattr(LogLevel, ort_log_level()))
         opts = dict(DEFAULT_SESSION_OPTIONS)
         opts.update(session_options or {})
         import onnxruntime

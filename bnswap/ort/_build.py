@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -118,6 +119,36 @@ def _command(src: Path, out: Path) -> list[str]:
     return cmd
 
 
+#: Seconds between two progress lines while the compiler runs.
+PROGRESS_EVERY = 10.0
+
+
+@contextlib.contextmanager
+def _progress(t0: float, every: float | None = None):
+    """While the block runs, write the elapsed time to stderr every ``every`` seconds
+    (on one updated line when stderr is a terminal): the compile prints nothing itself
+    (``-w``) for 30 to 90 s."""
+    every = PROGRESS_EVERY if every is None else every
+    stop = threading.Event()
+    tty = sys.stderr.isatty()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            text = f"bnswap.ort: compiling {EXTENSION}... {time.monotonic() - t0:.0f} s"
+            sys.stderr.write(("\r" + text) if tty else text + "\n")
+            sys.stderr.flush()
+
+    thread = threading.Thread(target=beat, name="bnswap-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        if tty:
+            sys.stderr.write("\n")
+
+
 @contextlib.contextmanager
 def _locked(folder: Path):
     folder.mkdir(parents=True, exist_ok=True)
@@ -159,9 +190,10 @@ def ensure_extension(*, force: bool = False) -> Path:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            sys.stderr.write(line)
+        with _progress(t0):
+            for line in proc.stdout:
+                lines.append(line)
+                sys.stderr.write(line)
         if proc.wait() != 0:
             raise BuildError(
                 f"Compiling {EXTENSION} failed (exit {proc.returncode}):\n"

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from bnswap._swap import WRAPPER_STATE
 from bnswap.ort import _compat
 from bnswap.ort._layers import check_layers, trace_constants
+from bnswap.ort._logs import ort_log_level
 from bnswap.ort._stats import RunningStats, detach_tree, leaf_key
 from bnswap.ort.errors import ORTRunError
 
@@ -143,6 +144,11 @@ class BNSwapORTModule(_ortmodule.ORTModule):
                 else "inference")
         path = os.path.join(state.tmp or tempfile.gettempdir(), f"{mode}.onnx")
         so.optimized_model_filepath = path
+        # ORT's C++ logger: 0 verbose, 1 info, 2 warning, 3 error. At bnswap's default
+        # (WARNING) it would warn at every new session about the optimized graph saved
+        # just above for executed_ops: one level up.
+        so.log_severity_level = {"VERBOSE": 0, "INFO": 1, "WARNING": 3, "ERROR": 3}[
+            ort_log_level()]
         state.graph_files[mode] = path
         if mode == "training":  # a new session: verify its in-place writes
             state.verification = Verification.NEXT_STEP

@@ -1,0 +1,150 @@
+"""``bnswap plan``: what bnswap would swap in a model, before training.
+
+    bnswap plan --model torchvision.models.resnet18 [--model.num_classes 10]
+    bnswap plan --model.class_path torchvision.models.ResNet --model.init_args.layers ...
+    bnswap plan --config configs/digits_mobilenetv2.yaml        # the main job's model
+    bnswap plan ... [--backend aten|ort] [--include P ...] [--exclude P ...]
+                    [--device cuda] [--format table|json|markdown]
+
+The model is any importable class or function returning an ``nn.Module``, with its
+arguments given the jsonargparse way. ``--config`` builds the model of a ``bnswap train``
+config (a path, or the name of a config shipped with bnswap) and takes the backend and
+patterns of its ``BNSwap`` callback unless given here. Nothing is trained, no data is
+loaded, no Trainer is built.
+
+Exit status: 0 when every BatchNorm layer would be swapped, 3 when some would be skipped
+(so CI can gate on it), 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import yaml
+from jsonargparse import ArgumentParser
+from torch import nn
+
+import bnswap
+from bnswap.app.configs import resolve as resolve_config
+
+__all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "main", "render"]
+
+EXIT_ALL_SWAPPED = 0
+EXIT_SOME_SKIPPED = 3
+EXIT_USAGE = 2
+
+Format = Literal["table", "json", "markdown"]
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="bnswap plan", exit_on_error=True,
+        description="Show what bnswap would swap in a model (no training, no data). Exit "
+                    "status 0: every BatchNorm layer swapped; 3: some skipped; 2: usage "
+                    "error.")
+    p.add_argument("--model", type=nn.Module | None, default=None,
+                   help="the model: an importable class or function returning an "
+                        "nn.Module (e.g. torchvision.models.resnet18), its arguments as "
+                        "--model.NAME VALUE or --model.init_args.NAME VALUE")
+    p.add_argument("--config", type=str | None, default=None,
+                   help="a `bnswap train` config (path, or the name of a config shipped "
+                        "with bnswap, e.g. digits_mobilenetv2.yaml): plan its model")
+    p.add_argument("--backend", type=Literal["aten", "ort"] | None, default=None,
+                   help="aten (PyTorch's consolidated ops) or ort (ONNX Runtime); default: "
+                        "the config's BNSwap callback, else aten")
+    p.add_argument("--include", type=list[str] | None, default=None,
+                   help="glob patterns on qualified layer names to swap (default: all)")
+    p.add_argument("--exclude", type=list[str] | None, default=None,
+                   help="glob patterns on qualified layer names to leave stock")
+    p.add_argument("--device", type=str | None, default=None,
+                   help="the device for the kernel column (e.g. cuda); one that is not "
+                        "present here is predicted from torch's rule, and the output says so")
+    p.add_argument("--format", type=Format, default="table",
+                   help="table (aligned text), json (one object per layer and a summary), "
+                        "markdown (for pull requests)")
+    return p
+
+
+def _from_config(path: str) -> tuple[nn.Module, dict[str, Any]]:
+    """The model of a ``bnswap train`` config, and its BNSwap callback's arguments."""
+    with open(resolve_config(path)) as f:
+        cfg = yaml.safe_load(f) or {}
+    if "model" not in cfg:
+        raise ValueError(f"{path}: no 'model' section (is it a `bnswap train` config?)")
+    built = _parser().instantiate_classes(_parser().parse_object({"model": cfg["model"]}))
+    model = built.model
+    configure = getattr(model, "configure_model", None)
+    if callable(configure):  # a LightningModule that builds its layers there
+        configure()
+    swap: dict[str, Any] = {}
+    for cb in (cfg.get("trainer") or {}).get("callbacks") or []:
+        if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("BNSwap"):
+            swap = dict(cb.get("init_args") or {})
+    return model, swap
+
+
+def render(plan: bnswap.Plan, fmt: str, note: str = "") -> str:
+    """The plan as ``table`` (``str(plan)``), ``json`` (``{"layers": [...], "summary":
+    {...}}``) or ``markdown`` (a GitHub table)."""
+    if fmt == "json":
+        return json.dumps({
+            "layers": [{"name": r.name, "class": r.cls, "action": r.action,
+                        "backend": r.backend, "kernel": r.kernel, "adapter": r.adapter_name,
+                        "reason": r.reason} for r in plan],
+            "summary": {"layers": len(plan), "swapped": len(plan.swapped),
+                        "skipped": len(plan.skipped), "backend": plan.backend,
+                        "text": plan.summary(), "note": note or None},
+        }, indent=1)
+    if fmt == "markdown":
+        head = ["layer", "class", "action", "backend", "kernel", "adapter", "reason"]
+        lines = [f"**{plan.summary()}**", "", "| " + " | ".join(head) + " |",
+                 "|" + "---|" * len(head)]
+        for r in plan:
+            cells = [r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.reason]
+            lines.append("| " + " | ".join(f"`{c}`" if i in (0, 1, 5) else str(c).replace(
+                "|", "\\|") for i, c in enumerate(cells)) + " |")
+        return "\n".join(lines + ([f"\n{note}"] if note else []))
+    return str(plan) + (f"\n{note}" if note else "")
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``bnswap plan`` with ``argv`` (the arguments after ``plan``); return the exit
+    status (0 all swapped, 3 some skipped, 2 usage errors: printed to stderr)."""
+    parser = _parser()
+    try:
+        cfg = parser.parse_args(list(argv))
+    except SystemExit as e:  # argparse's usage errors (2) and --help (0)
+        return int(e.code or 0)
+    if (cfg.model is None) == (cfg.config is None):
+        print("bnswap plan: error: give exactly one of --model or --config "
+              "(see bnswap plan --help)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if cfg.config is not None:
+            model, swap = _from_config(cfg.config)
+        else:
+            model, swap = parser.instantiate_classes(cfg).model, {}
+    except (OSError, ValueError, TypeError, ImportError) as e:
+        print(f"bnswap plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    backend = cfg.backend or swap.get("backend", "aten")
+    include = cfg.include if cfg.include is not None else swap.get("include")
+    exclude = cfg.exclude if cfg.exclude is not None else swap.get("exclude")
+    try:
+        plan = bnswap.plan(model, backend, include=include, exclude=exclude, device=cfg.device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        print(f"bnswap plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    note = ""
+    if cfg.device is not None:
+        dev = torch.device(cfg.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            note = (f"note: no {dev.type} device here; the kernel column is what "
+                    "torch._C._select_batch_norm_backend picks on NVIDIA GPUs by its "
+                    "rule (aten/src/ATen/native/Normalization.cpp), predicted")
+    print(render(plan, cfg.format, note))
+    return EXIT_SOME_SKIPPED if plan.skipped else EXIT_ALL_SWAPPED

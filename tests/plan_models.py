@@ -1,0 +1,24 @@
+"""Models for tests/test_plan_cli.py, importable by path (``bnswap plan --model ...``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class BatchNormTimesTwo(nn.BatchNorm2d):
+    """A BatchNorm subclass with its own forward and no registered adapter."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def mixed_net(width: int = 4) -> nn.Module:
+    """A SyncBatchNorm and a custom-forward subclass (both skipped) beside plain layers."""
+    return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.SyncBatchNorm(width),
+                         BatchNormTimesTwo(width), nn.Flatten(), nn.LazyLinear(5),
+                         nn.BatchNorm1d(5))
+
+
+def plain_net(width: int = 4) -> nn.Module:
+    """Every BatchNorm layer swappable."""
+    return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.ReLU())

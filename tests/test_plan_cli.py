@@ -1,0 +1,89 @@
+"""``bnswap plan``: any model or the main job's config, three formats, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jsonargparse")
+pytest.importorskip("lightning.pytorch")
+
+from bnswap.app import plan_cli  # noqa: E402
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = plan_cli.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_every_layer_swapped_exits_0_in_each_format(capsys):
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--model.width", "6")
+    assert code == 0 and out.startswith("bnswap plan: 1 of 1 BatchNorm layers swapped")
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["summary"] == {"layers": 1, "swapped": 1, "skipped": 0,
+                                              "backend": "aten", "text": data["summary"]["text"],
+                                              "note": None}
+    assert data["layers"] == [{"name": "1", "class": "BatchNorm2d", "action": "swap",
+                               "backend": "aten", "kernel": "Native",
+                               "adapter": "bnswap.layers.batch_norm_forward", "reason": "-"}]
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--format", "markdown")
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ")]
+    assert code == 0 and rows[0].split(" | ")[0] == "| layer" and len(rows) == 2
+    assert [c.strip() for c in rows[1].strip("|").split("|")][:3] == ["`1`", "`BatchNorm2d`", "swap"]
+
+
+def test_skipped_layers_exit_3_with_their_reasons(capsys):
+    code, out, _ = run(capsys, "--model", "tests.plan_models.mixed_net", "--format", "json")
+    data = json.loads(out)
+    assert code == plan_cli.EXIT_SOME_SKIPPED == 3
+    by_name = {r["name"]: r for r in data["layers"]}
+    assert by_name["2"]["action"] == "skip" and "SyncBatchNorm" in by_name["2"]["reason"]
+    assert by_name["3"]["action"] == "skip" and "overrides forward" in by_name["3"]["reason"]
+    assert [r["action"] for r in data["layers"]] == ["swap", "skip", "skip", "swap"]
+    code, out, _ = run(capsys, "--model", "tests.plan_models.mixed_net", "--exclude", '["6"]')
+    assert code == 3 and "excluded by '6'" in out
+
+
+def test_the_main_jobs_config(capsys):
+    code, out, _ = run(capsys, "--config", "digits_mobilenetv2.yaml")
+    assert code == 0 and out.startswith("bnswap plan: 52 of 52 BatchNorm layers swapped")
+    code, out, _ = run(capsys, "--config", "digits_mobilenetv2_ort.yaml", "--format", "json")
+    assert json.loads(out)["summary"]["backend"] == "ort"  # the config's callback
+
+
+def test_a_device_not_present_is_predicted_and_said(capsys):
+    import torch
+
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--device", "cuda")
+    assert code == 0
+    if torch.cuda.is_available():
+        assert "Cudnn" in out and "predicted" not in out
+    else:
+        assert "Cudnn (predicted)" in out and "note: no cuda device here" in out
+
+
+@pytest.mark.parametrize("args", [[], ["--model", "tests.plan_models.plain_net", "--config",
+                                       "digits_mobilenetv2.yaml"],
+                                  ["--model", "tests.plan_models.plain_net", "--backend", "cudnn"],
+                                  ["--model", "no.such.model"], ["--config", "nosuch.yaml"],
+                                  ["--model", "tests.plan_models.plain_net", "--device", "gpu"],
+                                  ["--model", "tests.plan_models.plain_net", "--format", "xml"]])
+def test_usage_errors_exit_2(capsys, args):
+    code, out, err = run(capsys, *args)
+    assert code == plan_cli.EXIT_USAGE == 2 and "error" in err and not out
+
+
+def test_the_console_script_exits_with_the_plans_status(tmp_path):
+    cmd = [sys.executable, "-m", "bnswap.app.cli", "plan", "--model",
+           "tests.plan_models.mixed_net"]
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "bnswap plan: 2 of 4 BatchNorm layers swapped, 2 skipped" in proc.stdout
