@@ -804,3 +804,19 @@ def test_onnx_runtimes_own_logs_stay_at_warning_unless_asked(caplog, monkeypatch
     ort_info = [r for r in caplog.records
                 if r.name.startswith("orttraining") and r.levelno < logging.WARNING]
     assert (len(ort_info) > 0) == (level == "INFO"), len(ort_info)
+
+
+def test_error_log_level_leaves_out_ortmodules_banner(caplog, monkeypatch):
+    """The README's promise: BNSWAP_ORT_LOG_LEVEL=ERROR quiets ORTModule's feature banner
+    (a WARNING record of its ``orttraining`` logger), which the default level keeps."""
+    caplog.set_level(logging.INFO)
+    seen = {}
+    for level in ("WARNING", "ERROR"):
+        monkeypatch.setenv("BNSWAP_ORT_LOG_LEVEL", level)
+        caplog.clear()
+        model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
+                               backend="ort")
+        model(torch.randn(2, 3, 6, 6)).sum().backward()
+        seen[level] = [r for r in caplog.records if r.name.startswith("orttraining")
+                       and "accelerating your model" in r.getMessage()]
+    assert len(seen["WARNING"]) == 1 and seen["ERROR"] == []
