@@ -35,7 +35,6 @@ runtime of its own needs to see stock's BatchNorm (README, "After training").
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.abc
 import importlib.machinery

@@ -128,7 +128,6 @@ def revert(module: nn.Module) -> nn.Module:
         (True, False, False)
     """
     check_module(module, "revert")
-    target = wrapped_model(module) or module
-    for m in target.modules():
+    for m in module.modules():  # an ORT wrapper's modules() include the model's
         unswap(m)
     return module

@@ -84,19 +84,6 @@ EMPTY_BATCH_MESSAGE = (
     "reject empty input, and an exported graph has no eager early return. Skip empty "
     "batches, or call bnswap.to_stock_ops(exported.module()) for stock's aten.batch_norm.")
 
-# c10 ScalarType names, as torch's kernels print them in "not implemented for" errors.
-_C10_NAMES = {
-    torch.bool: "Bool",
-    torch.uint8: "Byte",
-    torch.int8: "Char",
-    torch.int16: "Short",
-    torch.int32: "Int",
-    torch.int64: "Long",
-    torch.complex64: "ComplexFloat",
-    torch.complex128: "ComplexDouble",
-}
-
-
 def _stock_checks_eps() -> bool:
     """Whether this torch's ``F.batch_norm`` rejects a non-positive eps in training
     (newer releases raise ValueError; older ones run the kernel)."""
@@ -132,8 +119,10 @@ def check_batch_norm_input(
         eps: the layer's eps.
 
     Raises:
-        NotImplementedError: non-floating input (``"batch_norm" not implemented for
-            'Long'``, as torch's kernel dispatch says).
+        NotImplementedError: non-floating input: stock's own error for the dtype and
+            device (``"batch_norm" not implemented for 'Long'``, 'UInt16', ...; the
+            backend's for quantized input), raised by stock's call on copies of the
+            statistics.
         RuntimeError: ``"running_mean should contain C elements not K"`` (and the same
             for running_var, weight, bias, in that order), or ``"running_mean must be
             defined in evaluation mode"`` (same for running_var), as in ATen's
@@ -178,8 +167,15 @@ def check_batch_norm_input(
             "running_mean and running_var must either both be None or neither be None"
         )
     if not input.is_floating_point():
-        name = _C10_NAMES.get(input.dtype, str(input.dtype).removeprefix("torch."))
-        raise NotImplementedError(f'"batch_norm" not implemented for \'{name}\'')
+        # Stock's own call raises stock's dispatch error for this dtype and device (e.g.
+        # '"batch_norm" not implemented for 'Long'', or the QuantizedCPU backend's) before
+        # any kernel runs; on copies of the statistics, in case a dtype ever runs.
+        # (The arguments only shape the error of a call made to raise it: no mutation.)
+        torch.batch_norm(  # pragma: no mutate
+            input, weight, bias,  # pragma: no mutate
+            None if running_mean is None else running_mean.clone(),  # pragma: no mutate
+            None if running_var is None else running_var.clone(),  # pragma: no mutate
+            use_batch_stats, 0.0, eps, torch.backends.cudnn.enabled)  # pragma: no mutate
 
 
 def _param_dtype(input: Tensor, *refs: Tensor | None) -> torch.dtype:
@@ -242,6 +238,10 @@ def exponential_average_factor(momentum: float | None, num_batches_tracked: Tens
         0.1
         >>> exponential_average_factor(None, torch.tensor(4))
         0.25
+        >>> exponential_average_factor(None, None)  # track_running_stats=False
+        0.0
+        >>> exponential_average_factor(None, torch.tensor(4), traced=True)
+        tensor(0.2500)
     """
     if momentum is not None:
         return momentum
@@ -317,9 +317,9 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if counts:
         nbt.add_(1)
     cumulative = counts and momentum is None
-    # Compiled code computes the cumulative factor in the graph instead (see below).
-    factor = 0.0 if cumulative and compiling else exponential_average_factor(
-        momentum, nbt if counts else None)
+    # Compiled code keeps the cumulative factor in the graph (a tensor): reading the
+    # counter as a float breaks it (pytorch issue 194504).
+    factor = exponential_average_factor(momentum, nbt if counts else None, traced=compiling)
     if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
         # rules for aten::batch_norm but none for the consolidated ops, so run exactly
@@ -368,7 +368,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         out = _with_update(
             input, weight, bias, batch_mean, batch_var, 1.0, bn.eps
         )[0]
-        w = exponential_average_factor(None, nbt, traced=True).to(running_mean.dtype)
+        w = factor.to(running_mean.dtype)
         # No torch.no_grad() needed (nothing here requires grad), and none wanted: under
         # torch.export it became a wrap_with_set_grad_enabled node whose missing meta
         # made torch.export.load refuse the saved program.

@@ -100,20 +100,45 @@ def _pattern_str(p: Pattern) -> str:
 
 
 def _layer_device(m: nn.Module) -> torch.device:
-    for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-        return t.device
+    """The device of ``m``'s first parameter or buffer (its own, not its children's);
+    the CPU for a layer with neither (affine=False, track_running_stats=False)."""
+    for t in (*m._parameters.values(), *m._buffers.values()):
+        if t is not None:
+            return t.device
     return torch.device("cpu")
+
+
+def _probe_dtype(m: nn.Module) -> torch.dtype:
+    """The dtype the core passes the kernel for ``m``: its weight's (floating), else
+    float32."""
+    ref = m._parameters.get("weight")
+    return ref.dtype if ref is not None and ref.is_floating_point() else torch.float32
+
+
+def _probe_args(m: nn.Module, dev: torch.device) -> tuple:
+    """The arguments of ``torch._C._select_batch_norm_backend`` for ``m`` in training on
+    ``dev``: input (2, C, 1[, 1[, 1]]) (rank 3 for BatchNorm1d, which uses native for
+    (N, C) input), weight ones, bias zeros, running_mean zeros, running_var ones, all (C,)
+    in :func:`_probe_dtype`, training True, the layer's eps: what the bnswap core always
+    passes (defined weight, bias and statistics)."""
+    c = int(m.num_features)
+    rank = 5 if isinstance(m, nn.BatchNorm3d) else 4 if isinstance(m, nn.BatchNorm2d) else 3
+    dtype = _probe_dtype(m)
+    x = torch.empty((2, c) + (1,) * (rank - 2), device=dev, dtype=dtype)
+    ones = torch.ones(c, device=dev, dtype=dtype)
+    zeros = torch.zeros(c, device=dev, dtype=dtype)
+    return x, ones, zeros, zeros, ones, True, float(m.eps)
 
 
 def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str:
     """The kernel ``torch._C._select_batch_norm_backend`` picks for a swapped layer on
-    ``device`` in training: ``"Native"``, ``"Cudnn"`` or ``"Miopen"``.
+    ``device`` (default: the layer's own) in training: ``"Native"``, ``"Cudnn"`` or
+    ``"Miopen"``.
 
-    The probe input is (2, C, 1[, 1[, 1]]) (rank 3 for BatchNorm1d, which uses native
-    for (N, C) input) in the layer's parameter dtype, with defined weight, bias and
-    statistics, as the bnswap core always passes them. For ``cuda`` on a machine without
-    one, the choice is predicted from torch's rule (``"Cudnn (predicted)"``). Returns
-    ``"n/a (...)"`` for the meta device or a torch without the function.
+    The selector sees what the bnswap core always passes (:func:`_probe_args`). For
+    ``cuda`` on a machine without one, the choice is predicted from torch's rule
+    (``"Cudnn (predicted)"``). Returns ``"n/a (...)"`` for the meta device, a torch
+    without the function, or a device the probe cannot run on.
     """
     dev = torch.device(device) if device is not None else _layer_device(m)
     select = getattr(torch._C, "_select_batch_norm_backend", None)
@@ -121,20 +146,13 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
         return "n/a (torch too old)"
     if dev.type == "meta":
         return "n/a (meta)"
-    c = int(getattr(m, "num_features", 1))
-    dim = 5 if isinstance(m, nn.BatchNorm3d) else 4 if isinstance(m, nn.BatchNorm2d) else 3
-    ref = getattr(m, "weight", None)
-    dtype = ref.dtype if isinstance(ref, torch.Tensor) and ref.is_floating_point() else torch.float32
     if dev.type == "cuda" and not torch.cuda.is_available():
-        return _predicted_cuda_kernel(dtype, float(getattr(m, "eps", 1e-5)))
+        return _predicted_cuda_kernel(_probe_dtype(m), float(m.eps))
     try:
-        x = torch.empty((2, c) + (1,) * (dim - 2), device=dev, dtype=dtype)
-        ones = torch.ones(c, device=dev, dtype=dtype)
-        zeros = torch.zeros(c, device=dev, dtype=dtype)
-        backend = select(x, ones, zeros, zeros, ones, True, float(getattr(m, "eps", 1e-5)))
-    except (RuntimeError, TypeError) as e:  # pragma: no cover - exotic devices
+        backend = select(*_probe_args(m, dev))
+    except (RuntimeError, TypeError) as e:  # exotic devices
         return f"n/a ({type(e).__name__})"
-    return str(backend).rsplit(".", 1)[-1]
+    return backend.name
 
 
 #: cuDNN's smallest batch-norm eps (CUDNN_BN_MIN_EPSILON, cudnn.h), below which torch
@@ -326,13 +344,13 @@ class Plan(Sequence[PlanRow]):
                 for r in self.rows]
         if not body:
             return self.summary() + " (the model has no BatchNorm layers)"
-        widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
-        widths[-1] = 0  # the reason column is last and not padded
+        # Every column but the last (the reason, not padded) as wide as its widest cell.
+        widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header) - 1)]
 
         def line(cells: Sequence[str]) -> str:
-            return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+            return "  ".join([*(str(c).ljust(w) for c, w in zip(cells, widths)), str(cells[-1])])
 
-        rule = "  ".join("-" * w for w in widths[:-1]) + "  " + "-" * len(header[-1])
+        rule = line(["-" * w for w in widths] + ["-" * len(header[-1])])
         return "\n".join([self.summary(), line(header), rule, *(line(b) for b in body)])
 
     def __repr__(self) -> str:

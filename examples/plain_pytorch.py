@@ -2,10 +2,12 @@
 
 Trains the main job's MobileNetV2-style network on scikit-learn's digits (same fixed
 split and seed as ``bnswap train``), once on stock ``nn.BatchNorm2d`` and once after
-``bnswap.convert``, and prints the plan table and both validation accuracies.
+``bnswap.convert``, and prints the plan's summary line and both validation accuracies.
+Like ``bnswap train`` it uses one torch thread by default (``--num_threads``): this small
+net ran 7-9x slower per epoch with two threads on a loaded 2-core machine.
 
     python examples/plain_pytorch.py                 # both runs, 4 epochs each
-    python examples/plain_pytorch.py --epochs 2 --width_mult 0.5
+    python examples/plain_pytorch.py --epochs 2 --width_mult 0.5 --num_threads 2
 """
 
 from __future__ import annotations
@@ -66,14 +68,18 @@ def train(swap: bool, epochs: int = 4, batch_size: int = 64, lr: float = 0.1,
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def main(epochs: int = 4, width_mult: float = 0.5, max_batches: int | None = None) -> dict:
+def main(epochs: int = 4, width_mult: float = 0.5, max_batches: int | None = None,
+         num_threads: int | None = 1) -> dict:
     """Train stock and bnswap and print both final validation figures.
 
     Args:
         epochs: epochs per run.
         width_mult: MobileNetV2 width multiplier.
         max_batches: cap on training batches per epoch (for smoke tests).
+        num_threads: ``torch.set_num_threads`` for both runs (None: torch's default).
     """
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
     stock = train(False, epochs, width_mult=width_mult, max_batches=max_batches)
     swapped = train(True, epochs, width_mult=width_mult, max_batches=max_batches)
     same = all(torch.equal(stock["state"][k], swapped["state"][k]) for k in stock["state"])

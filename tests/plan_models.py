@@ -22,3 +22,8 @@ def mixed_net(width: int = 4) -> nn.Module:
 def plain_net(width: int = 4) -> nn.Module:
     """Every BatchNorm layer swappable."""
     return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.ReLU())
+
+
+def unannotated_net(width=4):
+    """No return annotation: jsonargparse cannot tell it returns a module."""
+    return plain_net(width)

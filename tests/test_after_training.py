@@ -533,3 +533,28 @@ def test_exports_of_an_ort_wrapper_record_the_model_it_wraps_like_stock():
         for traced in (torch.jit.trace(wrapped, (X,)), torch.jit.trace(wrapped.module, (X,))):
             torch.testing.assert_close(traced(X), stock(X), rtol=0, atol=1e-6)
             assert list(traced.state_dict()) == list(ts.state_dict())  # no trace buffers
+
+
+def test_only_the_thread_inside_the_ort_block_records_the_consolidated_ops():
+    """``consolidated_ops_while_tracing`` is per thread: another thread (one that never
+    entered the block, too) records stock's ops. Guards the flag's default."""
+    import threading
+
+    from bnswap.functional import consolidated_ops_while_tracing, records_consolidated_ops
+
+    seen: list[bool] = []
+
+    def other_thread() -> None:
+        t = threading.Thread(target=lambda: seen.append(records_consolidated_ops()))
+        t.start()
+        t.join()
+
+    other_thread()
+    with consolidated_ops_while_tracing():
+        inside = records_consolidated_ops()
+        other_thread()
+        with consolidated_ops_while_tracing():
+            nested = records_consolidated_ops()
+        still = records_consolidated_ops()
+    assert seen == [False, False] and (inside, nested, still) == (True, True, True)
+    assert records_consolidated_ops() is False

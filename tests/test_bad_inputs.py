@@ -609,6 +609,8 @@ def test_the_eps_probe_matches_this_torch():
     a = outcome(lambda: torch.nn.functional.batch_norm(
         torch.randn(4, 2), None, None, training=True, eps=0.0))
     assert bnswap.functional._CHECK_EPS == (a[0] == "err")
+    # the probe itself, called again (the constant was computed once, at import)
+    assert bnswap.functional._stock_checks_eps() is (a[0] == "err")
 
 
 def test_zero_eps_in_eval_runs_as_stock():
@@ -649,3 +651,47 @@ def test_statistics_set_to_none_behave_as_stock(train, missing, track, n):
     else:
         assert torch.equal(a[1], b[1])
         assert state_diff(stock, swapped) == []
+
+
+NON_FLOATING = [torch.long, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("train, track", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("dtype", NON_FLOATING + ["quint8"], ids=str)
+def test_non_floating_input_raises_stocks_exact_error(dtype, train, track):
+    """In process (the table above runs in a subprocess): the exception type and message
+    are stock's for every non-floating dtype. Guards: bnswap's own table of dtype names
+    said 'uint16' where torch says 'UInt16', and 'quint8' where stock names the
+    QuantizedCPU backend."""
+    stock, swapped = pair(nn.BatchNorm2d(3, track_running_stats=track).train(train))
+    if dtype == "quint8":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quantized tensors are deprecated
+            x = torch.quantize_per_tensor(torch.ones(2, 3, 2, 2), 0.1, 0, torch.quint8)
+    else:
+        x = torch.ones(2, 3, 2, 2, dtype=dtype)
+    a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
+    assert a[0] == b[0] == "err" and a[1][0] is b[1][0] is NotImplementedError
+    assert b[1][1] == a[1][1], (a, b)
+    assert [k for k in state_diff(stock, swapped) if k != "num_batches_tracked"] == []
+    if track:
+        assert int(swapped.num_batches_tracked) == 0  # bnswap raises before counting
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("which", ["weight", "bias", "running_mean", "running_var"])
+def test_a_wrong_sized_tensor_is_named_as_stock_names_it(which, train):
+    """In process: the message names the tensor whose size is wrong, as ATen's
+    _batch_norm_impl_index does ("bias should contain 3 elements not 4"). Guards the
+    labels of bnswap's own check, and that it checks the bias at all."""
+    stock, swapped = pair(nn.BatchNorm2d(3).train(train))
+    for m in (stock, swapped):
+        if which in ("weight", "bias"):
+            setattr(m, which, nn.Parameter(torch.ones(4)))
+        else:
+            setattr(m, which, torch.ones(4))
+    x = torch.randn(2, 3, 2, 2)
+    a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
+    assert a[0] == b[0] == "err" and b[1] == a[1] == (
+        RuntimeError, f"{which} should contain 3 elements not 4"), (a, b)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -87,7 +88,9 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
     png = tmp_path / "cmp.png"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        main(["compare", "--out", str(png), "--overrides", json.dumps(tiny(tmp_path))])
+        # train options given directly go to every run (as --overrides would)
+        main(["compare", "--out", str(png), "--trainer.max_epochs", "2",
+              "--overrides", json.dumps(tiny(tmp_path)[1:])])
     assert not [w for w in caught if "args parameter" in str(w.message)]
     out = capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -144,6 +147,33 @@ def test_a_wrong_backend_fails_while_parsing_in_two_lines(tmp_path):
     assert "Seed set" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("config, args, message", [
+    ("digits_mobilenetv2.yaml", ["--trainer.max_epochs", "abc"],
+     "trainer.max_epochs: expected int or None, got 'abc'"),
+    ("digits_mobilenetv2.yaml", ["--model.init_args.arch", "foo"],
+     "model.arch: expected one of 'mobilenetv2', 'convnet4', 'resnet18', got 'foo'"),
+    ("digits_mobilenetv2.yaml", ["--model.init_args.optimizer", "adam"],
+     "model.optimizer: expected one of 'sgd', 'adamw', got 'adam'"),
+    ("digits_mobilenetv2_stock.yaml", ["--trainer.callbacks.backend", "ort"],
+     "trainer.callbacks: Option 'backend' is not accepted"),
+])
+def test_wrong_values_fail_while_parsing_in_two_lines(capsys, monkeypatch, tmp_path, config,
+                                                       args, message):
+    """Guards: a wrong max_epochs or a stock config given a backend printed 9-12 lines of
+    jsonargparse's Union report; an unknown arch failed after `Seed set to 0` with a
+    74-line traceback (exit 1)."""
+    from bnswap.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", config, *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr()
+    lines = (err.out + err.err).strip().splitlines()
+    assert lines == [f"bnswap train: error: {message}",
+                     "(bnswap train --help lists every option)"]
+
+
 def test_help_lists_every_subcommand(capsys):
     from bnswap.app.cli import SUBCOMMANDS, main
 
@@ -159,8 +189,10 @@ def test_plain_pytorch_example_matches_stock():
                                                   ROOT / "examples" / "plain_pytorch.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    res = mod.main(epochs=1, width_mult=0.25, max_batches=3)
+    res = mod.main(epochs=1, width_mult=0.25, max_batches=3, num_threads=None)
     assert res["identical"] is True
+    # one torch thread by default, like `bnswap train` (two were 7-9x slower per epoch)
+    assert inspect.signature(mod.main).parameters["num_threads"].default == 1
     assert res["stock"]["val_acc"] == res["bnswap"]["val_acc"]
 
 

@@ -293,3 +293,18 @@ def test_revert_keeps_training_flags_and_hooks_of_a_mixed_mode_model():
 def test_an_unknown_device_fails_when_planned_not_when_shown():
     with pytest.raises(RuntimeError, match="Expected one of cpu, cuda"):
         bnswap.plan(net(), device="gpu")
+
+
+def test_plan_rows_as_dicts_and_the_swapped_forwards_repr():
+    """Guards the keys of ``PlanRow.to_dict`` (what ``bnswap plan --format json`` and the
+    log carry) and what a swapped layer's forward shows when printed."""
+    model = nn.Sequential(nn.BatchNorm2d(2), nn.SyncBatchNorm(2))
+    swapped, skipped = bnswap.plan(model).to_dicts()
+    assert swapped == {"name": "0", "cls": "BatchNorm2d", "action": "swap", "reason": "-",
+                       "backend": "aten", "kernel": "Native",
+                       "adapter": "bnswap.layers.batch_norm_forward"}
+    assert skipped == {"name": "1", "cls": "SyncBatchNorm", "action": "skip",
+                       "reason": "SyncBatchNorm runs its own cross-process kernel; left as is",
+                       "backend": "-", "kernel": "-", "adapter": "-"}
+    bnswap.convert(model)
+    assert repr(model[0].forward) == "<bnswap forward of BatchNorm2d (batch_norm_forward)>"

@@ -53,6 +53,7 @@ def test_examples_run(module_name):
 def test_lightning_examples_run():
     pytest.importorskip("lightning.pytorch")
     assert _run("bnswap.lightning")
+    assert _run("bnswap.app.cli")
 
 
 def test_ort_examples_run():

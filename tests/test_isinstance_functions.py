@@ -18,7 +18,6 @@ import bnswap
 from tests._helpers import (
     outcome,
     pair,
-    same_tensor,
     state_diff,
 )
 

@@ -10,6 +10,8 @@ checks the arguments bnswap's core hands the consolidated ops, recorded at dispa
 
 from __future__ import annotations
 
+import copy
+import importlib
 import itertools
 
 import pytest
@@ -18,6 +20,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bnswap
+
+plan_module = importlib.import_module("bnswap.plan")  # bnswap.plan is the function
 
 aten = torch.ops.aten
 OPS = (aten._batch_norm_with_update.default, aten._batch_norm_no_update.default)
@@ -89,3 +93,80 @@ def test_swapped_layers_select_cudnn_on_a_gpu(affine):
     (_, args), = rec.calls
     choice = torch._C._select_batch_norm_backend(*args[:5], True, args[6])
     assert str(choice).rsplit(".", 1)[-1] == "Cudnn"
+
+
+@pytest.mark.parametrize("cls, rank", [(nn.BatchNorm1d, 3), (nn.BatchNorm2d, 4),
+                                       (nn.BatchNorm3d, 5)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_kernel_probe_passes_what_the_core_passes(cls, rank, affine):
+    """Guards: the selector's probe (shape, dtype, device, flags, eps) drifting from what
+    the core hands the op. On the CPU every probe answers "Native", so the probe's
+    arguments are checked against the core's, recorded at dispatch."""
+    bn = cls(3, eps=1e-3, affine=affine).double() if affine else cls(3, eps=1e-3, affine=False)
+    probe = plan_module._probe_args(bn, torch.device("cpu"))
+    x, weight, bias, mean, var, training, eps = probe
+    dtype = torch.float64 if affine else torch.float32
+    assert x.shape == (2, 3) + (1,) * (rank - 2) and x.dtype == dtype and x.device.type == "cpu"
+    for t, fill in ((weight, 1.0), (bias, 0.0), (mean, 0.0), (var, 1.0)):
+        assert t.shape == (3,) and t.dtype == dtype and torch.equal(t, torch.full((3,), fill,
+                                                                                 dtype=dtype))
+    assert training is True and eps == 1e-3
+    on_meta = plan_module._probe_args(bn, torch.device("meta"))[:5]
+    assert [t.device.type for t in on_meta] == ["meta"] * 5
+    # the core, on an input of the probe's rank: same dtypes, training flag and eps
+    layer = bnswap.convert(copy.deepcopy(bn))
+    with Recorder() as rec:
+        layer(torch.randn((2, 3) + (4,) * (rank - 2), dtype=dtype))
+    (_, args), = rec.calls
+    assert args[0].dim() == x.dim() and [a.dtype for a in args[1:5]] == [dtype] * 4
+    assert args[6] == eps
+    assert plan_module.select_kernel(layer) == "Native"
+
+
+def test_kernel_selection_without_the_selector_or_when_it_fails(monkeypatch):
+    """Guards the two "n/a" answers: a torch without ``_select_batch_norm_backend``, and a
+    device the probe cannot run on (the selector raising)."""
+    bn = nn.BatchNorm2d(3)
+    monkeypatch.delattr(torch._C, "_select_batch_norm_backend")
+    assert plan_module.select_kernel(bn) == "n/a (torch too old)"
+    monkeypatch.undo()
+
+    def fails(*args):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(torch._C, "_select_batch_norm_backend", fails)
+    assert plan_module.select_kernel(bn) == "n/a (RuntimeError)"
+
+
+def test_cuda_prediction_follows_torchs_rule_at_its_edges():
+    """Guards the predicted rule's edges: eps exactly cuDNN's minimum (1e-5) selects
+    cuDNN, cuDNN disabled selects native, the layer's own dtype and eps are read."""
+    if torch.cuda.is_available():
+        pytest.skip("predictions are made only without a CUDA device")
+    assert plan_module.CUDNN_BN_MIN_EPSILON == 1e-5
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=1e-5), "cuda") == "Cudnn (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=9.9e-6), "cuda") == "Native (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda") == "Cudnn (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4).half(), "cuda") == "Cudnn (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4).bfloat16(), "cuda") == "Native (predicted)"
+    with torch.backends.cudnn.flags(enabled=False):
+        assert plan_module.select_kernel(nn.BatchNorm2d(4), "cuda") == "Native (predicted)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_constants_of_a_layer_without_tensors_follow_the_input(dtype, device):
+    """Guards the dtype and device of the ones / zeros standing in for a missing weight,
+    bias and statistics (affine=False, track_running_stats=False): on the CPU the input's
+    dtype (stock's kernel runs in it); elsewhere float32, float64 for float64 input, so
+    half input keeps cuDNN selectable. The meta device stands in for a GPU here."""
+    bn = bnswap.convert(nn.BatchNorm2d(3, affine=False, track_running_stats=False))
+    with Recorder() as rec:
+        out = bn(torch.randn(4, 3, 2, 2, device=device).to(dtype))
+    (_, args), = rec.calls
+    if device == "cpu":
+        expect = dtype
+    else:
+        expect = torch.float64 if dtype == torch.float64 else torch.float32
+    assert [(a.dtype, a.device.type) for a in args[1:5]] == [(expect, device)] * 4
+    assert out.dtype == dtype and out.device.type == device

@@ -249,6 +249,63 @@ def test_a_layer_seeing_an_empty_slice_keeps_its_statistics_while_others_update(
     assert int(model.b.num_batches_tracked) == 2 and not model.b.running_mean.isnan().any()
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.BatchNorm1d(4), nn.BatchNorm1d(4, momentum=None)
+
+    def forward(self, x, y):
+        return self.a(x), self.b(y)
+
+
+def test_a_session_is_verified_by_the_first_step_every_layer_sees_values():
+    """Guards the verification of ORT's in-place writes: a step in which some layer sees
+    an empty batch proves nothing for that layer (the next step verifies again), nor does
+    a step run eagerly because every layer's batch is empty; the first step with values
+    for every layer verifies the session, and later steps do not check again. (Before the
+    export key held which layers see an empty input, the (5, 5) step ran the graph traced
+    for (5, 0), which has no batch norm for ``b``: StatsNotWrittenError.)"""
+    from bnswap.ort._module import Verification
+
+    torch.manual_seed(0)
+    ref = _TwoInputs()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    state = wrapped._bnswap_state()
+    assert state.stats.verified is False
+    seen = []
+    for nx, ny in [(0, 0), (5, 0), (5, 5), (5, 5)]:
+        x, y = torch.randn(nx, 4), torch.randn(ny, 4)
+        with torch.no_grad():
+            outs, refs = wrapped(x, y), ref(x, y)
+        for o, r in zip(outs, refs):
+            torch.testing.assert_close(o, r, rtol=RTOL, atol=1e-5)
+        assert_stats_equal(model, ref)
+        seen.append((state.verification, state.stats.verified))
+    assert seen == [(Verification.NEXT_STEP, False), (Verification.NEXT_STEP, False),
+                    (Verification.DONE, True), (Verification.DONE, False)]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_first_empty_batch_does_not_shape_the_graph_for_later_ones(mode):
+    """Guards: an eval wrapper whose first batch was empty exported a graph without the
+    batch norm (the core's early return) and ran it for every later batch: outputs
+    0.52 off stock's, running statistics unused."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ref[1].running_mean.fill_(0.3)
+    ref[1].running_var.fill_(2.0)
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    wrapped.train(mode == "train")
+    ref.train(mode == "train")
+    with torch.no_grad():
+        for n in (0, 5, 0, 6):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+            assert_stats_equal(model, ref)
+
+
 def test_running_stats_puts_back_the_nan_ort_writes_for_an_empty_batch():
     """Without the eager shortcut (the wrapper takes it when every layer sees N = 0), ORT's
     own training graph writes NaN batch statistics for an empty batch; RunningStats puts
@@ -641,9 +698,12 @@ def test_unwritten_statistics_are_detected_and_restored(monkeypatch):
     ref = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4))
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
-    with buffers_unchanged(model), pytest.raises(bnswap.ort.StatsNotWrittenError,
-                                                  match="did not write the batch statistics"):
+    with buffers_unchanged(model), pytest.raises(bnswap.ort.StatsNotWrittenError) as err:
         wrapped(torch.randn(2, 3, 5, 5))
+    assert str(err.value) == (
+        "bnswap.ort: ONNX Runtime did not write the batch statistics of ['1'] into their "
+        "running_mean buffers (BatchNormInternal's aliased outputs); their running "
+        "statistics cannot follow PyTorch's rule. Use backend='aten' for this model.")
 
 
 class _TwoOutputs(nn.Module):
@@ -672,6 +732,38 @@ def test_returned_activation_is_not_overwritten_by_backward():
         logits_r.square().mean().backward()
         assert torch.equal(feats.detach(), before)
         torch.testing.assert_close(feats, feats_r, rtol=RTOL, atol=1e-5)
+
+
+class _Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+    def forward(self, x, flag, shift):
+        y = self.body(x) + shift
+        return y * 2 if flag else y
+
+
+def test_non_tensor_arguments_key_the_export_by_type_and_value(caplog):
+    """Guards ``leaf_key``: ``1`` and ``True`` (equal in Python) get their own graphs; a
+    changed float exports again; an equal float made afresh reuses the graph (its value,
+    not its identity, is the key). ORTModule takes no other non-tensor inputs (objects
+    are refused: ORTModuleIOError)."""
+    torch.manual_seed(0)
+    ref = _Flagged()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    caplog.set_level(logging.INFO, logger="bnswap.ort")
+    again = []
+    for flag, shift in [(1, float("0.5")), (1, float("0.5")), (1, 0.75), (0, 0.75),
+                        (False, 0.75)]:
+        caplog.clear()
+        x = torch.randn(4, 3, 6, 6)
+        torch.testing.assert_close(wrapped(x, flag, shift), ref(x, flag, shift),
+                                   rtol=RTOL, atol=1e-5)
+        assert_stats_equal(model, ref)
+        again.append(sum("exports again" in r.getMessage() for r in caplog.records))
+    assert again == [0, 0, 1, 1, 1]
 
 
 def test_changes_the_exported_graph_depends_on_trigger_a_new_export():
@@ -806,17 +898,31 @@ def test_onnx_runtimes_own_logs_stay_at_warning_unless_asked(caplog, monkeypatch
     assert (len(ort_info) > 0) == (level == "INFO"), len(ort_info)
 
 
-def test_error_log_level_leaves_out_ortmodules_banner(caplog, monkeypatch):
-    """The README's promise: BNSWAP_ORT_LOG_LEVEL=ERROR quiets ORTModule's feature banner
-    (a WARNING record of its ``orttraining`` logger), which the default level keeps."""
+def test_ortmodules_notices_show_at_info_only(caplog, monkeypatch):
+    """ORTModule logs its feature banner (once per mode) and a fast-path notice at
+    WARNING; bnswap passes them at INFO / VERBOSE only. Guards: two banners and a notice
+    per wrapped model at the default level. An unknown or empty level means WARNING
+    (an unknown one warns once)."""
+    from bnswap.ort import _logs
+
+    monkeypatch.setattr(_logs, "_warned", set())  # warned once per process and value
     caplog.set_level(logging.INFO)
     seen = {}
-    for level in ("WARNING", "ERROR"):
+    for level in ("", "WARNING", "error", "INFO", "bogus-notices-test"):
         monkeypatch.setenv("BNSWAP_ORT_LOG_LEVEL", level)
         caplog.clear()
-        model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
-                               backend="ort")
-        model(torch.randn(2, 3, 6, 6)).sum().backward()
-        seen[level] = [r for r in caplog.records if r.name.startswith("orttraining")
-                       and "accelerating your model" in r.getMessage()]
-    assert len(seen["WARNING"]) == 1 and seen["ERROR"] == []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
+                                   backend="ort")
+            model(torch.randn(2, 3, 6, 6)).sum().backward()
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(2, 3, 6, 6))
+        seen[level] = (
+            sum("accelerating your model" in r.getMessage() for r in caplog.records
+                if r.name == "orttraining"),
+            sum("Fast path enabled" in r.getMessage() for r in caplog.records),
+            sum("BNSWAP_ORT_LOG_LEVEL" in str(w.message) for w in caught))
+    assert seen == {"": (0, 0, 0), "WARNING": (0, 0, 0), "error": (0, 0, 0),
+                    "INFO": (2, 2, 0), "bogus-notices-test": (0, 0, 1)}

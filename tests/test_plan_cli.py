@@ -87,3 +87,39 @@ def test_the_console_script_exits_with_the_plans_status(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "bnswap plan: 2 of 4 BatchNorm layers swapped, 2 skipped" in proc.stdout
+
+
+def test_an_unannotated_function_is_refused_with_the_fix(capsys):
+    """Guards: the refusal said only "Import path does not correspond to a subclass of
+    Module", in jsonargparse's 9-line Union report."""
+    code, out, err = run(capsys, "--model", "tests.plan_models.unannotated_net")
+    assert code == 2 and not out
+    assert err.splitlines() == [
+        "bnswap plan: error: model: Import path does not correspond to a subclass of Module",
+        "(a function is accepted when annotated to return a module, e.g. def make(...) -> "
+        "nn.Module; see bnswap plan --help)"]
+
+
+def test_notes_say_what_the_kernel_column_could_not_know(capsys):
+    """Guards: --device mps (absent) showed n/a with no word why; --backend ort --device
+    cuda printed the cuDNN prediction note for a column that names ORT's kernel."""
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--device", "meta")
+    assert code == 0 and out.splitlines()[-1] == (
+        "note: the kernel for device 'meta' could not be probed here (n/a (meta)): is the "
+        "device present?")
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--backend", "ort",
+                       "--device", "cuda")
+    assert code == 0 and "note" not in out and "BatchNormInternal (ORT)" in out
+
+
+def test_a_closed_pipe_is_not_an_error(tmp_path):
+    """Guards: `bnswap plan ... | head -1` ended in a BrokenPipeError traceback, exit 1."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "bnswap.app.cli", "plan", "--config",
+                             "digits_mobilenetv2.yaml"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=root)
+    proc.stdout.close()  # the reader leaves before the table is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0 and "Traceback" not in err, err

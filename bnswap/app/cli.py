@@ -24,7 +24,6 @@ subcommands, through ``jsonargparse.CLI`` for ``compare``).
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 import warnings
@@ -36,6 +35,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from bnswap.app import configs as shipped
+from bnswap.app.messages import short_error
 from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
@@ -74,25 +74,6 @@ class Trainer(pl.Trainer):
         self.fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
         #: Wall-clock seconds of the fit (validation included).
         self.fit_seconds = round(time.perf_counter() - t0, 2)
-
-
-_LITERAL = re.compile(r"Expected a typing\.Literal\[(?P<choices>.*?)\]\. Got value: (?P<got>.*)")
-_KEY = re.compile(r'Parser key "(?P<key>[^"]+)"')
-
-
-def short_error(message: str) -> str:
-    """jsonargparse's error ``message`` in one line where it names a choice: for a value
-    outside a ``Literal`` (``--trainer.callbacks.init_args.backend cuda``), the option
-    and the choices; otherwise the message as it is."""
-    lines = message.splitlines()
-    for i, line in enumerate(lines):
-        m = _LITERAL.search(line)
-        if m:
-            keys = [k.group("key") for k in map(_KEY.search, lines[:i]) if k]
-            path = ".".join(k for k in keys if k)
-            return (f"{path or 'a value'}: expected one of {m.group('choices')}, "
-                    f"got {m.group('got').strip()!r}")
-    return message
 
 
 class _Parser(LightningArgumentParser):
@@ -233,7 +214,8 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
         out: the PNG to write (parent folders are created); a JSON of the same name
             holds the figures.
         overrides: extra ``bnswap train`` arguments applied to every run, e.g.
-            ``["--trainer.max_epochs=3"]``.
+            ``["--trainer.max_epochs=3"]`` (on the command line, ``bnswap compare
+            --trainer.max_epochs 3`` does the same: :func:`split_compare_args`).
 
     Returns:
         ``{label: {"final": {...}, "history": [...], "seconds": float,
@@ -299,6 +281,47 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     return results
 
 
+#: ``bnswap train`` options that ``bnswap compare`` passes on to every run.
+TRAIN_OPTIONS = ("--trainer.", "--model.", "--data.", "--seed_everything")
+
+
+def split_compare_args(args: Sequence[str]) -> list[str]:
+    """``bnswap compare``'s arguments with every ``bnswap train`` option (``--trainer.*``,
+    ``--model.*``, ``--data.*``, ``--seed_everything``, as ``--key value`` or
+    ``--key=value``) moved into ``--overrides`` (after any given there).
+
+    Examples::
+
+        >>> split_compare_args(["--out", "c.png", "--trainer.max_epochs", "3"])
+        ['--out', 'c.png', '--overrides', '["--trainer.max_epochs=3"]']
+    """
+    rest: list[str] = []
+    passed: list[str] = []
+    given: list[str] = []
+    items = list(args)
+    i = 0
+    while i < len(items):
+        a = items[i]
+        key = a.split("=", 1)[0]
+        if key.startswith(TRAIN_OPTIONS):
+            if "=" in a or i + 1 == len(items):
+                passed.append(a)
+            else:
+                passed.append(f"{a}={items[i + 1]}")
+                i += 1
+        elif key == "--overrides" and "=" not in a and i + 1 < len(items):
+            given.extend(json.loads(items[i + 1]))
+            i += 1
+        elif key == "--overrides":
+            given.extend(json.loads(a.split("=", 1)[1]))
+        else:
+            rest.append(a)
+        i += 1
+    if given or passed:
+        rest += ["--overrides", json.dumps(given + passed)]
+    return rest
+
+
 def _help() -> str:
     width = max(map(len, SUBCOMMANDS))
     return "\n".join([
@@ -331,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args[0] == "compare":
         from jsonargparse import CLI
 
-        CLI(compare, args=args[1:], as_positional=False)
+        CLI(compare, args=split_compare_args(args[1:]), as_positional=False,
+            prog="bnswap compare")
         return
     if args[0] not in SUBCOMMANDS:
         print(_help(), file=sys.stderr)

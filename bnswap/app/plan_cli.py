@@ -6,8 +6,9 @@
     bnswap plan ... [--backend aten|ort] [--include P ...] [--exclude P ...]
                     [--device cuda] [--format table|json|markdown]
 
-The model is any importable class or function returning an ``nn.Module``, with its
-arguments given the jsonargparse way. ``--config`` builds the model of a ``bnswap train``
+The model is any importable ``nn.Module`` class, or function annotated to return one
+(``-> nn.Module``: jsonargparse reads the annotation), with its arguments given the
+jsonargparse way. ``--config`` builds the model of a ``bnswap train``
 config (a path, or the name of a config shipped with bnswap) and takes the backend and
 patterns of its ``BNSwap`` callback unless given here. Nothing is trained, no data is
 loaded, no Trainer is built.
@@ -19,7 +20,9 @@ Exit status: 0 when every BatchNorm layer would be swapped, 3 when some would be
 from __future__ import annotations
 
 import json
+import os
 import sys
+from argparse import ArgumentError
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -30,6 +33,7 @@ from torch import nn
 
 import bnswap
 from bnswap.app.configs import resolve as resolve_config
+from bnswap.app.messages import short_error
 
 __all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "main", "render"]
 
@@ -42,13 +46,13 @@ Format = Literal["table", "json", "markdown"]
 
 def _parser() -> ArgumentParser:
     p = ArgumentParser(
-        prog="bnswap plan", exit_on_error=True,
+        prog="bnswap plan", exit_on_error=False,
         description="Show what bnswap would swap in a model (no training, no data). Exit "
                     "status 0: every BatchNorm layer swapped; 3: some skipped; 2: usage "
                     "error.")
     p.add_argument("--model", type=nn.Module | None, default=None,
-                   help="the model: an importable class or function returning an "
-                        "nn.Module (e.g. torchvision.models.resnet18), its arguments as "
+                   help="the model: an importable nn.Module class, or function annotated "
+                        "to return one (e.g. torchvision.models.resnet18), its arguments as "
                         "--model.NAME VALUE or --model.init_args.NAME VALUE")
     p.add_argument("--config", type=str | None, default=None,
                    help="a `bnswap train` config (path, or the name of a config shipped "
@@ -117,8 +121,16 @@ def main(argv: Sequence[str]) -> int:
     parser = _parser()
     try:
         cfg = parser.parse_args(list(argv))
-    except SystemExit as e:  # argparse's usage errors (2) and --help (0)
+    except SystemExit as e:  # --help (0)
         return int(e.code or 0)
+    except ArgumentError as e:
+        print(f"bnswap plan: error: {short_error(str(e))}", file=sys.stderr)
+        if "does not correspond to a subclass of Module" in str(e):
+            print("(a function is accepted when annotated to return a module, "
+                  "e.g. def make(...) -> nn.Module; see bnswap plan --help)", file=sys.stderr)
+        else:
+            print("(bnswap plan --help lists every option)", file=sys.stderr)
+        return EXIT_USAGE
     if (cfg.model is None) == (cfg.config is None):
         print("bnswap plan: error: give exactly one of --model or --config "
               "(see bnswap plan --help)", file=sys.stderr)
@@ -140,11 +152,18 @@ def main(argv: Sequence[str]) -> int:
         print(f"bnswap plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     note = ""
-    if cfg.device is not None:
-        dev = torch.device(cfg.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            note = (f"note: no {dev.type} device here; the kernel column is what "
-                    "torch._C._select_batch_norm_backend picks on NVIDIA GPUs by its "
-                    "rule (aten/src/ATen/native/Normalization.cpp), predicted")
-    print(render(plan, cfg.format, note))
+    kernels = {r.kernel for r in plan.swapped}
+    if any(k.endswith("(predicted)") for k in kernels):
+        note = (f"note: no {torch.device(cfg.device).type} device here; the kernel column "
+                "is what torch._C._select_batch_norm_backend picks on NVIDIA GPUs by its "
+                "rule (aten/src/ATen/native/Normalization.cpp), predicted")
+    elif unprobed := sorted(k for k in kernels if k.startswith("n/a")):
+        note = (f"note: the kernel for device {cfg.device or 'of the layers'!r} could not be "
+                f"probed here ({', '.join(unprobed)}): is the device present?")
+    try:
+        print(render(plan, cfg.format, note))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `bnswap plan ... | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
     return EXIT_SOME_SKIPPED if plan.skipped else EXIT_ALL_SWAPPED

@@ -8,7 +8,7 @@ never by this module, so one config differs from the other by the callback alone
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -41,10 +41,12 @@ class DigitsClassifier(pl.LightningModule):
     excluded).
     """
 
-    def __init__(self, arch: str = "mobilenetv2", num_classes: int = 10, in_channels: int = 1,
-                 model_kwargs: dict[str, Any] | None = None, optimizer: str = "sgd",
+    def __init__(self, arch: Literal["mobilenetv2", "convnet4", "resnet18"] = "mobilenetv2",
+                 num_classes: int = 10, in_channels: int = 1,
+                 model_kwargs: dict[str, Any] | None = None,
+                 optimizer: Literal["sgd", "adamw"] = "sgd",
                  lr: float = 0.05, weight_decay: float = 5e-4, momentum: float = 0.9,
-                 scheduler: str = "onecycle"):
+                 scheduler: Literal["onecycle", "cosine", "none"] = "onecycle"):
         super().__init__()
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
-__all__ = ["LOG_LEVEL_ENV", "ort_log_level"]
+__all__ = ["LOG_LEVEL_ENV", "ort_log_level", "quiet_ort_notices"]
 
 #: The environment variable that sets ONNX Runtime's own log level: VERBOSE, INFO,
 #: WARNING (the default) or ERROR. It applies to ORTModule's Python logger
@@ -15,14 +16,39 @@ __all__ = ["LOG_LEVEL_ENV", "ort_log_level"]
 #: :func:`executed_ops` is left out).
 LOG_LEVEL_ENV = "BNSWAP_ORT_LOG_LEVEL"
 _LOG_LEVELS = ("VERBOSE", "INFO", "WARNING", "ERROR")
+_warned: set[str] = set()
+
+#: ORTModule's informational notices, which ORT 1.19.2 logs at WARNING: its feature
+#: banner (once per mode a model runs in) and its fast-path notice. Shown at INFO and
+#: VERBOSE only.
+ORT_NOTICES = ("is accelerating your model", "Fast path enabled - skipping checks")
 
 
 def ort_log_level() -> str:
     """ONNX Runtime's log level: ``$BNSWAP_ORT_LOG_LEVEL`` (VERBOSE, INFO, WARNING or
-    ERROR), WARNING by default or for an unknown value (with a warning)."""
-    value = os.environ.get(LOG_LEVEL_ENV, "WARNING").strip().upper()
+    ERROR, any case), WARNING when unset or empty, and for an unknown value (with a
+    warning, once per value)."""
+    value = os.environ.get(LOG_LEVEL_ENV, "").strip().upper() or "WARNING"
     if value not in _LOG_LEVELS:
-        warnings.warn(f"bnswap.ort: {LOG_LEVEL_ENV}={value!r} is not one of "
-                      f"{', '.join(_LOG_LEVELS)}; using WARNING", UserWarning, stacklevel=2)
+        if value not in _warned:
+            _warned.add(value)
+            warnings.warn(f"bnswap.ort: {LOG_LEVEL_ENV}={value!r} is not one of "
+                          f"{', '.join(_LOG_LEVELS)}; using WARNING", UserWarning, stacklevel=2)
         return "WARNING"
     return value
+
+
+class _DropNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if ort_log_level() in ("VERBOSE", "INFO"):
+            return True
+        message = record.getMessage()
+        return not any(n in message for n in ORT_NOTICES)
+
+
+def quiet_ort_notices() -> None:
+    """Keep :data:`ORT_NOTICES` off ORTModule's ``orttraining`` logger unless
+    ``$BNSWAP_ORT_LOG_LEVEL`` is INFO or VERBOSE (idempotent)."""
+    logger = logging.getLogger("orttraining")
+    if not any(isinstance(f, _DropNotices) for f in logger.filters):
+        logger.addFilter(_DropNotices())

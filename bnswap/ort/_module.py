@@ -225,7 +225,10 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         Parameter and buffer tensors it is fed, each BatchNorm layer's
         ``track_running_stats`` and ``eps`` (Lightning's ``BaseFinetuning`` flips
         ``track_running_stats`` when it freezes / unfreezes), the values of non-tensor
-        forward arguments, and, in training, which inputs and parameters require grad.
+        forward arguments, which BatchNorm layers get an empty input (the core returns
+        early for one, so the traced graph holds no batch norm for that layer: an eval
+        wrapper whose first batch was empty gave un-normalized outputs for every later
+        batch) and, in training, which inputs and parameters require grad.
         ORT 1.19.2 checks none of this after its first call (its default
         ``ORTMODULE_SKIP_CHECK``): it kept writing the statistics of a layer that stopped
         tracking them, returned no gradient for an input that started requiring one, ran
@@ -237,7 +240,8 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         state = self._bnswap_state()
         keys = state.export_keys
         old = keys.get(training)
-        key = self._bnswap_export_key(mods, layers, args, kwargs, training)
+        key = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
+            state.stats.empty_inputs(args, kwargs, layers),)
         if old is None or old == key:
             keys[training] = key
             return
@@ -249,9 +253,9 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         state.stats.invalidate()
         keys.clear()  # the other mode's graph is stale too
         mods = list(state.model.named_modules())
-        keys[training] = self._bnswap_export_key(
-            mods, [(n, m) for n, m in mods if isinstance(m, _BatchNorm)], args, kwargs,
-            training)
+        layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
+        keys[training] = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
+            state.stats.empty_inputs(args, kwargs, layers),)
         logger.info("bnswap.ort: the model or its inputs changed in a way the exported "
                     "graph depends on; ONNX Runtime exports again")
         for mode in (True, False):

@@ -24,6 +24,7 @@ the model cannot run on meta).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -80,21 +81,22 @@ class RunningStats:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self._sizes: dict[tuple, list[int | None]] = {}
+        # input signature -> {BatchNorm layer's qualified name: its input shape per call}
+        self._shapes: dict[tuple, dict[str, list[tuple[int, ...]]]] = {}
         #: Whether the last :meth:`step` verified ORT's write for every layer that ran.
         self.verified = False
 
     # ------------------------------------------------------------------ shapes
-    def _probe(self, args: tuple, kwargs: dict, layers: list[tuple[str, _BatchNorm]],
-               meta: bool) -> list[int | None]:
-        seen: dict[int, list[tuple[int, ...]]] = {}
+    def _probe(self, args: tuple, kwargs: dict, meta: bool) -> dict[str, list[tuple[int, ...]]]:
+        seen: dict[str, list[tuple[int, ...]]] = {}
 
-        def hook(i: int):
+        def hook(name: str):
             def pre(_mod: nn.Module, inputs: tuple) -> None:
-                seen.setdefault(i, []).append(tuple(inputs[0].shape))
+                seen.setdefault(name, []).append(tuple(inputs[0].shape))
             return pre
 
-        handles = [m.register_forward_pre_hook(hook(i)) for i, (_, m) in enumerate(layers)]
+        handles = [m.register_forward_pre_hook(hook(name))
+                   for name, m in self.root.named_modules() if isinstance(m, _BatchNorm)]
         try:
             with torch.no_grad():
                 if meta:
@@ -108,8 +110,7 @@ class RunningStats:
                     margs, mkwargs = pytree.tree_map_only(
                         torch.Tensor, lambda t: torch.empty_like(t, device="meta"),
                         (args, kwargs))
-                    functional_call(self.root, state, margs, mkwargs, tie_weights=False,
-                                    strict=False)
+                    functional_call(self.root, state, margs, mkwargs)
                 else:
                     saved = [(b, b.clone()) for b in self.root.buffers()]
                     try:
@@ -120,55 +121,71 @@ class RunningStats:
         finally:
             for h in handles:
                 h.remove()
+        return seen
+
+    def input_shapes(self, args: tuple, kwargs: dict) -> dict[str, list[tuple[int, ...]]]:
+        """The input shape of every call of every BatchNorm layer of ``root`` (keyed by
+        its qualified name) for these inputs, from a shape-only pass on the meta device (a
+        real no-grad pass, buffers restored, when the model cannot run on meta). Cached
+        per input signature (shapes, dtypes, devices, structure, non-tensor values).
+
+        Raises:
+            What the model raises for these inputs in eager mode (wrong rank, channel
+            count, one value per channel...), before ORT runs.
+        """
+        key = _signature(args, kwargs)
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            try:
+                shapes = self._probe(args, kwargs, meta=True)
+            except Exception as err:  # noqa: BLE001 - any meta failure: use a real pass
+                logger.debug("bnswap.ort: meta shape pass failed (%s); using a real pass", err)
+                shapes = self._probe(args, kwargs, meta=False)
+            if len(self._shapes) > 64:
+                self._shapes.clear()
+            self._shapes[key] = shapes
+        return shapes
+
+    def reduction_sizes(self, args: tuple, kwargs: dict,
+                        layers: list[tuple[str, _BatchNorm]]) -> list[int | None]:
+        """Values per channel (``N * prod(spatial)``) each of ``layers`` sees for these
+        inputs; None for a layer the forward does not run. ``layers``: (qualified name in
+        ``root``, layer) pairs.
+
+        Raises:
+            What :meth:`input_shapes` raises.
+            LayerRunsTwiceError (an ORTRunError): a layer runs more than once per forward.
+        """
+        seen = self.input_shapes(args, kwargs)
         sizes: list[int | None] = []
-        for i, (name, _) in enumerate(layers):
-            shapes = seen.get(i, [])
+        for name, m in layers:
+            shapes = seen.get(name)
+            if shapes is None:
+                sizes.append(None)  # not run by this forward: no update, as in eager
+                continue
             if len(shapes) > 1:
                 raise LayerRunsTwiceError(
                     f"bnswap.ort: BatchNorm layer {name!r} runs {len(shapes)} times in one "
                     "forward; ONNX Runtime updates its running statistics once per call site "
                     "into the same buffers, which cannot reproduce PyTorch's sequential "
                     "updates. Use one layer per call site, or backend='aten'.")
-            if not shapes:
-                sizes.append(None)  # not run by this forward: no update, as in eager
-                continue
             shape = shapes[0]
-            n = 1
-            for s in (shape[:1] + shape[2:]):
-                n *= s
-            sizes.append(n)
+            sizes.append(math.prod(shape[:1] + shape[2:]))
         return sizes
 
-    def reduction_sizes(self, args: tuple, kwargs: dict,
-                        layers: list[tuple[str, _BatchNorm]]) -> list[int | None]:
-        """Values per channel (``N * prod(spatial)``) each layer sees for these inputs;
-        None for a layer the forward does not run. Cached per input-shape signature.
+    def empty_inputs(self, args: tuple, kwargs: dict,
+                     layers: list[tuple[str, _BatchNorm]]) -> tuple[bool, ...]:
+        """Per layer of ``layers``: whether a call of it gets an empty input for these
+        inputs. A graph traced then holds no batch norm for that layer (the core's
+        early return for empty input), so it must not serve non-empty batches."""
+        seen = self.input_shapes(args, kwargs)
+        return tuple(any(0 in s for s in seen.get(name, ())) for name, _ in layers)
 
-        Raises:
-            What the model raises for these inputs in eager mode (wrong rank, channel
-            count, one value per channel...), before ORT runs.
-            LayerRunsTwiceError (an ORTRunError): a layer runs more than once per forward.
-        """
-        key = _signature(args, kwargs)
-        sizes = self._sizes.get(key)
-        if sizes is None:
-            try:
-                sizes = self._probe(args, kwargs, layers, meta=True)
-            except LayerRunsTwiceError:
-                raise
-            except Exception as err:  # noqa: BLE001 - any meta failure: use a real pass
-                logger.debug("bnswap.ort: meta shape pass failed (%s); using a real pass", err)
-                sizes = self._probe(args, kwargs, layers, meta=False)
-            if len(self._sizes) > 64:
-                self._sizes.clear()
-            self._sizes[key] = sizes
-        return sizes
+    def invalidate(self) -> None:
+        """Forget the cached input shapes (the model's structure changed)."""
+        self._shapes.clear()
 
     # -------------------------------------------------------------------- step
-    def invalidate(self) -> None:
-        """Forget the cached reduction sizes (the model's structure changed)."""
-        self._sizes.clear()
-
     def step(self, args: tuple, kwargs: dict, run: Callable[[], T], verify: bool = False,
              layers: list[tuple[str, _BatchNorm]] | None = None,
              eager: Callable[[], T] | None = None) -> T:
