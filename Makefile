@@ -6,10 +6,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 ZOO ?= .venv-zoo
-# The CPU build of torch 2.13 comes from PyTorch's CPU index (PyPI's torch==2.13.0 is a
-# CUDA build that pulls several GB of NVIDIA packages). The zoo pins torch 2.14.1 as the
-# project's CI machine holds it (a CUDA build that runs on the CPU, ~6 GB); elsewhere
-# make ZOO_TORCH='torch==2.14.1+cpu torchvision==0.29.1+cpu' takes the CPU builds.
+# The CPU build of torch 2.13: from the machine's own wheels or index when it has it,
+# else from PyTorch's CPU index (PyPI's torch==2.13.0 is a CUDA build that pulls several
+# GB of NVIDIA packages). The zoo pins torch 2.14.1 as the project's CI machine holds it
+# (a CUDA build that runs on the CPU, ~6 GB); see the README for the CPU builds.
 TORCH ?= torch==2.13.0+cpu
 ZOO_TORCH ?= torch==2.14.1 torchvision==0.29.1
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -24,7 +24,8 @@ export MPLBACKEND ?= Agg
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python $(PIP) --upgrade pip
-	$(VENV)/bin/python $(PIP) --extra-index-url $(TORCH_INDEX) $(TORCH)
+	$(VENV)/bin/python $(PIP) $(TORCH) 2>/dev/null || \
+		$(VENV)/bin/python $(PIP) --extra-index-url $(TORCH_INDEX) $(TORCH)
 	echo '$(TORCH)' > $(VENV)/constraints.txt
 	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev]'
 	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
@@ -34,7 +35,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 $(ZOO)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(ZOO)
 	$(ZOO)/bin/python $(PIP) --upgrade pip
-	$(ZOO)/bin/python $(PIP) --extra-index-url $(TORCH_INDEX) $(ZOO_TORCH)
+	$(ZOO)/bin/python $(PIP) $(ZOO_TORCH)
 	printf '%s\n' $(ZOO_TORCH) > $(ZOO)/constraints.txt
 	$(ZOO)/bin/python $(PIP) -c $(ZOO)/constraints.txt -e '.[lightning,dev]' timm==1.0.31
 	touch $@

@@ -90,8 +90,8 @@ def _stock_checks_eps() -> bool:
     try:
         with torch.no_grad():
             torch.nn.functional.batch_norm(torch.ones(2, 1), None, None, training=True, eps=0.0)
-    except ValueError:
-        return True
+    except ValueError as err:
+        return "eps" in str(err)
     return False
 
 
@@ -106,7 +106,7 @@ def check_batch_norm_input(
     running_mean: Tensor | None,
     running_var: Tensor | None,
     use_batch_stats: bool,
-    eps: float = 1e-5,
+    eps: float,
 ) -> None:
     """Raise what stock ``F.batch_norm`` raises for ``input``, before any kernel runs.
 
@@ -170,12 +170,11 @@ def check_batch_norm_input(
         # Stock's own call raises stock's dispatch error for this dtype and device (e.g.
         # '"batch_norm" not implemented for 'Long'', or the QuantizedCPU backend's) before
         # any kernel runs; on copies of the statistics, in case a dtype ever runs.
-        # (The arguments only shape the error of a call made to raise it: no mutation.)
-        torch.batch_norm(  # pragma: no mutate
-            input, weight, bias,  # pragma: no mutate
-            None if running_mean is None else running_mean.clone(),  # pragma: no mutate
-            None if running_var is None else running_var.clone(),  # pragma: no mutate
-            use_batch_stats, 0.0, eps, torch.backends.cudnn.enabled)  # pragma: no mutate
+        torch.batch_norm(
+            input, weight, bias,
+            None if running_mean is None else running_mean.clone(),
+            None if running_var is None else running_var.clone(),
+            use_batch_stats, 0.0, eps, torch.backends.cudnn.enabled)
 
 
 def _param_dtype(input: Tensor, *refs: Tensor | None) -> torch.dtype:

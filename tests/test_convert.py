@@ -308,3 +308,19 @@ def test_plan_rows_as_dicts_and_the_swapped_forwards_repr():
                        "backend": "-", "kernel": "-", "adapter": "-"}
     bnswap.convert(model)
     assert repr(model[0].forward) == "<bnswap forward of BatchNorm2d (batch_norm_forward)>"
+
+
+def test_the_forward_of_a_layer_swapped_with_a_callable_object_names_it():
+    """An adapter without ``__qualname__`` (a ``functools.partial``, a callable object) is
+    shown by its repr; the layer runs it."""
+    import functools
+
+    from bnswap._swap import swap
+    from bnswap.layers import batch_norm_forward
+
+    stock, bn = nn.BatchNorm2d(2), nn.BatchNorm2d(2)
+    adapter = functools.partial(batch_norm_forward)
+    swap(bn, adapter)
+    assert repr(bn.forward) == f"<bnswap forward of BatchNorm2d ({adapter!r})>"
+    x = torch.randn(3, 2, 2, 2)
+    assert torch.equal(bn(x), stock(x)) and torch.equal(bn.running_var, stock.running_var)

@@ -394,3 +394,26 @@ def test_fx_symbolic_trace_through_an_adapter_called_with_a_keyword_input():
     finally:
         registry._ADAPTERS.clear()
         registry._ADAPTERS.update(saved)
+
+
+@pytest.mark.parametrize("momentum", [0.3, None])
+def test_running_stats_under_torch_func_grad_follow_stock(momentum):
+    """Inside ``torch.func.grad`` the core runs stock's call (no batching rule for the
+    consolidated ops): gradients, running statistics (momentum, cumulative average) and
+    the layer's eps as stock's. Guards the arguments of that call."""
+    stock = nn.BatchNorm2d(3, momentum=momentum, eps=0.5)
+    stock.running_mean.fill_(0.25)
+    stock.running_var.fill_(2.0)
+    swapped = bnswap.convert(copy.deepcopy(stock))
+    x = torch.randn(4, 3, 2, 2)
+    grads = []
+    for m in (stock, swapped):
+        def loss(params, buffers, m=m):  # buffers as inputs: updated in place
+            return functional_call(m, {**params, **buffers}, (x,)).square().sum()
+
+        for _ in range(2):
+            g = torch.func.grad(loss)(dict(m.named_parameters()), dict(m.named_buffers()))
+        grads.append(g)
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+    assert state_diff(stock, swapped) == []
+    assert int(swapped.num_batches_tracked) == 2

@@ -170,3 +170,21 @@ def test_constants_of_a_layer_without_tensors_follow_the_input(dtype, device):
         expect = torch.float64 if dtype == torch.float64 else torch.float32
     assert [(a.dtype, a.device.type) for a in args[1:5]] == [(expect, device)] * 4
     assert out.dtype == dtype and out.device.type == device
+
+
+@pytest.mark.parametrize("missing", ["weight", "bias"])
+def test_a_layer_missing_one_affine_tensor_still_hands_both(missing):
+    """Guards: with only the bias (or only the weight) set to None, the core passed None
+    for it (cuDNN needs both defined)."""
+    bn = nn.BatchNorm2d(3)
+    setattr(bn, missing, None)
+    bn = bnswap.convert(bn)
+    with Recorder() as rec:
+        bn(torch.randn(4, 3, 2, 2))
+    (_, args), = rec.calls
+    weight, bias = args[1:3]
+    assert isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)
+    kept = bias if missing == "weight" else weight
+    assert kept is getattr(bn, "bias" if missing == "weight" else "weight")
+    fill = torch.ones(3) if missing == "weight" else torch.zeros(3)
+    assert torch.equal(weight if missing == "weight" else bias, fill)

@@ -237,3 +237,46 @@ def test_wrong_channels_leave_state_untouched():
     with pytest.raises(RuntimeError, match="running_mean should contain 4 elements not 3"):
         bn(torch.randn(2, 4, 3, 3))
     assert bn.num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("training", [True, False])
+def test_an_empty_batch_gives_stocks_output_and_gradients(channels, affine, training):
+    """aten::batch_norm's early return for an empty batch, ``input.clone() * weight[0] +
+    bias[0]``: stock's output (shape, dtype) and zero, not missing, gradients for weight
+    and bias; statistics untouched, the batch counted in training. Guards the core's copy
+    of that return (C = 1 included)."""
+    stock, swapped = pair(nn.BatchNorm2d(channels, affine=affine).train(training))
+    y1, y2, gx1, gx2 = step(stock, swapped, torch.randn(0, channels, 3, 3))
+    assert y1.shape == y2.shape == (0, channels, 3, 3) and y1.dtype == y2.dtype
+    assert torch.equal(gx1, gx2)
+    if affine:
+        assert torch.equal(swapped.weight.grad, torch.zeros(channels))
+    assert_state_equal(stock, swapped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_input_into_an_affine_false_float_layer_matches_stock(dtype):
+    """Half input, float32 running statistics, no affine parameters: the constants take
+    the statistics' dtype, so the CPU kernel runs stock's mixed-dtype path."""
+    stock, swapped = pair(nn.BatchNorm2d(5, affine=False))
+    g = torch.Generator().manual_seed(5)
+    for training in (True, False, True):
+        stock.train(training), swapped.train(training)
+        x = torch.randn(4, 5, 3, 3, generator=g).to(dtype)
+        y1, y2, gx1, gx2 = step(stock, swapped, x)
+        assert y2.dtype == dtype and torch.equal(y1, y2) and torch.equal(gx1, gx2)
+    assert_state_equal(stock, swapped)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_layer_with_a_weight_and_no_bias_matches_stock(training):
+    """A layer whose bias was set to None (weight kept): stock's output, gradients and
+    statistics (the core passes zeros for the missing bias)."""
+    ref = nn.BatchNorm2d(4)
+    ref.bias = None
+    stock, swapped = pair(ref.train(training))
+    y1, y2, gx1, gx2 = step(stock, swapped, torch.randn(3, 4, 2, 2))
+    assert torch.equal(y1, y2) and torch.equal(gx1, gx2)
+    assert_state_equal(stock, swapped)

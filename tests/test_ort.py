@@ -766,6 +766,30 @@ def test_non_tensor_arguments_key_the_export_by_type_and_value(caplog):
     assert again == [0, 0, 1, 1, 1]
 
 
+class _Cropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+
+    def forward(self, x, crop: int = 0):
+        y = self.conv(x)
+        return self.bn(y[..., crop:, crop:] if crop else y)
+
+
+def test_keyword_arguments_that_change_what_a_layer_sees_keep_statistics_exact():
+    """Guards: the values per channel (n of the unbiased variance) come from the call's
+    own keyword arguments (a crop changes them: 4 * 36 against 4 * 16)."""
+    torch.manual_seed(0)
+    ref = _Cropped()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    for crop in (0, 2, 2, 0):
+        x = torch.randn(4, 3, 6, 6)
+        torch.testing.assert_close(wrapped(x, crop=crop), ref(x, crop=crop), rtol=RTOL,
+                                   atol=1e-5)
+        assert_stats_equal(model, ref)
+
+
 def test_changes_the_exported_graph_depends_on_trigger_a_new_export():
     """Non-tensor forward arguments, a replaced head, reassigned buffers / Parameters:
     ORT 1.19.2 kept running its first graph (skip checks); bnswap exports again."""

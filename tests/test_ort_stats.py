@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,9 +35,11 @@ class Net(nn.Module):
         self.img = nn.BatchNorm2d(3, momentum=momentum)      # (N, C, H, W)
         self.vol = nn.BatchNorm3d(3, momentum=momentum)      # (N, C, D, H, W)
         self.extra_bn = nn.BatchNorm2d(3, momentum=momentum)
+        self.stem = nn.Conv2d(3, 3, 1)  # a parameter that must be on meta too
 
-    def forward(self, *xs: torch.Tensor, extra: bool = False, crop: int = 0):
-        x = torch.cat(xs)
+    def forward(self, *xs: torch.Tensor, extra: bool = False, crop: int = 0, cfg=None):
+        x = self.stem(torch.cat(xs))
+        crop = cfg.crop if cfg is not None else crop
         if crop:
             x = x[..., crop:, crop:]
         y = self.img(x)
@@ -68,12 +72,13 @@ def _devices_seen(model: nn.Module) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("momentum", [0.1, None])
-def test_sizes_per_rank_from_a_meta_pass(momentum, caplog):
+@pytest.mark.parametrize("momentum, training", [(0.1, True), (None, True), (0.1, False)])
+def test_sizes_per_rank_from_a_meta_pass(momentum, training, caplog):
     """Guards n for every rank (N for (N, C); N * L; N * H * W; N * D * H * W), None for a
     layer the forward does not run, and that the pass ran on meta only: no real
-    compute, no fallback (momentum=None reads the real num_batches_tracked)."""
-    stats, layers = _stats(Net(momentum))
+    compute, no fallback (momentum=None reads the real num_batches_tracked; eval mode
+    reads the running statistics, on meta too)."""
+    stats, layers = _stats(Net(momentum).train(training))
     seen = _devices_seen(stats.root)
     before = copy.deepcopy(stats.root.state_dict())
     caplog.set_level(logging.DEBUG, logger="bnswap.ort")
@@ -138,7 +143,8 @@ def test_a_model_the_meta_device_cannot_run_gets_a_real_pass_with_state_restored
     sizes = stats.reduction_sizes((x,), {"extra": True, "crop": 1}, layers)
     assert sizes == [4, 4 * 20, 4 * 20, 4 * 2 * 20, 4 * 20]
     assert seen == ["cpu"]  # the meta pass failed before the layer ran
-    assert "meta shape pass failed" in caplog.text and "using a real pass" in caplog.text
+    assert re.fullmatch(r"bnswap\.ort: meta shape pass failed \(.*meta tensors.*\); using a "
+                        r"real pass", caplog.records[-1].getMessage())
     after = stats.root.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -171,4 +177,32 @@ def test_empty_inputs_per_layer():
     assert stats.empty_inputs((x[:0],), {"extra": True}, layers) == (True,) * 5
     # (2, 3, 0, 0) images: the (N, C) layer after the spatial mean sees values
     assert stats.empty_inputs((x,), {"crop": 4}, layers) == (False, True, True, True, False)
+
+
+def test_a_layer_that_does_not_run_keeps_its_place():
+    """None for a layer the forward skips, wherever it stands in the list: the sizes line
+    up with the layers after it (each gets its own n)."""
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.BatchNorm2d(3)
+            self.a = nn.BatchNorm2d(3)
+            self.b = nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            return self.b(self.a(x).mean((2, 3)))
+
+    stats, layers = _stats(Skips())
+    assert stats.reduction_sizes((torch.randn(4, 3, 2, 5),), {}, layers) == [None, 40, 4]
+
+
+def test_an_argument_object_keys_the_cache_by_identity():
+    """A non-tensor argument that is neither a scalar nor a string (an object, possibly
+    unhashable) keys the cache by identity: another object, other sizes."""
+    stats, layers = _stats(Net())
+    x = torch.randn(2, 3, 4, 4)
+    one, two = SimpleNamespace(crop=1), SimpleNamespace(crop=2)
+    assert stats.reduction_sizes((x,), {"cfg": one}, layers)[2] == 2 * 9
+    assert stats.reduction_sizes((x,), {"cfg": two}, layers)[2] == 2 * 4
+    assert stats.reduction_sizes((x,), {"cfg": one}, layers)[2] == 2 * 9
 

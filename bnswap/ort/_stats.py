@@ -87,7 +87,9 @@ class RunningStats:
         self.verified = False
 
     # ------------------------------------------------------------------ shapes
-    def _probe(self, args: tuple, kwargs: dict, meta: bool) -> dict[str, list[tuple[int, ...]]]:
+    def _shapes_of(self, forward: Callable[[], Any]) -> dict[str, list[tuple[int, ...]]]:
+        """Run ``forward()`` (a pass of ``root``) under no_grad, recording the input
+        shape of every call of every BatchNorm layer, by qualified name."""
         seen: dict[str, list[tuple[int, ...]]] = {}
 
         def hook(name: str):
@@ -99,29 +101,33 @@ class RunningStats:
                    for name, m in self.root.named_modules() if isinstance(m, _BatchNorm)]
         try:
             with torch.no_grad():
-                if meta:
-                    state: dict[str, torch.Tensor] = {}
-                    for name, p in self.root.named_parameters():
-                        state[name] = p.detach().to("meta")
-                    for name, b in self.root.named_buffers():
-                        # num_batches_tracked stays real: momentum=None reads it as a float.
-                        state[name] = (b.clone() if b.dtype == torch.long and b.dim() == 0
-                                       else b.to("meta"))
-                    margs, mkwargs = pytree.tree_map_only(
-                        torch.Tensor, lambda t: torch.empty_like(t, device="meta"),
-                        (args, kwargs))
-                    functional_call(self.root, state, margs, mkwargs)
-                else:
-                    saved = [(b, b.clone()) for b in self.root.buffers()]
-                    try:
-                        self.root(*args, **kwargs)
-                    finally:
-                        for b, old in saved:
-                            b.copy_(old)
+                forward()
         finally:
             for h in handles:
                 h.remove()
         return seen
+
+    def _meta_pass(self, args: tuple, kwargs: dict) -> None:
+        """``root`` on meta copies of its tensors and of the inputs: shapes only, no
+        compute, no state touched."""
+        state: dict[str, torch.Tensor] = {}
+        for name, p in self.root.named_parameters():
+            state[name] = p.detach().to("meta")
+        for name, b in self.root.named_buffers():
+            # num_batches_tracked stays real: momentum=None reads it as a float.
+            state[name] = b.clone() if b.dtype == torch.long and b.dim() == 0 else b.to("meta")
+        margs, mkwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
+        functional_call(self.root, state, margs, mkwargs)
+
+    def _real_pass(self, args: tuple, kwargs: dict) -> None:
+        """``root`` on the inputs, every buffer restored afterwards."""
+        saved = [(b, b.clone()) for b in self.root.buffers()]
+        try:
+            self.root(*args, **kwargs)
+        finally:
+            for b, old in saved:
+                b.copy_(old)
 
     def input_shapes(self, args: tuple, kwargs: dict) -> dict[str, list[tuple[int, ...]]]:
         """The input shape of every call of every BatchNorm layer of ``root`` (keyed by
@@ -137,10 +143,10 @@ class RunningStats:
         shapes = self._shapes.get(key)
         if shapes is None:
             try:
-                shapes = self._probe(args, kwargs, meta=True)
+                shapes = self._shapes_of(lambda: self._meta_pass(args, kwargs))
             except Exception as err:  # noqa: BLE001 - any meta failure: use a real pass
                 logger.debug("bnswap.ort: meta shape pass failed (%s); using a real pass", err)
-                shapes = self._probe(args, kwargs, meta=False)
+                shapes = self._shapes_of(lambda: self._real_pass(args, kwargs))
             if len(self._shapes) > 64:
                 self._shapes.clear()
             self._shapes[key] = shapes
