@@ -17,7 +17,7 @@ PIP := -m pip install -q --disable-pip-version-check
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 export MPLBACKEND ?= Agg
 
-.PHONY: setup setup-zoo demo test test-main test-zoo bench clean
+.PHONY: setup setup-zoo demo test test-main test-zoo bench mutation clean
 
 # After torch, every install runs with a constraints file pinning it, so no package's
 # own torch requirement can make pip fetch another build.
@@ -57,5 +57,12 @@ test: test-main test-zoo
 bench: setup
 	$(VENV)/bin/python -m benchmarks
 
+# Mutation testing (docs/reliability.md; not in CI, about an hour on 2 cores): mutmut
+# over the modules where a wrong number is silent, configured in pyproject.toml.
+mutation: setup
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt mutmut==3.8.1
+	$(VENV)/bin/mutmut run --max-children 1
+	$(VENV)/bin/mutmut results
+
 clean:
-	rm -rf $(VENV) $(ZOO) build
+	rm -rf $(VENV) $(ZOO) build mutants

@@ -192,8 +192,8 @@ class RunningStats:
         self._shapes.clear()
 
     # -------------------------------------------------------------------- step
-    def step(self, args: tuple, kwargs: dict, run: Callable[[], T], verify: bool = False,
-             layers: list[tuple[str, _BatchNorm]] | None = None,
+    def step(self, args: tuple, kwargs: dict, run: Callable[[], T], *, verify: bool,
+             layers: list[tuple[str, nn.Module]],
              eager: Callable[[], T] | None = None) -> T:
         """Run ``run()`` (an ORT training forward of ``root`` on ``args``/``kwargs``) and
         leave every tracked layer's running_mean, running_var and num_batches_tracked
@@ -203,8 +203,8 @@ class RunningStats:
             verify: first step of a new ORT session: fill running_mean with a sentinel
                 before the call and check ORT overwrote it with the batch mean (ONNX
                 momentum 0), i.e. that its aliased in-place write reached the buffer.
-            layers: ``root``'s (name, module) pairs when the caller has walked it
-                already (default: ``root.named_modules()``).
+            layers: ``root``'s (qualified name, module) pairs, all of them or its
+                BatchNorm layers (the caller has walked the model already).
             eager: run instead of ``run`` when every tracked layer that runs sees an
                 empty batch (N = 0): there is nothing for ORT to compute, and ORT 1.19.2's
                 backward rejects the empty gradient ("ORT only supports contiguous
@@ -216,7 +216,7 @@ class RunningStats:
                 layer's statistics (the statistics are restored; nothing is silently
                 wrong).
         """
-        layers = tracked_layers(self.root.named_modules() if layers is None else layers)
+        layers = tracked_layers(layers)
         sizes = self.reduction_sizes(args, kwargs, layers) if layers else []
         ran = [(m, n) for (_, m), n in zip(layers, sizes) if n is not None]
         # verified: every layer that ran was checked (an empty batch proves nothing about
