@@ -123,31 +123,29 @@ def adapter_of(module: object) -> Adapter | None:
 
 
 def undo_of(module: nn.Module) -> Callable[[], None]:
-    """What puts ``module``'s forward entry back as it is now (taken before :func:`swap`)."""
+    """What undoes :func:`swap` on ``module`` (taken before it): drops the instance
+    forward, so the class's runs again. Only for layers without an instance forward
+    (:func:`bnswap.plan` skips layers that have one of their own; swapped layers are
+    not swapped again)."""
     d = module.__dict__
-    old = d.get("forward", _MISSING)
 
     def undo() -> None:
-        if old is _MISSING:
-            d.pop("forward", None)
-        else:
-            d["forward"] = old
+        d.pop("forward", None)
 
     return undo
 
 
-def swap(module: nn.Module, adapter: Adapter) -> Callable[[], None]:
-    """Make ``module`` run ``adapter(module, ...)`` as its forward; return the undo.
+def swap(module: nn.Module, adapter: Adapter) -> None:
+    """Make ``module`` run ``adapter(module, ...)`` as its forward (take
+    :func:`undo_of` first to be able to put it back).
 
-    A layer that is already swapped gets the new adapter (the undo restores the old one).
-    Uninitialized lazy layers (``nn.LazyBatchNorm2d``...) keep the entry when they
-    initialize (torch changes their ``__class__``, never their ``__dict__``).
+    A layer that is already swapped gets the new adapter. Uninitialized lazy layers
+    (``nn.LazyBatchNorm2d``...) keep the entry when they initialize (torch changes their
+    ``__class__``, never their ``__dict__``).
     """
-    undo = undo_of(module)
     # The instance dict directly: nn.Module.__setattr__ would only check, slowly, that
     # the value is no Parameter / Module / buffer before doing the same (benchmarks P5).
     module.__dict__["forward"] = SwappedForward(module, adapter)
-    return undo
 
 
 def unswap(module: nn.Module) -> None:
@@ -165,6 +163,3 @@ def wrapped_model(module: object) -> nn.Module | None:
     state = getattr(module, "__dict__", {}).get(WRAPPER_STATE)
     model = getattr(state, "model", None)
     return model if isinstance(model, nn.Module) else None
-
-
-_MISSING = object()

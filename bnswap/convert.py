@@ -86,11 +86,12 @@ def convert(
     check_module(module, "convert")
     check_backend(backend)
     todo = plan(module, backend, include=include, exclude=exclude)
-    if not todo.rows and wrapped_model(module) is None:
+    if not todo.rows:
         warnings.warn(
             "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
             + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
-               "modules eager)" if backend == "ort" else ""), UserWarning, stacklevel=2)
+               "modules eager)" if backend == "ort" and wrapped_model(module) is None
+               else ""), UserWarning, stacklevel=2)
     elif include is None and exclude is None and not todo.swapped:
         warnings.warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers "
                       "can be swapped; see bnswap.plan(model) for why", UserWarning,

@@ -14,6 +14,7 @@ What these ops need on torch 2.13, and how the core provides it: ``docs/architec
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -97,6 +98,16 @@ def _stock_checks_eps() -> bool:
 
 # Probed once, at import, so compiled code sees a constant.
 _CHECK_EPS = _stock_checks_eps()
+
+
+def _raise_stock_momentum_error(momentum: object) -> None:
+    """Raise stock's error for a momentum that is no number (``"a"``): the TypeError of
+    ``torch.batch_norm``'s argument parser (``"batch_norm(): argument 'momentum'
+    (position 7) must be float, not str"``), where the consolidated ops' schema raises a
+    RuntimeError. Stock raises it in eval too (``_BatchNorm.forward`` always passes the
+    momentum). A value its parser accepts returns (the op then takes it as stock does)."""
+    probe = torch.zeros(2, 1)
+    torch.batch_norm(probe, None, None, None, None, True, momentum, 1.0, False)  # type: ignore[arg-type]
 
 
 def check_batch_norm_input(
@@ -300,6 +311,9 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     check_batch_norm_input(
         input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
     )
+    momentum = bn.momentum
+    if momentum is not None and not isinstance(momentum, (numbers.Real, Tensor)):
+        _raise_stock_momentum_error(momentum)
 
     compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
     if compiling and _is_exporting() and isinstance(input.numel(), torch.SymInt):
@@ -310,7 +324,6 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         # num_batches_tracked update, so no state changes) says so clearly.
         # bnswap.to_stock_ops removes it again with the op it guards.
         torch.ops.aten._assert_scalar.default(input.numel() != 0, EMPTY_BATCH_MESSAGE)
-    momentum = bn.momentum
     nbt = bn.num_batches_tracked
     counts = training and bn.track_running_stats and nbt is not None  # as _BatchNorm.forward
     if counts:

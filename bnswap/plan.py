@@ -437,8 +437,8 @@ def plan(
                 f"bnswap: backend={backend!r} given an ONNX Runtime wrapper (what "
                 "backend='ort' returned); it would keep running ONNX Runtime. To run the "
                 "model on the aten backend, use the model it wraps: model = wrapper.module "
-                "(its layers are already swapped), or bnswap.revert(wrapper.module) for "
-                "stock BatchNorm.")
+                "(its layers stay swapped unless the wrapper was reverted), or "
+                "bnswap.revert(wrapper.module) for stock BatchNorm.")
         module = inner
     inc = _pattern_list(include, "include")
     exc = _pattern_list(exclude, "exclude")
@@ -472,6 +472,10 @@ def plan(
         elif isinstance(m, nn.SyncBatchNorm):
             rows.append(_row(name, m, cls, backend, device, "skip",
                              "SyncBatchNorm runs its own cross-process kernel; left as is"))
+        elif "forward" in vars(m):
+            rows.append(_row(name, m, cls, backend, device, "skip",
+                             "its forward is set on the instance (by a library's hook, e.g. "
+                             "accelerate's, or by hand); swapping would drop it"))
         elif (adapter := registry.lookup(cls)) is not None:
             rows.append(_row(name, m, cls, backend, device, "swap",
                              uninit.replace("keeps", "swapped now, keeps"), adapter,

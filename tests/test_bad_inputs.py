@@ -695,3 +695,23 @@ def test_a_wrong_sized_tensor_is_named_as_stock_names_it(which, train):
     a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
     assert a[0] == b[0] == "err" and b[1] == a[1] == (
         RuntimeError, f"{which} should contain 3 elements not 4"), (a, b)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("momentum", ["a", [0.1]])
+def test_a_momentum_that_is_no_number_raises_stocks_type_error(training, momentum):
+    """Guards: a str momentum raised the consolidated op's RuntimeError ("aten::
+    _batch_norm_with_update() Expected a value of type 'float' ..."); stock's parser
+    raises a TypeError, in eval too. Raised before the batch is counted (deviation 1)."""
+    ref = nn.BatchNorm2d(3, momentum=momentum).train(training)
+    layer = bnswap.convert(copy.deepcopy(ref))
+    x = torch.randn(4, 3, 2, 2)
+    with pytest.raises(TypeError) as stock_error:
+        ref(x)
+    with pytest.raises(TypeError) as ours:
+        layer(x)
+    assert str(ours.value) == str(stock_error.value) == (
+        f"batch_norm(): argument 'momentum' (position 7) must be float, not "
+        f"{type(momentum).__name__}")
+    assert int(layer.num_batches_tracked) == 0
+    assert torch.equal(layer.running_mean, torch.zeros(3))

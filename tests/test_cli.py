@@ -230,3 +230,65 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
     # gaps 1.5e-3 and 1.3e-2 after 3 and 6 SGD steps
     for g, w in zip(got, want, strict=True):
         assert g["val_loss"] == pytest.approx(w["val_loss"], rel=5e-2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--config", "digits_mobilenetv2.yaml", "--trainer.max_epochs", "-3"],
+     "bnswap train: error: `max_epochs` must be a non-negative integer or -1. You passed in -3."),
+    (["train", "--config", "digits_mobilenetv2.yaml", "--data.batch_size", "0"],
+     "bnswap train: error: batch_size should be a positive integer value, got 0"),
+    (["validate", "--config", "digits_mobilenetv2.yaml", "--ckpt_path", "missing.ckpt"],
+     "bnswap validate: error: ckpt_path: no such file: 'missing.ckpt'"),
+    (["train"], "bnswap train: error: missing --data, --model (a config gives them: "
+                "--config digits_mobilenetv2.yaml)"),
+    (["train", "--config", "notes.txt"],
+     "bnswap train: error: config: not a config file (a YAML mapping of options: trainer:, "
+     "model:, data: ...); it begins 'root:x:0:0:root:/root:/bin/bash'"),
+    (["compare", "--configs", "digits_mobilenetv2.yaml", "nothere.yaml"],
+     "bnswap compare: error: configs: no config 'nothere.yaml': not a file here, and not one "
+     "of bnswap's (digits_mobilenetv2.yaml, digits_mobilenetv2_stock.yaml, "
+     "digits_mobilenetv2_ort.yaml)"),
+])
+def test_values_refused_after_parsing_fail_before_training_in_two_lines(
+        capsys, monkeypatch, tmp_path, args, message):
+    """Guards (a fresh user's report): a negative max_epochs, batch_size 0 and a missing
+    checkpoint passed parsing and ended in 29-70-line tracebacks (exit 1); no config said
+    "bnswap: error: ... required: train.data, train.model"; a file that is not a config was
+    echoed whole; compare trained its first config before finding the second missing."""
+    from bnswap.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("root:x:0:0:root:/root:/bin/bash\n" * 30)
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr()
+    prog = message.split(":")[0]
+    lines = [ln for ln in (err.out + err.err).strip().splitlines() if ln != "Seed set to 0"]
+    assert lines == [message, f"({prog} --help lists every option)"]
+    assert not list(tmp_path.rglob("*.csv"))  # nothing trained
+
+
+def test_compare_takes_configs_one_by_one_or_as_a_list(capsys):
+    """Guards the README's ``--configs A.yaml B.yaml``: only a JSON list parsed."""
+    from bnswap.app.cli import main
+
+    for configs in (["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"],
+                    ['["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"]']):
+        with pytest.raises(SystemExit) as exit_:
+            main(["compare", "--configs", *configs, "--labels", "a", "b", "--print_config"])
+        assert exit_.value.code == 0
+        cfg = yaml.safe_load(capsys.readouterr().out)
+        assert cfg["configs"] == ["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"]
+        assert cfg["labels"] == ["a", "b"]
+
+
+def test_no_subcommand_is_a_usage_error(capsys):
+    """argparse's convention: help on stderr, exit 2 (it exited 0)."""
+    from bnswap.app.cli import SUBCOMMANDS, main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and out.out == ""
+    assert all(name in out.err for name in SUBCOMMANDS)

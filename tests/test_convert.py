@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
+import warnings
 import re
 import subprocess
 import sys
@@ -236,7 +238,7 @@ def test_plan_table_and_logging(caplog):
         "(the model has no BatchNorm layers)")
     caplog.set_level(logging.INFO, logger="bnswap")
     bnswap.convert(model)
-    assert text in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("bnswap")] == [text]
 
 
 def test_a_layer_without_tensors_is_planned_for_the_cpu():
@@ -324,3 +326,107 @@ def test_the_forward_of_a_layer_swapped_with_a_callable_object_names_it():
     assert repr(bn.forward) == f"<bnswap forward of BatchNorm2d ({adapter!r})>"
     x = torch.randn(3, 2, 2, 2)
     assert torch.equal(bn(x), stock(x)) and torch.equal(bn.running_var, stock.running_var)
+
+
+def _warnings_of(fn, *args, **kwargs) -> list[tuple[type, str, bool]]:
+    """(category, message, whether it points at the line that called ``fn``) per warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        fn(*args, **kwargs)
+    return [(w.category, str(w.message), (w.filename, w.lineno) == (__file__, line))
+            for w in caught]
+
+
+def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
+    """Guards convert's two warnings: their exact text, UserWarning, and stacklevel 2
+    (the warning points at the line that called convert, as torch's own warnings do)."""
+    assert _warnings_of(bnswap.convert, nn.Sequential(nn.Linear(2, 2))) == [
+        (UserWarning, "bnswap.convert: the model has no BatchNorm layer; nothing was swapped",
+         True)]
+    only_sync = nn.Sequential(nn.SyncBatchNorm(3), nn.SyncBatchNorm(3))
+    assert _warnings_of(bnswap.convert, only_sync) == [
+        (UserWarning, "bnswap.convert: none of the model's 2 BatchNorm layers can be swapped; "
+         "see bnswap.plan(model) for why", True)]
+    # with include / exclude, leaving layers stock is what the user asked for: no warning
+    assert _warnings_of(bnswap.convert, only_sync, exclude="0") == []
+    assert _warnings_of(bnswap.convert, only_sync, include="*") == []
+
+
+def test_a_swapped_layer_takes_its_input_by_keyword():
+    """Guards the swapped forward passing keyword arguments on: ``bn(input=x)`` works on
+    stock's layer, so it must on a swapped one (same output and statistics)."""
+    ref = nn.BatchNorm2d(3)
+    layer = bnswap.convert(copy.deepcopy(ref))
+    x = torch.randn(4, 3, 5, 5)
+    assert torch.equal(layer(input=x), ref(input=x))
+    assert torch.equal(layer.running_var, ref.running_var)
+    assert int(layer.num_batches_tracked) == int(ref.num_batches_tracked) == 1
+
+
+def test_a_layer_whose_forward_is_set_on_the_instance_is_left_as_is():
+    """Guards: a forward assigned to the instance (accelerate's ``add_hook_to_module``
+    does ``module.forward = ...``) was silently replaced by the swap, so the hook stopped
+    running. plan skips the layer and says why; convert and revert leave it alone."""
+    def hooked(layer):
+        calls = []
+        plain = layer.forward
+
+        def forward(x):
+            calls.append(x.shape)
+            return plain(x) * 2
+
+        layer.forward = forward
+        return calls
+
+    ref = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.BatchNorm2d(4))
+    model = copy.deepcopy(ref)
+    ref_calls, calls = hooked(ref[1]), hooked(model[1])
+    own = vars(model[1])["forward"]
+    rows = bnswap.plan(model).rows
+    assert [(r.name, r.action, r.reason) for r in rows] == [
+        ("1", "skip", "its forward is set on the instance (by a library's hook, e.g. "
+                      "accelerate's, or by hand); swapping would drop it"),
+        ("2", "swap", "-")]
+    assert bnswap.convert(model) is model
+    assert vars(model[1])["forward"] is own and bnswap.is_swapped(model[2])
+    x = torch.randn(2, 3, 5, 5)
+    assert torch.equal(model(x), ref(x)) and calls == ref_calls == [(2, 4, 5, 5)]
+    assert torch.equal(model[1].running_var, ref[1].running_var)
+    bnswap.revert(model)
+    assert vars(model[1])["forward"] is own and not bnswap.is_swapped(model[2])
+
+
+def test_apply_of_a_plan_without_a_model_says_how_to_get_one():
+    with pytest.raises(ValueError) as e:
+        bnswap.Plan([]).apply()
+    assert str(e.value) == "this Plan has no model to apply to (build it with bnswap.plan)"
+
+
+def test_a_layer_skipped_under_ort_says_what_that_means():
+    """Guards the ORT part of a skipped row's reason (plan needs no ONNX Runtime)."""
+    rows = bnswap.plan(nn.Sequential(nn.SyncBatchNorm(3)), backend="ort").rows
+    assert [(r.action, r.backend, r.reason) for r in rows] == [(
+        "skip", "-", "SyncBatchNorm runs its own cross-process kernel; left as is; ORT cannot "
+        "run an unswapped BatchNorm: bnswap.convert(..., backend='ort') refuses the model, "
+        "BNSwap keeps its child eager")]
+
+
+def test_objects_without_a_dict_are_not_swapped_and_not_wrappers():
+    """Guards the ``__dict__`` fallbacks: is_swapped takes any object (ints, slotted
+    objects have no ``__dict__``)."""
+    from bnswap._swap import wrapped_model
+
+    class Slotted:
+        __slots__ = ("forward",)
+
+    for obj in (3, None, Slotted(), nn.BatchNorm2d(2)):
+        assert bnswap.is_swapped(obj) is False
+        assert wrapped_model(obj) is None
+
+
+def test_a_plan_built_by_hand_defaults_to_the_aten_backend():
+    model = nn.Sequential(nn.BatchNorm2d(2))
+    rows = bnswap.plan(model).rows
+    p = bnswap.Plan(rows, model)
+    assert p.backend == "aten" and p.apply() is model and bnswap.is_swapped(model[0])

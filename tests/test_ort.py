@@ -352,7 +352,25 @@ def test_convert_of_a_model_without_batchnorm_warns_and_does_not_wrap():
     for backend in ("ort", "aten"):
         with pytest.warns(UserWarning, match="the model has no BatchNorm layer") as w:
             assert bnswap.convert(model, backend=backend) is model
-        assert ("not wrapped in ONNX Runtime" in str(w[0].message)) == (backend == "ort")
+        assert str(w[0].message) == (
+            "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
+            + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
+               "modules eager)" if backend == "ort" else ""))
+
+
+def test_convert_of_a_wrapper_whose_batchnorm_layers_were_replaced():
+    """Guards the wrapper check in convert's "no BatchNorm layer" warning: a wrapper whose
+    layers were all replaced (a new head) is returned as it is, and the warning does not
+    claim it is "not wrapped" (it said "none of the model's 0 BatchNorm layers can be
+    swapped" before)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    wrapped = bnswap.convert(model, backend="ort")
+    model[1] = nn.ReLU()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert bnswap.convert(wrapped, backend="ort") is wrapped
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (UserWarning, "bnswap.convert: the model has no BatchNorm layer; nothing was swapped")]
 
 
 def test_state_dict_parameters_and_revert():

@@ -123,3 +123,50 @@ def test_a_closed_pipe_is_not_an_error(tmp_path):
     proc.stdout.close()  # the reader leaves before the table is written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0 and "Traceback" not in err, err
+
+
+def test_help_lists_every_option_without_the_module_class_list(capsys):
+    """Guards the help formatter: jsonargparse appends "known subclasses: ..." to
+    ``--model`` (every nn.Module class imported, ~450 lines); the help keeps each option,
+    its type and default, and stays one screen long."""
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for option in ("--model MODEL", "--config CONFIG", "--backend BACKEND", "--include",
+                   "--exclude", "--device DEVICE", "--format {table,json,markdown}"):
+        assert option in out
+    assert "known subclasses" not in out and "torch.nn.Identity" not in out
+    assert "(type: Module | null, default: null)" in " ".join(out.split())
+    assert len(out.splitlines()) < 60
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "digits_mobilenetv2.yaml", "--backend", "cuda"],
+     "backend: expected one of 'aten', 'ort', got 'cuda'"),
+    (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "abc"],
+     "model.num_features: expected int, got 'abc'"),
+    (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--model.momentum", "a"],
+     "model.momentum: expected float or None, got 'a'"),
+    (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--include", "[1]"],
+     "include: expected list[str] or None, got '[1]'"),
+    (["--model", "tests.plan_models.failing_net"], "model: kaboom (width 4)"),
+    (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--device", "tpu"],
+     "device: Expected one of cpu, cuda, "),
+    (["--config", "/etc/hostname"], "/etc/hostname: no 'model' section"),
+])
+def test_usage_errors_name_the_option_and_the_reason_in_one_line(capsys, args, message):
+    """Guards the one-line errors (a fresh user's report): a wrong backend said
+    "expected None"; a wrong value inside --model was cut off after 'Parser key
+    "num_features":'; a model function that raised, and a bad device, printed
+    jsonargparse's / torch's report without the option."""
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.splitlines()[0].startswith(f"bnswap plan: error: {message}"), err
+    assert len(err.splitlines()) <= 2
+
+
+def test_a_pattern_that_matches_nothing_warns_in_one_line(capsys):
+    """Guards the warning's form: Python's default printed the source path and line."""
+    code, out, err = run(capsys, "--model", "tests.plan_models.plain_net", "--include",
+                         '["nothing*"]')
+    assert code == 3 and "not matched by include" in out
+    assert err == "bnswap plan: warning: include pattern 'nothing*' matches no BatchNorm layer\n"

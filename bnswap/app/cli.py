@@ -24,6 +24,7 @@ subcommands, through ``jsonargparse.CLI`` for ``compare``).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import warnings
@@ -33,6 +34,7 @@ from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
 from bnswap.app.messages import short_error
@@ -41,6 +43,9 @@ from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
 __all__ = ["BNSwapCLI", "SUBCOMMANDS", "Trainer", "compare", "main", "run_train"]
+
+#: ``ckpt_path`` values Lightning resolves itself (not file names).
+_CKPT_ALIASES = ("last", "best", "hpc", "registry")
 
 DEFAULT_CONFIGS = ("digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml")
 
@@ -84,9 +89,25 @@ class _Parser(LightningArgumentParser):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"{prog}: error: {short_error(message)}\n"
-                         f"({prog} --help lists every option)\n")
-        self.exit(2)
+        missing = _REQUIRED.search(message)
+        if missing and prog == "bnswap":
+            # the top parser reports a subcommand's missing options as "train.model"
+            keys = [k.strip() for k in missing.group("keys").split(",")]
+            sub = keys[0].split(".", 1)[0]
+            if sub in SUBCOMMANDS and all(k.startswith(sub + ".") for k in keys):
+                prog = f"bnswap {sub}"
+                message = ("missing " + ", ".join("--" + k.split(".", 1)[1] for k in keys)
+                           + " (a config gives them: --config digits_mobilenetv2.yaml)")
+        _usage_error(prog, short_error(message))
+
+
+_REQUIRED = re.compile(r"the following arguments are required: (?P<keys>.+)")
+
+
+def _usage_error(prog: str, message: str) -> NoReturn:
+    """Print ``prog: error: message`` and the help hint; exit with status 2 (argparse's)."""
+    sys.stderr.write(f"{prog}: error: {message}\n({prog} --help lists every option)\n")
+    raise SystemExit(2)
 
 
 class BNSwapCLI(LightningCLI):
@@ -132,6 +153,22 @@ class BNSwapCLI(LightningCLI):
         init = getattr(logger, "init_args", None) if logger is not None else None
         if init is not None and "save_dir" in init and init.get("save_dir") is None:
             init["save_dir"] = trainer.get("default_root_dir") or "."
+
+    def instantiate_classes(self) -> None:
+        """Build the Trainer, model and data; a value they refuse (``--trainer.max_epochs
+        -3``, ``--data.batch_size 0``: Lightning's MisconfigurationException, a
+        ValueError) is a usage error in two lines, as a parse error is, before any
+        training starts."""
+        prog = f"bnswap {self.subcommand}" if self.subcommand else "bnswap"
+        cfg = self.config.get(str(self.subcommand), self.config)
+        ckpt = cfg.get("ckpt_path") if hasattr(cfg, "get") else None
+        if (isinstance(ckpt, str) and ckpt not in _CKPT_ALIASES and "://" not in ckpt
+                and not Path(ckpt).is_file()):
+            _usage_error(prog, f"ckpt_path: no such file: {ckpt!r}")
+        try:
+            super().instantiate_classes()
+        except (MisconfigurationException, ValueError) as e:
+            _usage_error(prog, short_error(str(e)))
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -227,6 +264,8 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     import matplotlib.pyplot as plt
 
     configs = list(DEFAULT_CONFIGS) if configs is None else configs
+    for cfg in configs:  # every config found before the first run trains
+        shipped.resolve(cfg)
     results: dict[str, Any] = {}
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
@@ -283,17 +322,23 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
 
 #: ``bnswap train`` options that ``bnswap compare`` passes on to every run.
 TRAIN_OPTIONS = ("--trainer.", "--model.", "--data.", "--seed_everything")
+#: ``bnswap compare`` options that take several values (``--configs A.yaml B.yaml``, or
+#: a JSON list).
+LIST_OPTIONS = ("--configs", "--labels")
 
 
 def split_compare_args(args: Sequence[str]) -> list[str]:
     """``bnswap compare``'s arguments with every ``bnswap train`` option (``--trainer.*``,
     ``--model.*``, ``--data.*``, ``--seed_everything``, as ``--key value`` or
-    ``--key=value``) moved into ``--overrides`` (after any given there).
+    ``--key=value``) moved into ``--overrides`` (after any given there), and the values
+    of ``--configs`` / ``--labels`` given one by one made a JSON list.
 
     Examples::
 
         >>> split_compare_args(["--out", "c.png", "--trainer.max_epochs", "3"])
         ['--out', 'c.png', '--overrides', '["--trainer.max_epochs=3"]']
+        >>> split_compare_args(["--configs", "a.yaml", "b.yaml", "--out", "c.png"])
+        ['--configs', '["a.yaml", "b.yaml"]', '--out', 'c.png']
     """
     rest: list[str] = []
     passed: list[str] = []
@@ -309,6 +354,14 @@ def split_compare_args(args: Sequence[str]) -> list[str]:
             else:
                 passed.append(f"{a}={items[i + 1]}")
                 i += 1
+        elif key in LIST_OPTIONS and "=" not in a and i + 1 < len(items) \
+                and not items[i + 1].lstrip().startswith("["):
+            # --configs A.yaml B.yaml: the values up to the next option, as one list
+            values = []
+            while i + 1 < len(items) and not items[i + 1].startswith("--"):
+                values.append(items[i + 1])
+                i += 1
+            rest += [a, json.dumps(values)]
         elif key == "--overrides" and "=" not in a and i + 1 < len(items):
             given.extend(json.loads(items[i + 1]))
             i += 1
@@ -344,7 +397,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     # Lightning 2.6 on torch 2.13 warns on every batch about torch's own pytree API.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # as argparse does for a missing subcommand: usage error
+        print(_help(), file=sys.stderr)
+        sys.exit(2)
+    if args[0] in ("-h", "--help"):
         print(_help())
         return
     if args[0] == "plan":
@@ -354,8 +410,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args[0] == "compare":
         from jsonargparse import CLI
 
-        CLI(compare, args=split_compare_args(args[1:]), as_positional=False,
-            prog="bnswap compare")
+        try:
+            CLI(compare, args=split_compare_args(args[1:]), as_positional=False,
+                prog="bnswap compare")
+        except FileNotFoundError as e:  # a config that is neither a file nor shipped
+            _usage_error("bnswap compare", f"configs: {e}")
         return
     if args[0] not in SUBCOMMANDS:
         print(_help(), file=sys.stderr)

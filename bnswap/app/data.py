@@ -74,6 +74,10 @@ class DigitsDataModule(pl.LightningDataModule):
 
     Batches are ``(x, y)``: x (B, 1, image_size, image_size) float32, standardized with
     the training split's mean / std; y (B,) int64.
+
+    Raises:
+        ValueError: val_fraction outside (0, 1); batch_size, val_batch_size or image_size
+            below 1; num_workers below 0 (raised here, before any training starts).
     """
 
     def __init__(self, batch_size: int = 64, val_batch_size: int = 256, image_size: int = 16,
@@ -81,6 +85,12 @@ class DigitsDataModule(pl.LightningDataModule):
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size),
+                            ("image_size", image_size)):
+            if value < 1:  # torch's DataLoader / interpolate would refuse it mid-fit
+                raise ValueError(f"{name} should be a positive integer value, got {value}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers should be a non-negative integer, got {num_workers}")
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size
         self.image_size = image_size

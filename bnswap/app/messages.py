@@ -6,39 +6,150 @@ import re
 
 __all__ = ["short_error"]
 
-_LITERAL = re.compile(r"Expected a typing\.Literal\[(?P<choices>.*?)\]\. Got value: (?P<got>.*)")
-_KEY = re.compile(r'Parser key "(?P<key>[^"]+)"')
-
-
-_EXPECTED = re.compile(r"Expected a <class '(?P<type>[^']+)'>")
-_SKIP = ("Does not validate", "Subtypes:", "Errors:", "Given value", "- Problem with given",
-         "- Expected a")
+_KEY = re.compile(r'Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)')
+_CLASS_PATH = re.compile(r"Problem with given class_path '[^']*':\s*(?P<rest>.*)")
+_LITERAL = re.compile(r"Expected (?:a )?typing\.Literal\[(?P<choices>.*?)\]"
+                      r"(?:\. Got value: (?P<got>.*))?$")
+_EXPECTED = re.compile(r"Expected (?:a )?(?P<type>.+?)(?:\. Got value: (?P<got>.*))?$")
+_UNION = "Does not validate against any of the Union subtypes"
+#: Longest line kept of a message jsonargparse builds from the user's input (a file
+#: that is not a config is quoted whole: "Unexpected config: <the file>").
+_MAX = 160
 
 
 def short_error(message: str) -> str:
-    """jsonargparse's error ``message`` in one line: for a value outside a ``Literal``
-    (``--trainer.callbacks.init_args.backend cuda``), the option and the choices; for a
-    value of the wrong type (``--trainer.max_epochs abc``), the option, the types and
-    the value; for a Union none of whose members accepts the value, the option and the
-    first reason; otherwise the message as it is."""
-    lines = message.splitlines()
-    for i, line in enumerate(lines):
-        m = _LITERAL.search(line)
-        if m:
-            keys = [k.group("key") for k in map(_KEY.search, lines[:i]) if k]
-            path = ".".join(k for k in keys if k)
-            return (f"{path or 'a value'}: expected one of {m.group('choices')}, "
-                    f"got {m.group('got').strip()!r}")
-    key = _KEY.match(lines[0]) if lines else None
-    if key is None:
+    """jsonargparse's error ``message`` in one line, naming the option by its dotted
+    path: for a value outside a ``Literal`` (``--trainer.callbacks.init_args.backend
+    cuda``), the choices; for a value of the wrong type (``--trainer.max_epochs abc``),
+    the types accepted and the value; inside a class (``--model.num_features abc``,
+    ``--model.init_args.arch foo``) the innermost option that refused the value; for a
+    Union none of whose members accepts the value, its most specific reason (an error
+    raised while building the class is given as it is); otherwise the message's first
+    line (cut at 160 characters).
+
+    Examples::
+
+        >>> short_error('Parser key "trainer.max_epochs":\\n'
+        ...             '  Does not validate against any of the Union subtypes\\n'
+        ...             "  Subtypes: [<class 'int'>, <class 'NoneType'>]\\n"
+        ...             '  Errors:\\n'
+        ...             "    - Expected a <class 'int'>\\n"
+        ...             "    - Expected a <class 'NoneType'>\\n"
+        ...             "  Given value type: <class 'str'>\\n"
+        ...             '  Given value: abc')
+        "trainer.max_epochs: expected int or None, got 'abc'"
+    """
+    lines = [ln for ln in message.splitlines() if ln.strip()]
+    if not lines:
         return message
-    given = next((ln.split("Given value:", 1)[1].strip() for ln in lines
-                  if ln.strip().startswith("Given value:")), None)
-    types = [{"NoneType": "None"}.get(t, t) for t in _EXPECTED.findall(message)]
-    reasons = [ln.strip().removeprefix("- ") for ln in lines[1:]
-               if ln.strip() and not ln.strip().startswith(_SKIP)]
-    if reasons:
-        return f"{key.group('key')}: {reasons[0]}"
-    if types and given is not None:
-        return f"{key.group('key')}: expected {' or '.join(types)}, got {given!r}"
-    return message
+    if lines[0].startswith("Unexpected config:"):  # the whole file follows
+        return ("config: not a config file (a YAML mapping of options: trainer:, model:, "
+                f"data: ...); it begins {lines[0].split(':', 1)[1].strip()[:40]!r}")
+    text = _explain(lines, [])
+    return text if text is not None else _first_line(lines[0])
+
+
+def _first_line(line: str) -> str:
+    line = line.strip()
+    return line if len(line) <= _MAX else line[:_MAX - 3] + "..."
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _body(lines: list[str]) -> list[str]:
+    """The lines under ``lines[0]`` (indented deeper), without their indentation."""
+    base = _indent(lines[0])
+    body = [ln for ln in lines[1:] if _indent(ln) > base]
+    cut = min((_indent(ln) for ln in body), default=0)
+    return [ln[cut:] for ln in body]
+
+
+def _items(lines: list[str]) -> list[list[str]]:
+    """The ``- item`` entries of a list (each with the lines under it)."""
+    items: list[list[str]] = []
+    for ln in lines:
+        if ln.startswith("- "):
+            items.append([ln[2:]])
+        elif items:
+            items[-1].append(ln[2:] if ln.startswith("  ") else ln)
+    return items
+
+
+def _type_name(text: str) -> str:
+    text = text.strip()
+    if m := re.fullmatch(r"<class '(?P<path>[^']+)'>", text):
+        return {"NoneType": "None"}.get(m.group("path").rsplit(".", 1)[-1],
+                                        m.group("path").rsplit(".", 1)[-1])
+    if m := re.fullmatch(r"typing\.Literal\[(?P<choices>.*)\]", text):
+        return f"one of {m.group('choices')}"
+    return re.sub(r"\b(?:[a-z_][\w]*\.)+(?P<name>[A-Z]\w*)", r"\g<name>", text)
+
+
+def _split_top(text: str) -> list[str]:
+    """``a, b[c, d], e`` -> ``[a, b[c, d], e]``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "[(<" and 1 or ch in "])>" and -1 or 0
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _where(path: list[str]) -> str:
+    """``"trainer.max_epochs: "``; nothing when the option is not known."""
+    return ".".join(path) + ": " if path else ""
+
+
+def _explain(lines: list[str], path: list[str]) -> str | None:
+    head = lines[0].strip()
+    if m := _KEY.fullmatch(head):
+        inner = [m.group("rest")] if m.group("rest") else []
+        rest = inner + _body(lines)
+        return _explain(rest, [*path, m.group("key")]) if rest else None
+    if m := _CLASS_PATH.fullmatch(head):
+        rest = ([m.group("rest")] if m.group("rest") else []) + _body(lines)
+        return _explain(rest, path) if rest else None
+    if head == _UNION:
+        return _union(lines, path)
+    if m := _LITERAL.fullmatch(head):
+        got = m.group("got") or _given(lines)
+        return f"{_where(path)}expected one of {m.group('choices')}" + (
+            f", got {got.strip()!r}" if got is not None else "")
+    if m := _EXPECTED.fullmatch(head):
+        got = m.group("got") or _given(lines)
+        return f"{_where(path)}expected {_type_name(m.group('type'))}" + (
+            f", got {got.strip()!r}" if got is not None else "")
+    return f"{_where(path)}{_first_line(head)}" if path else None
+
+
+def _given(lines: list[str]) -> str | None:
+    return next((ln.split("Given value:", 1)[1].strip() for ln in lines
+                 if ln.strip().startswith("Given value:")), None)
+
+
+def _union(lines: list[str], path: list[str]) -> str:
+    subtypes = next((ln.split("Subtypes:", 1)[1].strip() for ln in lines
+                     if ln.strip().startswith("Subtypes:")), "[]")
+    errors_at = next((i for i, ln in enumerate(lines) if ln.strip() == "Errors:"), None)
+    items = _items(_body(lines[errors_at:])) if errors_at is not None else []
+    # The most specific reason first: a value refused inside a class, then what a
+    # class refused (an unknown option), then an error raised while building it.
+    nested = [it for it in items if any(_KEY.fullmatch(ln.strip()) for ln in it)]
+    classes = [it for it in items if _CLASS_PATH.fullmatch(it[0].strip())]
+    raised = [it for it in items if not it[0].startswith("Expected ")]
+    for group in (nested, classes, raised):
+        for item in group:
+            text = _explain(item, path)
+            if text is not None:
+                return text
+            return f"{_where(path)}{_first_line(item[0])}"
+    names = [_type_name(t) for t in _split_top(subtypes.strip()[1:-1])]
+    literal = [n for n in names if n.startswith("one of ")]
+    expected = literal[0] if literal else " or ".join(names)  # None: the default, not a choice
+    given = _given(lines)
+    return f"{_where(path)}expected {expected}" + (
+        f", got {given!r}" if given is not None else "")

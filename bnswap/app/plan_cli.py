@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from argparse import ArgumentError
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 import yaml
-from jsonargparse import ArgumentParser
+from jsonargparse import ArgumentParser, DefaultHelpFormatter
 from torch import nn
 
 import bnswap
@@ -44,9 +45,19 @@ EXIT_USAGE = 2
 Format = Literal["table", "json", "markdown"]
 
 
+class _HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help without the "known subclasses" list of ``--model``: for
+    ``nn.Module`` it names every module class imported (hundreds of lines)."""
+
+    def _get_help_string(self, action) -> str:
+        text = super()._get_help_string(action)
+        cut = text.find(", known subclasses: ")
+        return text if cut < 0 else text[:cut] + ")"
+
+
 def _parser() -> ArgumentParser:
     p = ArgumentParser(
-        prog="bnswap plan", exit_on_error=False,
+        prog="bnswap plan", exit_on_error=False, formatter_class=_HelpFormatter,
         description="Show what bnswap would swap in a model (no training, no data). Exit "
                     "status 0: every BatchNorm layer swapped; 3: some skipped; 2: usage "
                     "error.")
@@ -141,16 +152,31 @@ def main(argv: Sequence[str]) -> int:
         else:
             model, swap = parser.instantiate_classes(cfg).model, {}
     except (OSError, ValueError, TypeError, ImportError) as e:
-        print(f"bnswap plan: error: {e}", file=sys.stderr)
+        # building --model raised: jsonargparse's Union report holds the reason
+        reason = short_error(str(e))
+        print(f"bnswap plan: error: {'' if cfg.config else 'model: '}{reason}",
+              file=sys.stderr)
         return EXIT_USAGE
+    if cfg.device is not None:
+        try:
+            torch.device(cfg.device)
+        except RuntimeError as e:
+            print(f"bnswap plan: error: device: {e}", file=sys.stderr)
+            return EXIT_USAGE
     backend = cfg.backend or swap.get("backend", "aten")
     include = cfg.include if cfg.include is not None else swap.get("include")
     exclude = cfg.exclude if cfg.exclude is not None else swap.get("exclude")
     try:
-        plan = bnswap.plan(model, backend, include=include, exclude=exclude, device=cfg.device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = bnswap.plan(model, backend, include=include, exclude=exclude,
+                               device=cfg.device)
     except (RuntimeError, ValueError, TypeError) as e:
         print(f"bnswap plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    for w in caught:  # a pattern that matches nothing: one line, not Python's format
+        print(f"bnswap plan: warning: {str(w.message).removeprefix('bnswap: ')}",
+              file=sys.stderr)
     note = ""
     kernels = {r.kernel for r in plan.swapped}
     if any(k.endswith("(predicted)") for k in kernels):
