@@ -292,3 +292,22 @@ def test_no_subcommand_is_a_usage_error(capsys):
     out = capsys.readouterr()
     assert exit_.value.code == 2 and out.out == ""
     assert all(name in out.err for name in SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_the_compare_plot_counts_whole_epochs_from_1(epochs):
+    """Guards the epoch axis: after one epoch matplotlib's integer locator fell back to
+    ticks 0.945 ... 1.05 (it wants two integers in view)."""
+    pytest.importorskip("matplotlib")
+    from bnswap.app.cli import plot
+
+    history = [{"epoch": e, "val_loss": 1.0 / (e + 1), "val_acc": 0.3 * e} for e in range(epochs)]
+    fig = plot({"stock": {"history": history}, "bnswap (aten)": {"history": history}})
+    fig.canvas.draw()
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        assert [t for t in ax.get_xticks() if lo <= t <= hi] == list(range(1, epochs + 1))
+        assert [line.get_xdata().tolist() for line in ax.get_lines()] == [
+            list(range(1, epochs + 1))] * 2
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["stock", "bnswap (aten)"]
+    assert "the curves coincide" in fig._suptitle.get_text()

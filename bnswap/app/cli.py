@@ -42,7 +42,7 @@ from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
-__all__ = ["BNSwapCLI", "SUBCOMMANDS", "Trainer", "compare", "main", "run_train"]
+__all__ = ["BNSwapCLI", "SUBCOMMANDS", "Trainer", "compare", "main", "plot", "run_train"]
 
 #: ``ckpt_path`` values Lightning resolves itself (not file names).
 _CKPT_ALIASES = ("last", "best", "hpc", "registry")
@@ -258,11 +258,6 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
         ``{label: {"final": {...}, "history": [...], "seconds": float,
         "seconds_per_epoch": float, ...}}`` (also written next to ``out`` as JSON).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     configs = list(DEFAULT_CONFIGS) if configs is None else configs
     for cfg in configs:  # every config found before the first run trains
         shipped.resolve(cfg)
@@ -281,31 +276,12 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
             label = f"{label} ({cfg})"
         results[label] = res
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = [dict(marker="o", linestyle="-", markersize=7),
-              dict(marker="x", linestyle="--", markersize=9, linewidth=2)]
-    for i, (label, res) in enumerate(results.items()):
-        epochs = [h["epoch"] + 1 for h in res["history"]]
-        style = styles[i % len(styles)]
-        ax_loss.plot(epochs, [h["val_loss"] for h in res["history"]], label=label, **style)
-        ax_acc.plot(epochs, [h["val_acc"] for h in res["history"]], label=label, **style)
-    ax_loss.set(xlabel="epoch", ylabel="validation loss (log scale)", title="Validation loss",
-                yscale="log")
-    ax_acc.set(xlabel="epoch", ylabel="validation accuracy", title="Validation accuracy")
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in (ax_loss, ax_acc):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
-        ax.grid(alpha=0.3)
-        ax.legend()
-    histories = [res["history"] for res in results.values()]
-    same = len(histories) > 1 and all(h == histories[0] for h in histories)
-    fig.suptitle("MobileNetV2-style net on scikit-learn digits: " + " vs ".join(results)
-                 + ("\n(the curves coincide: identical figures at every epoch)" if same else ""))
-    fig.tight_layout()
+    fig = plot(results)
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=100)
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
     out_path.with_suffix(".json").write_text(json.dumps(results, indent=1))
 
@@ -318,6 +294,46 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
               f"val_loss {f.get('val_loss', float('nan')):.4f}  ({res['seconds']} s"
               + (f", {per} s per epoch" if per is not None else "") + ")")
     return results
+
+
+def plot(results: dict[str, Any]) -> Any:
+    """The figure ``bnswap compare`` writes: validation loss (log scale) and accuracy per
+    epoch, one curve per run, epochs counted from 1 on whole-number ticks.
+
+    Args:
+        results: ``{label: {"history": [{"epoch": int (from 0), "val_loss": float,
+            "val_acc": float}, ...]}, ...}``, as :func:`compare` returns.
+
+    Returns:
+        The matplotlib ``Figure`` (Agg backend; the caller saves and closes it).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = [dict(marker="o", linestyle="-", markersize=7),
+              dict(marker="x", linestyle="--", markersize=9, linewidth=2)]
+    for i, (label, res) in enumerate(results.items()):
+        epochs = [h["epoch"] + 1 for h in res["history"]]
+        style = styles[i % len(styles)]
+        ax_loss.plot(epochs, [h["val_loss"] for h in res["history"]], label=label, **style)
+        ax_acc.plot(epochs, [h["val_acc"] for h in res["history"]], label=label, **style)
+    ax_loss.set(xlabel="epoch", ylabel="validation loss (log scale)", title="Validation loss",
+                yscale="log")
+    ax_acc.set(xlabel="epoch", ylabel="validation accuracy", title="Validation accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole epochs
+        ax.grid(alpha=0.3)
+        ax.legend()
+    histories = [res["history"] for res in results.values()]
+    same = len(histories) > 1 and all(h == histories[0] for h in histories)
+    fig.suptitle("MobileNetV2-style net on scikit-learn digits: " + " vs ".join(results)
+                 + ("\n(the curves coincide: identical figures at every epoch)" if same else ""))
+    fig.tight_layout()
+    return fig
 
 
 #: ``bnswap train`` options that ``bnswap compare`` passes on to every run.
