@@ -219,7 +219,8 @@ def drop_trace_buffers(bn: _BatchNorm) -> None:
 
 
 def exponential_average_factor(momentum: float | None, num_batches_tracked: Tensor | None,
-                               *, traced: bool = False) -> float | Tensor:
+                               *, traced: bool = False,
+                               dtype: torch.dtype | None = None) -> float | Tensor:
     """torch's ``exponential_average_factor`` (``_BatchNorm.forward``): the weight of the
     batch statistics in the running-statistics update of a training step, after that
     step's ``num_batches_tracked`` increment.
@@ -232,6 +233,9 @@ def exponential_average_factor(momentum: float | None, num_batches_tracked: Tens
             tensor in the counter's dtype, float for int64: ``1 / n``) instead of reading
             the counter as a Python float. Code being compiled or exported keeps the
             factor in the graph (stock's ``float()`` breaks it: pytorch issue 194504).
+        dtype: with ``traced``, the dtype ``1 / n`` is computed in (the running
+            statistics' dtype: float64 statistics get the float64 factor stock's Python
+            float gives); None: torch's default float dtype.
 
     Returns:
         ``momentum``; or ``1 / num_batches_tracked`` (float, or a tensor when ``traced``)
@@ -252,13 +256,16 @@ def exponential_average_factor(momentum: float | None, num_batches_tracked: Tens
         0.0
         >>> exponential_average_factor(None, torch.tensor(4), traced=True)
         tensor(0.2500)
+        >>> exponential_average_factor(None, torch.tensor(3), traced=True, dtype=torch.float64)
+        tensor(0.3333, dtype=torch.float64)
     """
     if momentum is not None:
         return momentum
     if num_batches_tracked is None:
         return 0.0
     if traced:
-        return num_batches_tracked.reciprocal()
+        n = num_batches_tracked if dtype is None else num_batches_tracked.to(dtype)
+        return n.reciprocal()
     return 1.0 / float(num_batches_tracked)
 
 
@@ -331,7 +338,9 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     cumulative = counts and momentum is None
     # Compiled code keeps the cumulative factor in the graph (a tensor): reading the
     # counter as a float breaks it (pytorch issue 194504).
-    factor = exponential_average_factor(momentum, nbt if counts else None, traced=compiling)
+    factor = exponential_average_factor(
+        momentum, nbt if counts else None, traced=compiling,
+        dtype=None if running_mean is None else running_mean.dtype)
     if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
         # rules for aten::batch_norm but none for the consolidated ops, so run exactly
@@ -380,7 +389,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         out = _with_update(
             input, weight, bias, batch_mean, batch_var, 1.0, bn.eps
         )[0]
-        w = factor.to(running_mean.dtype)
+        w = factor  # a 0-dim tensor in running_mean's dtype
         # No torch.no_grad() needed (nothing here requires grad), and none wanted: under
         # torch.export it became a wrap_with_set_grad_enabled node whose missing meta
         # made torch.export.load refuse the saved program.

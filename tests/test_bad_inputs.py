@@ -19,6 +19,7 @@ import json
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -715,3 +716,21 @@ def test_a_momentum_that_is_no_number_raises_stocks_type_error(training, momentu
         f"{type(momentum).__name__}")
     assert int(layer.num_batches_tracked) == 0
     assert torch.equal(layer.running_mean, torch.zeros(3))
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("momentum", [np.bool_(True), np.bool_(False), np.complex64(0.5)])
+def test_a_momentum_that_torchs_parser_takes_runs_as_stock(training, momentum):
+    """Guards the probe that raises stock's error for a momentum that is no number: numpy
+    bools and complex scalars are no ``numbers.Real`` yet torch's parser takes them (as
+    1.0 / 0.0 / 0.5); the layer then runs as stock, bitwise."""
+    ref = nn.BatchNorm2d(3).train(training)
+    ref.momentum = momentum
+    layer = bnswap.convert(copy.deepcopy(ref))
+    x = torch.randn(4, 3, 2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # numpy's ComplexWarning, for both
+        assert torch.equal(layer(x), ref(x))
+    assert torch.equal(layer.running_mean, ref.running_mean)
+    assert torch.equal(layer.running_var, ref.running_var)
+    assert int(layer.num_batches_tracked) == int(ref.num_batches_tracked) == int(training)

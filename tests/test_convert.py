@@ -434,3 +434,29 @@ def test_a_plan_built_by_hand_defaults_to_the_aten_backend():
     rows = bnswap.plan(model).rows
     p = bnswap.Plan(rows, model)
     assert p.backend == "aten" and p.apply() is model and bnswap.is_swapped(model[0])
+
+
+def test_plan_rows_of_already_swapped_and_excluded_layers_hold_everything():
+    """Guards each field of the rows for layers already swapped (a lazy one too) and for
+    excluded layers: name, module, backend, the device the kernel is predicted for,
+    adapter, lazy, already, and the ORT note on a skip."""
+    from bnswap.layers import batch_norm_forward
+
+    model = nn.Sequential(nn.BatchNorm2d(2), nn.LazyBatchNorm2d(), nn.BatchNorm2d(2))
+    bnswap.convert(model, exclude="2")
+    rows = bnswap.plan(model, device="cuda", exclude="2").rows
+    got = [(r.name, r.action, r.backend, r.reason, r.adapter, r.lazy, r.already, r.kernel,
+            r.device) for r in rows]
+    cudnn = "Cudnn (predicted)" if not torch.cuda.is_available() else "Cudnn"
+    assert got == [
+        ("0", "swap", "aten", "already swapped", batch_norm_forward, False, True, cudnn,
+         "cuda"),
+        ("1", "swap", "aten", "already swapped; uninitialized LazyBatchNorm2d: keeps the swap "
+         "when it initializes", batch_norm_forward, True, True, cudnn, "cuda"),
+        ("2", "skip", "-", "excluded by '2'", None, False, False, "-", "cuda")]
+    assert [r.module for r in rows] == list(model)
+    rows = bnswap.plan(model, backend="ort", exclude="2").rows
+    assert rows[2].reason == (
+        "excluded by '2'; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
+        "backend='ort') refuses the model, BNSwap keeps its child eager")
+    assert [r.backend for r in rows] == ["ort", "ort", "-"]

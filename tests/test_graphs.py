@@ -120,6 +120,24 @@ def test_compile_fullgraph_aot_graphs(momentum):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_compile_momentum_none_in_float64_follows_stock():
+    """Guards the cumulative factor's cast to the statistics' dtype in the compiled
+    momentum=None update (1 / num_batches_tracked is float32; lerp_ refuses a float32
+    weight for float64 statistics). Float64 maths: stock and bnswap agree to 1e-12."""
+    torch._dynamo.reset()
+    ref = model(None).double()
+    m = bnswap.convert(copy.deepcopy(ref))
+    cm = torch.compile(m, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(cm(x), ref(x), rtol=1e-12, atol=1e-12)
+    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+        assert a.dtype == b.dtype, k
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=k)
+    assert int(m[1].num_batches_tracked) == 3
+
+
 def test_compile_with_dynamic_shapes_carries_no_empty_batch_assertion():
     """The runtime assertion for empty batches belongs to exported programs only (an
     exported graph has no eager early return); torch.compile re-specializes on a batch
