@@ -10,11 +10,11 @@ device, dtype, hooks, ``qconfig``, parametrizations and state_dict keys are all 
 from __future__ import annotations
 
 import logging
-import warnings
 
 from torch import nn
 
 from bnswap._swap import unswap, wrapped_model
+from bnswap._warn import warn
 from bnswap.plan import Patterns, check_backend, check_module, plan
 
 __all__ = ["convert", "revert"]
@@ -87,15 +87,13 @@ def convert(
     check_backend(backend)
     todo = plan(module, backend, include=include, exclude=exclude)
     if not todo.rows:
-        warnings.warn(
-            "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
-            + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
-               "modules eager)" if backend == "ort" and wrapped_model(module) is None
-               else ""), UserWarning, stacklevel=2)
+        warn("bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
+             + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
+                "modules eager)" if backend == "ort" and wrapped_model(module) is None
+                else ""), UserWarning)
     elif include is None and exclude is None and not todo.swapped:
-        warnings.warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers "
-                      "can be swapped; see bnswap.plan(model) for why", UserWarning,
-                      stacklevel=2)
+        warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers can be "
+             "swapped; see bnswap.plan(model) for why", UserWarning)
     out = todo.apply()
     _log(todo)
     return out

@@ -8,7 +8,6 @@ kernel); :meth:`Plan.apply` carries the plan out, atomically. :func:`bnswap.conv
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from bnswap._swap import (
     undo_of,
     wrapped_model,
 )
+from bnswap._warn import warn
 from bnswap.registry import qualified_name
 
 __all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "UnmatchedPatternWarning",
@@ -489,9 +489,6 @@ def plan(
     for kind, pats in (("include", inc), ("exclude", exc)):
         for i, p in enumerate(pats):
             if i not in used[kind]:
-                warnings.warn(
-                    f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
-                    UnmatchedPatternWarning,
-                    stacklevel=2,
-                )
+                warn(f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
+                     UnmatchedPatternWarning)
     return Plan(rows, wrapper, backend)

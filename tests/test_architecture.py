@@ -19,6 +19,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "bnswap"
 #: room -> the rooms it may import, as docs/architecture.md's table says.
 ALLOWED: dict[str, set[str]] = {
     "functional": set(),
+    "_warn": set(),
     "_swap": {"functional"},
     "_graph": {"functional"},
     "layers": {"functional", "_swap"},
@@ -26,8 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "_compat": {"functional", "_swap", "_graph"},
     "registry": {"_swap", "layers", "adapters"},
     "ort": {"functional", "_swap"},
-    "plan": {"_swap", "registry", "ort"},
-    "convert": {"_swap", "plan"},
+    "plan": {"_swap", "_warn", "registry", "ort"},
+    "convert": {"_swap", "_warn", "plan"},
     "lightning": {"convert", "layers", "plan", "ort"},
     "__init__": {"functional", "_swap", "_graph", "layers", "_compat", "registry", "plan",
                  "convert", "lightning", "ort"},

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import os
 import warnings
 import re
 import subprocess
@@ -330,21 +329,18 @@ def test_the_forward_of_a_layer_swapped_with_a_callable_object_names_it():
 
 
 def _warnings_of(fn, *args, **kwargs) -> list[tuple[type, str, bool]]:
-    """(category, message, whether it points at the line that called ``fn``) per warning.
-    Under mutmut (MUTANT_UNDER_TEST set) its trampoline is one more frame between the
-    caller and ``fn``, so the location is not checked there (True)."""
+    """(category, message, whether it points at the line that called ``fn``) per warning."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1
         fn(*args, **kwargs)
-    here = "MUTANT_UNDER_TEST" in os.environ
-    return [(w.category, str(w.message), here or (w.filename, w.lineno) == (__file__, line))
+    return [(w.category, str(w.message), (w.filename, w.lineno) == (__file__, line))
             for w in caught]
 
 
 def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
-    """Guards convert's two warnings: their exact text, UserWarning, and stacklevel 2
-    (the warning points at the line that called convert, as torch's own warnings do)."""
+    """Guards convert's and plan's warnings: their exact text and class, and the user's
+    line as their place (it was bnswap/convert.py's for a pattern warning from convert)."""
     assert _warnings_of(bnswap.convert, nn.Sequential(nn.Linear(2, 2))) == [
         (UserWarning, "bnswap.convert: the model has no BatchNorm layer; nothing was swapped",
          True)]
@@ -355,6 +351,13 @@ def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
     # with include / exclude, leaving layers stock is what the user asked for: no warning
     assert _warnings_of(bnswap.convert, only_sync, exclude="0") == []
     assert _warnings_of(bnswap.convert, only_sync, include="*") == []
+    # a pattern that matches nothing, from convert (two calls deep) and from plan
+    from bnswap.plan import UnmatchedPatternWarning
+
+    for fn in (bnswap.convert, bnswap.plan):
+        assert _warnings_of(fn, only_sync, include="x*") == [
+            (UnmatchedPatternWarning,
+             "bnswap: include pattern 'x*' matches no BatchNorm layer", True)]
 
 
 def test_a_swapped_layer_takes_its_input_by_keyword():
@@ -460,3 +463,47 @@ def test_plan_rows_of_already_swapped_and_excluded_layers_hold_everything():
         "excluded by '2'; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
         "backend='ort') refuses the model, BNSwap keeps its child eager")
     assert [r.backend for r in rows] == ["ort", "ort", "-"]
+
+
+def test_plan_rows_of_every_kind_hold_every_field():
+    """Guards each field of each kind of row (not matched by include, SyncBatchNorm, an
+    instance forward, an uninitialized lazy layer swapped now, a subclass with its own
+    forward): name, module, the device asked for, lazy, and the reason, which with
+    backend="ort" says what a skip means there. And the warning's class for an include
+    pattern that matches nothing."""
+    from bnswap.plan import UnmatchedPatternWarning
+    from tests.plan_models import BatchNormTimesTwo
+
+    hooked = nn.BatchNorm2d(2)
+    hooked.forward = hooked.forward  # set on the instance
+    model = nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2), hooked,
+                          nn.LazyBatchNorm2d(), BatchNormTimesTwo(2))
+    include = ["0", "2", "3", "4", "5", "nothing"]
+    subclass = ("BatchNormTimesTwo overrides forward; swapping would drop it (pytorch issue "
+                "187298); register an adapter: bnswap.register(BatchNormTimesTwo, "
+                "<function>), see docs/adapters.md")
+    reasons = ["-", "not matched by include",
+               "SyncBatchNorm runs its own cross-process kernel; left as is",
+               "its forward is set on the instance (by a library's hook, e.g. accelerate's, "
+               "or by hand); swapping would drop it",
+               "uninitialized LazyBatchNorm2d: swapped now, keeps the swap when it initializes",
+               subclass]
+    ort = ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., backend='ort') "
+           "refuses the model, BNSwap keeps its child eager")
+    for backend in ("aten", "ort"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = bnswap.plan(model, backend, include=include, device="cuda").rows
+        assert [(w.category, str(w.message)) for w in caught] == [
+            (UnmatchedPatternWarning,
+             "bnswap: include pattern 'nothing' matches no BatchNorm layer")]
+        swap = [True, False, False, False, True, False]
+        assert [r.name for r in rows] == [str(i) for i in range(6)]
+        assert [r.action for r in rows] == ["swap" if s else "skip" for s in swap]
+        assert [r.reason for r in rows] == [
+            reason + (ort if backend == "ort" and not s else "")
+            for reason, s in zip(reasons, swap)]
+        assert [r.backend for r in rows] == [backend if s else "-" for s in swap]
+        assert [r.lazy for r in rows] == [False, False, False, False, True, False]
+        assert all(r.module is m for r, m in zip(rows, model))
+        assert all(r.device == "cuda" for r in rows)

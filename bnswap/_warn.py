@@ -1,0 +1,38 @@
+"""Warnings attributed to the user's line: the first frame outside the bnswap package.
+
+A fixed ``stacklevel`` points at bnswap's own code when the warning is raised a few
+calls deep (``convert`` -> ``plan``), so the user sees ``bnswap/convert.py:88``. Python
+3.12's ``warnings.warn(..., skip_file_prefixes=...)`` does this; this module does it on
+3.11 too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+__all__ = ["warn"]
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` attributed to the innermost caller outside
+    the bnswap package (its file and line in the warning, its module for the filters).
+
+    Examples::
+
+        >>> import warnings
+        >>> from bnswap._warn import warn
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn("careful")
+        >>> caught[0].category.__name__, "bnswap" in caught[0].filename
+        ('UserWarning', False)
+    """
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)
