@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import warnings
+import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
