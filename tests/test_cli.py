@@ -239,6 +239,13 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
      "bnswap train: error: batch_size should be a positive integer value, got 0"),
     (["validate", "--config", "digits_mobilenetv2.yaml", "--ckpt_path", "missing.ckpt"],
      "bnswap validate: error: ckpt_path: no such file: 'missing.ckpt'"),
+    (["train", "--config", "digits_mobilenetv2.yaml", "--model.init_args.lr", "-1"],
+     "bnswap train: error: lr must be > 0, got -1.0"),
+    (["train", "--config", "digits_mobilenetv2.yaml", "--model.init_args.num_classes", "0"],
+     "bnswap train: error: num_classes must be >= 1, got 0"),
+    (["train", "--config", "digits_mobilenetv2.yaml", "--num_threads", "0"],
+     "bnswap train: error: num_threads: expected a positive integer or null, got 0"),
+    (["compare", "--labels", "a", "b", "c"], "bnswap compare: error: labels: 3 given for 2 configs"),
     (["train"], "bnswap train: error: missing --data, --model (a config gives them: "
                 "--config digits_mobilenetv2.yaml)"),
     (["train", "--config", "notes.txt"],

@@ -170,3 +170,26 @@ def test_a_pattern_that_matches_nothing_warns_in_one_line(capsys):
                          '["nothing*"]')
     assert code == 3 and "not matched by include" in out
     assert err == "bnswap plan: warning: include pattern 'nothing*' matches no BatchNorm layer\n"
+
+
+def test_a_config_that_is_no_yaml_is_a_usage_error(capsys, tmp_path):
+    """Guards: a config with a YAML syntax error gave a 49-line yaml traceback (exit 1)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("foo: [unclosed\n")
+    code, out, err = run(capsys, "--config", str(bad))
+    assert code == 2 and out == ""
+    assert err == f"bnswap plan: error: {bad}: not YAML (while parsing a flow sequence)\n"
+
+
+@pytest.mark.parametrize("device", ["xpu", "hpu", "mtia"])
+def test_a_device_this_torch_cannot_probe_gets_the_note(capsys, device):
+    """Guards: xpu / mtia raised AssertionError ("Torch not compiled with XPU enabled") and
+    hpu ModuleNotFoundError from the probe, through the table (exit 1); they get the
+    "could not be probed" note, as mps does."""
+    import torch
+
+    if getattr(torch, device, None) is not None and getattr(torch, device).is_available():
+        pytest.skip(f"a {device} device is present")
+    code, out, err = run(capsys, "--model", "tests.plan_models.plain_net", "--device", device)
+    assert code == 0 and err == ""
+    assert f"note: the kernel for device '{device}' could not be probed here (n/a (" in out

@@ -143,6 +143,9 @@ class BNSwapCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(str(self.subcommand), self.config)
         n = cfg.get("num_threads")
+        if n is not None and n < 1:
+            _usage_error(f"bnswap {self.subcommand}",
+                         f"num_threads: expected a positive integer or null, got {n}")
         if n is not None:
             import torch
 
@@ -261,6 +264,9 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     configs = list(DEFAULT_CONFIGS) if configs is None else configs
     for cfg in configs:  # every config found before the first run trains
         shipped.resolve(cfg)
+    if labels is not None and len(labels) != len(configs):
+        raise ValueError(f"labels: {len(labels)} given for {len(configs)} configs")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)  # an unwritable place fails now
     results: dict[str, Any] = {}
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
@@ -431,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 prog="bnswap compare")
         except FileNotFoundError as e:  # a config that is neither a file nor shipped
             _usage_error("bnswap compare", f"configs: {e}")
+        except (ValueError, OSError) as e:  # labels that do not fit, an unwritable --out
+            _usage_error("bnswap compare", str(e))
         return
     if args[0] not in SUBCOMMANDS:
         print(_help(), file=sys.stderr)

@@ -87,8 +87,11 @@ def _parser() -> ArgumentParser:
 def _from_config(path: str) -> tuple[nn.Module, dict[str, Any]]:
     """The model of a ``bnswap train`` config, and its BNSwap callback's arguments."""
     with open(resolve_config(path)) as f:
-        cfg = yaml.safe_load(f) or {}
-    if "model" not in cfg:
+        try:
+            cfg = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(cfg, dict) or "model" not in cfg:
         raise ValueError(f"{path}: no 'model' section (is it a `bnswap train` config?)")
     built = _parser().instantiate_classes(_parser().parse_object({"model": cfg["model"]}))
     model = built.model

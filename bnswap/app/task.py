@@ -39,6 +39,10 @@ class DigitsClassifier(pl.LightningModule):
     ``train_loss`` per step and ``val_loss`` / ``val_acc`` per epoch; ``history`` holds
     one dict ``{"epoch", "val_loss", "val_acc"}`` per validation epoch (sanity check
     excluded).
+
+    Raises:
+        ValueError: an unknown optimizer or scheduler; lr <= 0; weight_decay or momentum
+            < 0; num_classes or in_channels < 1 (here, not mid-fit in torch.optim).
     """
 
     def __init__(self, arch: Literal["mobilenetv2", "convnet4", "resnet18"] = "mobilenetv2",
@@ -52,6 +56,14 @@ class DigitsClassifier(pl.LightningModule):
             raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
         if scheduler not in ("onecycle", "cosine", "none"):
             raise ValueError(f"scheduler must be 'onecycle', 'cosine' or 'none', got {scheduler!r}")
+        # what torch.optim would refuse only in configure_optimizers, mid-fit
+        for name, value, ok, rule in (
+                ("lr", lr, lr > 0, "> 0"), ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+                ("momentum", momentum, momentum >= 0, ">= 0"),
+                ("num_classes", num_classes, num_classes >= 1, ">= 1"),
+                ("in_channels", in_channels, in_channels >= 1, ">= 1")):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value}")
         self.save_hyperparameters()
         self.net = build_model(arch, num_classes=num_classes, in_channels=in_channels,
                                **(model_kwargs or {}))
