@@ -319,7 +319,9 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
     )
     momentum = bn.momentum
-    if momentum is not None and not isinstance(momentum, (numbers.Real, Tensor)):
+    # (a float first: the ABC check of numbers.Real costs ~0.2 us on every forward)
+    if momentum is not None and type(momentum) is not float \
+            and not isinstance(momentum, (numbers.Real, Tensor)):
         _raise_stock_momentum_error(momentum)
 
     compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
