@@ -129,6 +129,12 @@ def render(plan: bnswap.Plan, fmt: str, note: str = "") -> str:
     return str(plan) + (f"\n{note}" if note else "")
 
 
+def _usage_error(message: str) -> int:
+    """Print ``bnswap plan: error: message`` to stderr; the usage-error exit status."""
+    print(f"bnswap plan: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``bnswap plan`` with ``argv`` (the arguments after ``plan``); return the exit
     status (0 all swapped, 3 some skipped, 2 usage errors: printed to stderr)."""
@@ -138,17 +144,13 @@ def main(argv: Sequence[str]) -> int:
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
     except ArgumentError as e:
-        print(f"bnswap plan: error: {short_error(str(e))}", file=sys.stderr)
-        if "does not correspond to a subclass of Module" in str(e):
-            print("(a function is accepted when annotated to return a module, "
-                  "e.g. def make(...) -> nn.Module; see bnswap plan --help)", file=sys.stderr)
-        else:
-            print("(bnswap plan --help lists every option)", file=sys.stderr)
-        return EXIT_USAGE
+        hint = ("(a function is accepted when annotated to return a module, e.g. def "
+                "make(...) -> nn.Module; see bnswap plan --help)"
+                if "does not correspond to a subclass of Module" in str(e)
+                else "(bnswap plan --help lists every option)")
+        return _usage_error(f"{short_error(str(e))}\n{hint}")
     if (cfg.model is None) == (cfg.config is None):
-        print("bnswap plan: error: give exactly one of --model or --config "
-              "(see bnswap plan --help)", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error("give exactly one of --model or --config (see bnswap plan --help)")
     try:
         if cfg.config is not None:
             model, swap = _from_config(cfg.config)
@@ -156,16 +158,12 @@ def main(argv: Sequence[str]) -> int:
             model, swap = parser.instantiate_classes(cfg).model, {}
     except (OSError, ValueError, TypeError, ImportError) as e:
         # building --model raised: jsonargparse's Union report holds the reason
-        reason = short_error(str(e))
-        print(f"bnswap plan: error: {'' if cfg.config else 'model: '}{reason}",
-              file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
     if cfg.device is not None:
         try:
             torch.device(cfg.device)
         except RuntimeError as e:
-            print(f"bnswap plan: error: device: {e}", file=sys.stderr)
-            return EXIT_USAGE
+            return _usage_error(f"device: {e}")
     backend = cfg.backend or swap.get("backend", "aten")
     include = cfg.include if cfg.include is not None else swap.get("include")
     exclude = cfg.exclude if cfg.exclude is not None else swap.get("exclude")
@@ -175,8 +173,7 @@ def main(argv: Sequence[str]) -> int:
             plan = bnswap.plan(model, backend, include=include, exclude=exclude,
                                device=cfg.device)
     except (RuntimeError, ValueError, TypeError) as e:
-        print(f"bnswap plan: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(str(e))
     for w in caught:  # a pattern that matches nothing: one line, not Python's format
         print(f"bnswap plan: warning: {str(w.message).removeprefix('bnswap: ')}",
               file=sys.stderr)
