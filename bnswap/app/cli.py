@@ -42,7 +42,8 @@ from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
-__all__ = ["BNSwapCLI", "SUBCOMMANDS", "Trainer", "compare", "main", "plot", "run_train"]
+__all__ = ["BNSwapCLI", "CompareUsageError", "SUBCOMMANDS", "Trainer", "compare", "main", "plot",
+           "run_train"]
 
 #: ``ckpt_path`` values Lightning resolves itself (not file names).
 _CKPT_ALIASES = ("last", "best", "hpc", "registry")
@@ -241,6 +242,11 @@ def _resolve(value: str) -> str:
         return value  # LightningCLI's own error, naming the path
 
 
+class CompareUsageError(ValueError):
+    """:func:`compare`'s arguments refused before any run: a config not found, labels
+    that do not match the configs, an ``out`` whose folder cannot be made."""
+
+
 def compare(configs: list[str] | None = None, labels: list[str] | None = None,
             out: str = "runs/compare.png", overrides: list[str] | None = None) -> dict[str, Any]:
     """Train each config in turn and plot validation loss and accuracy per epoch.
@@ -260,13 +266,25 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     Returns:
         ``{label: {"final": {...}, "history": [...], "seconds": float,
         "seconds_per_epoch": float, ...}}`` (also written next to ``out`` as JSON).
+
+    Raises:
+        CompareUsageError: (a ValueError) before any run: a config that is neither a file
+            nor shipped with bnswap, labels not one per config, ``out``'s folder not
+            creatable.
     """
     configs = list(DEFAULT_CONFIGS) if configs is None else configs
-    for cfg in configs:  # every config found before the first run trains
-        shipped.resolve(cfg)
+    # Checked before the first run trains: every config found, the labels, --out.
+    try:
+        for cfg in configs:
+            shipped.resolve(cfg)
+    except FileNotFoundError as e:  # neither a file nor a shipped config
+        raise CompareUsageError(f"configs: {e}") from None
     if labels is not None and len(labels) != len(configs):
-        raise ValueError(f"labels: {len(labels)} given for {len(configs)} configs")
-    Path(out).parent.mkdir(parents=True, exist_ok=True)  # an unwritable place fails now
+        raise CompareUsageError(f"labels: {len(labels)} given for {len(configs)} configs")
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CompareUsageError(str(e)) from None
     results: dict[str, Any] = {}
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
@@ -435,9 +453,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             CLI(compare, args=split_compare_args(args[1:]), as_positional=False,
                 prog="bnswap compare")
-        except FileNotFoundError as e:  # a config that is neither a file nor shipped
-            _usage_error("bnswap compare", f"configs: {e}")
-        except (ValueError, OSError) as e:  # labels that do not fit, an unwritable --out
+        except CompareUsageError as e:  # refused before any run (not a run's own error)
             _usage_error("bnswap compare", str(e))
         return
     if args[0] not in SUBCOMMANDS:
