@@ -193,3 +193,16 @@ def test_a_device_this_torch_cannot_probe_gets_the_note(capsys, device):
     code, out, err = run(capsys, "--model", "tests.plan_models.plain_net", "--device", device)
     assert code == 0 and err == ""
     assert f"note: the kernel for device '{device}' could not be probed here (n/a (" in out
+
+
+def test_a_config_without_the_callback_says_training_it_keeps_stock(capsys):
+    """Guards (a newcomer's report): `plan --config digits_mobilenetv2_stock.yaml` said
+    "52 of 52 swapped" with no word that training that config swaps nothing."""
+    note = ("note: digits_mobilenetv2_stock.yaml has no BNSwap callback: `bnswap train` with "
+            "it keeps stock BatchNorm; the table is what adding one would swap")
+    code, out, _ = run(capsys, "--config", "digits_mobilenetv2_stock.yaml")
+    assert code == 0 and out.rstrip("\n").splitlines()[-1] == note
+    code, out, _ = run(capsys, "--config", "digits_mobilenetv2_stock.yaml", "--format", "json")
+    assert json.loads(out)["summary"]["note"] == note
+    code, out, _ = run(capsys, "--config", "digits_mobilenetv2.yaml", "--format", "json")
+    assert json.loads(out)["summary"]["note"] is None

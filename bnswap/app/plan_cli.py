@@ -84,8 +84,9 @@ def _parser() -> ArgumentParser:
     return p
 
 
-def _from_config(path: str) -> tuple[nn.Module, dict[str, Any]]:
-    """The model of a ``bnswap train`` config, and its BNSwap callback's arguments."""
+def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None]:
+    """The model of a ``bnswap train`` config, and its BNSwap callback's arguments (None
+    when the config has no BNSwap callback: training it swaps nothing)."""
     with open(resolve_config(path)) as f:
         try:
             cfg = yaml.safe_load(f) or {}
@@ -98,7 +99,7 @@ def _from_config(path: str) -> tuple[nn.Module, dict[str, Any]]:
     configure = getattr(model, "configure_model", None)
     if callable(configure):  # a LightningModule that builds its layers there
         configure()
-    swap: dict[str, Any] = {}
+    swap: dict[str, Any] | None = None
     for cb in (cfg.get("trainer") or {}).get("callbacks") or []:
         if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("BNSwap"):
             swap = dict(cb.get("init_args") or {})
@@ -164,6 +165,8 @@ def main(argv: Sequence[str]) -> int:
             torch.device(cfg.device)
         except RuntimeError as e:
             return _usage_error(f"device: {e}")
+    no_callback = swap is None
+    swap = swap or {}
     backend = cfg.backend or swap.get("backend", "aten")
     include = cfg.include if cfg.include is not None else swap.get("include")
     exclude = cfg.exclude if cfg.exclude is not None else swap.get("exclude")
@@ -186,6 +189,10 @@ def main(argv: Sequence[str]) -> int:
     elif unprobed := sorted(k for k in kernels if k.startswith("n/a")):
         note = (f"note: the kernel for device {cfg.device or 'of the layers'!r} could not be "
                 f"probed here ({', '.join(unprobed)}): is the device present?")
+    if no_callback:  # (a stock config): say what training it really does
+        note = ((note + "\n") if note else "") + (
+            f"note: {cfg.config} has no BNSwap callback: `bnswap train` with it keeps stock "
+            "BatchNorm; the table is what adding one would swap")
     try:
         print(render(plan, cfg.format, note))
         sys.stdout.flush()
