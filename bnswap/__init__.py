@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from bnswap import _compat
+from bnswap import _compat  # noqa: F401  (registers its patches for the first swap)
 from bnswap.functional import module_batch_norm
 from bnswap._graph import to_stock_ops
 from bnswap._swap import is_swapped
@@ -41,8 +41,8 @@ __all__ = [
     "unregister",
 ]
 
-
-_compat.install()  # torch.jit.script and torchao's pt2e see stock layers (see _compat)
+# bnswap._compat registered its patches to apply when the first layer is swapped:
+# `import bnswap` itself changes nothing in torch or any other library (docs/patches.md).
 
 
 def __getattr__(name: str) -> Any:

@@ -1,9 +1,13 @@
 """Every patch bnswap applies to torch and torchao, in one place (the ONNX Runtime ones
-live in :mod:`bnswap.ort._compat`). Each is version-gated, applied once by
-:func:`install` (at ``import bnswap``; a module not imported yet is patched when it is,
-by an import hook, so ``import bnswap`` imports none of them), and changes nothing for a
-model that holds no swapped layer. Each is what a consumer that hands the model to a
-runtime of its own needs to see stock's BatchNorm (README, "After training").
+live in :mod:`bnswap.ort._compat`). ``import bnswap`` applies none of them: they are
+applied once, by :func:`install`, when the process first holds a swapped layer (the
+first swap, or a swapped layer unpickled: :func:`bnswap._swap.on_first_swap`); a module
+not imported by then is patched when it is, by an import hook, so bnswap imports none of
+them. Each is version-gated, listed in :data:`PATCHES` (and ``docs/patches.md``), can be
+turned off with ``BNSWAP_DISABLE_PATCHES`` (``all`` or names, comma-separated), and
+changes nothing for a model that holds no swapped layer. Each is what a consumer that
+hands the model to a runtime of its own needs to see stock's BatchNorm (README, "After
+training").
 
 * **TorchScript** (``torch.jit.script``, ``torch.jit.trace``):
   ``torch.jit._recursive.create_script_module`` builds its module from a *stock view* of
@@ -40,19 +44,22 @@ import importlib.abc
 import importlib.machinery
 import inspect
 import logging
+import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from bnswap._graph import to_stock_ops
-from bnswap._swap import SwappedForward, wrapped_model
+from bnswap._swap import SwappedForward, on_first_swap, wrapped_model
 from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT
 
-__all__ = ["MIN_TORCHAO", "install", "stock_view"]
+__all__ = ["DISABLE_ENV", "MIN_TORCHAO", "PATCHES", "Patch", "applied", "install",
+           "stock_view"]
 
 logger = logging.getLogger("bnswap")
 
@@ -234,12 +241,79 @@ def patch_torchao_export_utils(mod: Any) -> bool:
                                                       "_move_exported_model_to_train"))
 
 
+# ---------------------------------------------------------------------- the table
+class Patch(NamedTuple):
+    """One patch: its ``name`` (for ``BNSWAP_DISABLE_PATCHES``), the ``module`` it
+    patches (``None``: torch itself, patched at once), the function that applies it
+    (True if applied), the ``target`` it replaces, why, and its version ``gate``."""
+
+    name: str
+    module: str | None
+    apply: Callable[..., bool]
+    target: str
+    why: str
+    gate: str
+
+
+#: Every patch, in the order :func:`install` applies them (``docs/patches.md``).
+PATCHES: tuple[Patch, ...] = (
+    Patch("torchscript", None, _patch_torchscript,
+          "torch.jit._recursive.create_script_module",
+          "torch.jit.script / torch.jit.trace compile stock's forward on a stock view of the "
+          "model (the user's modules untouched)",
+          "the function exists with parameters (nn_module, stubs_fn, ...); tested on torch "
+          "2.13 / 2.14"),
+    Patch("onnx", "torch.onnx._internal.exporter._fx_passes", patch_onnx_exporter,
+          "torch.onnx._internal.exporter._fx_passes.decompose_with_registry",
+          "torch.onnx.export(dynamo=True) translates stock's core ATen batch norm (folded "
+          "into Conv; track_running_stats=False keeps batch statistics)",
+          "the function and its _decomp helpers exist; tested on torch 2.13 / 2.14"),
+    Patch("torchao", "torchao.quantization.pt2e.quantize_pt2e", patch_torchao_pt2e,
+          "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope",
+          "prepare_pt2e / prepare_qat_pt2e see stock's aten.batch_norm (conv-BN fold, "
+          "quantizer patterns)",
+          f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name"),
+    Patch("torchao", "torchao.quantization.pt2e.export_utils", patch_torchao_export_utils,
+          "torchao.quantization.pt2e.export_utils._replace_batchnorm",
+          "move_exported_model_to_eval / _train switch the swapped layers' nodes",
+          f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name"),
+)
+
+#: Environment variable: ``all``, or patch names (``torchscript``, ``onnx``,
+#: ``torchao``), comma-separated, that :func:`install` leaves out.
+DISABLE_ENV = "BNSWAP_DISABLE_PATCHES"
+_NAMES = {p.name for p in PATCHES}
+_applied: set[str] = set()
+
+
+def _disabled() -> set[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    names = {n.strip().lower() for n in raw.split(",") if n.strip()}
+    if "all" in names:
+        return set(_NAMES)
+    unknown = sorted(names - _NAMES)
+    if unknown:
+        warnings.warn(f"bnswap: {DISABLE_ENV} names unknown patches {unknown}; known: 'all', "
+                      + ", ".join(repr(n) for n in sorted(_NAMES)), RuntimeWarning,
+                      stacklevel=2)
+    return names & _NAMES
+
+
+def applied() -> frozenset[str]:
+    """The targets of the patches applied so far in this process (empty until the first
+    swapped layer exists; see :data:`PATCHES`)."""
+    return frozenset(_applied)
+
+
+def _apply(p: Patch, mod: Any) -> bool:
+    done = p.apply(mod) if p.module is not None else p.apply()
+    if done:
+        _applied.add(p.target)
+    return done
+
+
 # ----------------------------------------------------------------------- import hook
-_PATCHES: dict[str, Callable[[Any], bool]] = {
-    "torch.onnx._internal.exporter._fx_passes": patch_onnx_exporter,
-    "torchao.quantization.pt2e.quantize_pt2e": patch_torchao_pt2e,
-    "torchao.quantization.pt2e.export_utils": patch_torchao_export_utils,
-}
+_PATCHES: dict[str, Callable[[Any], bool]] = {}
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -283,15 +357,26 @@ class _ImportHook(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Apply the patches above (idempotent, thread-safe; a no-op after the first call)."""
+    """Apply the patches of :data:`PATCHES` but those ``BNSWAP_DISABLE_PATCHES`` names
+    (idempotent, thread-safe; a no-op after the first call). Called when the process
+    first holds a swapped layer, never by ``import bnswap``."""
     global _installed
     with _lock:
         if _installed:
             return
-        _patch_torchscript()
-        for name, patch in _PATCHES.items():
-            if name in sys.modules:
-                patch(sys.modules[name])
-        if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
-            sys.meta_path.insert(0, _ImportHook())
         _installed = True
+        off = _disabled()
+        for p in PATCHES:
+            if p.name in off:
+                continue
+            if p.module is None:
+                _apply(p, None)
+            elif p.module in sys.modules:
+                _apply(p, sys.modules[p.module])
+            else:
+                _PATCHES[p.module] = functools.partial(_apply, p)
+        if _PATCHES and not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+            sys.meta_path.insert(0, _ImportHook())
+
+
+on_first_swap(install)

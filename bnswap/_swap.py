@@ -24,8 +24,9 @@ from torch.nn.utils import parametrize
 
 from bnswap.functional import drop_trace_buffers, records_consolidated_ops
 
-__all__ = ["Adapter", "SwappedForward", "WRAPPER_STATE", "adapter_of", "is_swapped", "swap",
-           "type_before_parametrizations", "undo_of", "unswap", "wrapped_model"]
+__all__ = ["Adapter", "SwappedForward", "WRAPPER_STATE", "adapter_of", "bound_elsewhere", "is_swapped",
+           "on_first_swap", "swap", "type_before_parametrizations", "undo_of", "unswap",
+           "wrapped_model"]
 
 #: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (the ORT
 #: backend's ``ORTModule``) keeps its state; the state's ``model`` is the model it wraps.
@@ -45,6 +46,27 @@ def type_before_parametrizations(module: nn.Module) -> type:
     if "parametrizations" in module._modules:
         return parametrize.type_before_parametrizations(module)
     return type(module)
+
+
+_first_swap_hooks: list[Callable[[], None]] = []
+_swapped_once = False
+
+
+def on_first_swap(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` when the first :class:`SwappedForward` of this process is made (a
+    swap, a swapped layer unpickled or deep-copied), or now if one was made already.
+    ``bnswap._compat`` applies its patches this way: ``import bnswap`` changes nothing in
+    torch or any other library until the process holds a swapped layer."""
+    _first_swap_hooks.append(hook)
+    if _swapped_once:
+        hook()
+
+
+def _first_swap() -> None:
+    global _swapped_once
+    _swapped_once = True
+    for hook in _first_swap_hooks:
+        hook()
 
 
 def _records_stock(args: tuple, kwargs: dict) -> bool:
@@ -77,6 +99,8 @@ class SwappedForward:
         # Touches nothing on `module`: unpickling builds this before the module's state.
         self.module = module
         self.adapter = adapter
+        if not _swapped_once:
+            _first_swap()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
@@ -123,16 +147,28 @@ def adapter_of(module: object) -> Adapter | None:
 
 
 def undo_of(module: nn.Module) -> Callable[[], None]:
-    """What undoes :func:`swap` on ``module`` (taken before it): drops the instance
-    forward, so the class's runs again. Only for layers without an instance forward
-    (:func:`bnswap.plan` skips layers that have one of their own; swapped layers are
-    not swapped again)."""
+    """What undoes :func:`swap` on ``module`` (taken before it): puts back the instance
+    ``forward`` it had (a shallow copy's entry, still bound to the layer it was copied
+    from), or drops it, so the class's runs again. :func:`bnswap.plan` skips layers with
+    an instance forward of their own."""
     d = module.__dict__
+    before = d.get("forward")
 
     def undo() -> None:
-        d.pop("forward", None)
+        if before is None:
+            d.pop("forward", None)
+        else:
+            d["forward"] = before
 
     return undo
+
+
+def bound_elsewhere(module: object) -> bool:
+    """True if ``module`` holds a swap entry bound to another layer: ``copy.copy`` of a
+    swapped layer shares its ``__dict__`` entries, so the copy would run the original's
+    flags and statistics until :func:`bnswap.convert` binds it to itself."""
+    entry = _entry(module)
+    return entry is not None and entry.module is not module
 
 
 def swap(module: nn.Module, adapter: Adapter) -> None:

@@ -20,6 +20,7 @@ from bnswap import registry
 from bnswap._swap import (
     Adapter,
     adapter_of,
+    bound_elsewhere,
     swap,
     type_before_parametrizations,
     undo_of,
@@ -461,7 +462,12 @@ def plan(
         uninit = (f"uninitialized {cls.__name__}: keeps the swap when it initializes"
                   if lazy else "")
         current = adapter_of(m)
-        if current is not None:
+        if current is not None and bound_elsewhere(m):
+            rows.append(_row(name, m, cls, backend, device, "swap",
+                             "a shallow copy of a swapped layer: bound to this copy now "
+                             "(it ran the original's flags and statistics)", current,
+                             lazy=lazy))
+        elif current is not None:
             reason = "already swapped" + ("; " + uninit if lazy else "")
             rows.append(_row(name, m, cls, backend, device, "swap", reason, current,
                              lazy=lazy, already=True))

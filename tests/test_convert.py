@@ -513,3 +513,64 @@ def test_plan_rows_of_every_kind_hold_every_field():
         assert [r.lazy for r in rows] == [False, False, False, False, True, False]
         assert all(r.module is m for r, m in zip(rows, model))
         assert all(r.device == "cuda" for r in rows)
+
+
+def test_convert_binds_a_shallow_copy_to_itself():
+    """copy.copy of a swapped layer shares its forward entry (bound to the original); after
+    bnswap.convert the copy runs its own eps / momentum / flags / buffers, as a stock
+    layer with the copy's values does, and the original is unaffected (issue 21, item 6)."""
+    import copy as _copy
+
+    torch.manual_seed(0)
+    orig = bnswap.convert(nn.BatchNorm2d(3))
+    orig(torch.randn(4, 3, 5, 5))
+    ref_orig = _copy.deepcopy(orig)
+    bnswap.revert(ref_orig)
+    c = _copy.copy(orig)
+    c.eps, c.momentum = 1e-2, 0.5
+    c._buffers = dict(c._buffers)  # copy.copy shares the dict; replicas get their own
+    c.running_mean = torch.full((3,), 0.25)   # own buffers
+    c.running_var = torch.full((3,), 2.0)
+    c.num_batches_tracked = torch.tensor(7)
+    row = bnswap.plan(c)[0]
+    assert (row.action, row.already) == ("swap", False)
+    assert row.reason.startswith("a shallow copy of a swapped layer: bound to this copy now")
+    assert bnswap.convert(c) is c and bnswap.is_swapped(c)
+    stock = nn.BatchNorm2d(3, eps=1e-2, momentum=0.5)
+    stock.load_state_dict(c.state_dict())
+    for training in (True, False):
+        c.train(training)
+        stock.train(training)
+        x = torch.randn(4, 3, 5, 5)
+        assert torch.equal(c(x), stock(x))
+        for k, v in stock.state_dict().items():
+            assert torch.equal(c.state_dict()[k], v), k
+    # the original kept its own state and flags
+    assert orig.training and orig.eps == 1e-5 and orig.momentum == 0.1
+    for k, v in ref_orig.state_dict().items():
+        assert torch.equal(orig.state_dict()[k], v), k
+    assert bnswap.plan(c)[0].already and bnswap.plan(orig)[0].already
+
+
+def test_failed_convert_leaves_a_shallow_copy_as_it_was(monkeypatch):
+    import copy as _copy
+
+    plan_mod = sys.modules["bnswap.plan"]
+
+    orig = bnswap.convert(nn.BatchNorm2d(3))
+    c = _copy.copy(orig)
+    model = nn.Sequential(c, nn.BatchNorm2d(3))
+    entry = c.__dict__["forward"]
+    calls = []
+
+    def failing_swap(module, adapter):
+        calls.append(module)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_swap(module, adapter)
+
+    real_swap = plan_mod.swap
+    monkeypatch.setattr(plan_mod, "swap", failing_swap)
+    with pytest.raises(KeyboardInterrupt):
+        bnswap.convert(model)
+    assert c.__dict__["forward"] is entry and not bnswap.is_swapped(model[1])

@@ -1,0 +1,129 @@
+"""``import bnswap`` patches nothing; the patches of ``bnswap._compat.PATCHES`` are applied
+at the first swapped layer (a swap, or an unpickled swapped model), can be turned off
+with ``BNSWAP_DISABLE_PATCHES``, and ``docs/patches.md`` lists each (issue 21, item 3).
+Fresh interpreters: every case needs a process where bnswap has swapped nothing yet."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bnswap import _compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PROBE = """
+import json, sys, torch
+orig_script = torch.jit._recursive.create_script_module
+def state():
+    return {"script_patched": torch.jit._recursive.create_script_module is not orig_script,
+            "hooks": [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("bnswap")],
+            "onnx_imported": "torch.onnx._internal.exporter._fx_passes" in sys.modules,
+            "torchao_imported": any(k.startswith("torchao") for k in sys.modules),
+            "applied": sorted(__import__("bnswap")._compat.applied())}
+"""
+
+
+def _run(body: str, env: dict | None = None) -> dict:
+    code = _PROBE + textwrap.dedent(body)
+    e = {k: v for k, v in os.environ.items() if k != _compat.DISABLE_ENV}
+    e.update(env or {})
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=180, env=e)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_import_patches_nothing_and_first_swap_applies():
+    out = _run("""
+        import bnswap
+        before = state()
+        from torch import nn
+        bnswap.plan(nn.Sequential(nn.BatchNorm2d(3)))       # a plan swaps nothing
+        after_plan = state()
+        bnswap.convert(nn.Sequential(nn.BatchNorm2d(3)))
+        print(json.dumps([before, after_plan, state()]))
+    """)
+    before, after_plan, after = out
+    assert before == after_plan == {"script_patched": False, "hooks": [],
+                                    "onnx_imported": False, "torchao_imported": False,
+                                    "applied": []}
+    assert after["script_patched"] and after["hooks"] == ["_ImportHook"]
+    assert after["applied"] == ["torch.jit._recursive.create_script_module"]
+    assert not after["onnx_imported"] and not after["torchao_imported"]
+
+
+def test_unpickled_model_applies_the_patches(tmp_path):
+    """A converted model saved whole and loaded in a fresh process scripts as stock."""
+    path = tmp_path / "m.pt"
+    _run(f"""
+        import bnswap, torch
+        from torch import nn
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+        m(torch.randn(4, 3, 5, 5))
+        torch.save(bnswap.convert(m.eval()), {str(path)!r})
+        print(json.dumps(1))
+    """)
+    out = _run(f"""
+        import bnswap, torch
+        before = state()
+        m = torch.load({str(path)!r}, weights_only=False)
+        x = torch.randn(2, 3, 5, 5)
+        err = float((torch.jit.script(m)(x) - m(x)).abs().max())
+        print(json.dumps([before, state(), bnswap.is_swapped(m[1]), err]))
+    """)
+    before, after, swapped, err = out
+    assert before["applied"] == [] and swapped
+    assert "torch.jit._recursive.create_script_module" in after["applied"]
+    assert err == 0.0
+
+
+@pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx"])
+def test_disable_all(value):
+    out = _run("""
+        import bnswap
+        from torch import nn
+        m = bnswap.convert(nn.Sequential(nn.BatchNorm2d(3)))
+        try:
+            torch.jit.script(m)
+            err = None
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+        print(json.dumps([state(), err]))
+    """, {_compat.DISABLE_ENV: value})
+    st, err = out
+    assert st["applied"] == [] and not st["script_patched"] and st["hooks"] == []
+    # what docs/patches.md says stops working
+    assert err == "AttributeError: 'SwappedForward' object has no attribute '__globals__'"
+
+
+def test_disable_some_and_unknown_name_warns():
+    out = _run("""
+        import warnings, bnswap
+        from torch import nn
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            bnswap.convert(nn.Sequential(nn.BatchNorm2d(3)))
+        import torchao.quantization.pt2e.quantize_pt2e, torch.onnx._internal.exporter._fx_passes
+        print(json.dumps([state(), [str(x.message) for x in w]]))
+    """, {_compat.DISABLE_ENV: "torchscript,cuda"})
+    st, warned = out
+    assert not st["script_patched"]
+    assert "torch.onnx._internal.exporter._fx_passes.decompose_with_registry" in st["applied"]
+    assert "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope" in st["applied"]
+    assert warned == ["bnswap: BNSWAP_DISABLE_PATCHES names unknown patches ['cuda']; known: "
+                      "'all', 'onnx', 'torchao', 'torchscript'"]
+
+
+def test_docs_list_every_patch():
+    text = (ROOT / "docs" / "patches.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert [r.split("|")[2].strip().strip("`") for r in rows] == [p.target for p in _compat.PATCHES]
+    assert [r.split("|")[1].strip().strip("`") for r in rows] == [p.name for p in _compat.PATCHES]
