@@ -37,9 +37,14 @@ from bnswap.plan import (
 try:  # the unified package first, the standalone one otherwise
     import lightning.pytorch as pl
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-except ImportError:  # pragma: no cover - exercised only without `lightning`
-    import pytorch_lightning as pl  # type: ignore[no-redef]
-    from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn  # type: ignore
+except ImportError:  # exercised only without `lightning` (the install test)
+    try:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+        from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn  # type: ignore
+    except ImportError:
+        raise ModuleNotFoundError(
+            "bnswap.BNSwap needs Lightning, which is not installed: pip install "
+            "'bnswap[lightning]'", name="lightning") from None
 
 __all__ = ["BNSwap"]
 

@@ -25,10 +25,15 @@ def plain_net(width: int = 4) -> nn.Module:
 
 
 def unannotated_net(width=4):
-    """No return annotation: jsonargparse cannot tell it returns a module."""
+    """No return annotation: bnswap plan calls it and checks the result."""
     return plain_net(width)
 
 
 def failing_net(width: int = 4) -> nn.Module:
     """A model function that raises while building the model."""
     raise RuntimeError(f"kaboom (width {width})")
+
+
+def not_a_model():
+    """Returns no module."""
+    return 3

@@ -36,7 +36,7 @@ def tiny(tmp: Path) -> list[str]:
 
 def test_console_script_is_installed():
     eps = importlib.metadata.entry_points(group="console_scripts", name="bnswap")
-    assert [ep.value for ep in eps] == ["bnswap.app.cli:main"]
+    assert [ep.value for ep in eps] == ["bnswap.app.command:main"]
 
 
 def test_configs_differ_only_by_the_callback():

@@ -11,7 +11,9 @@ import pytest
 pytest.importorskip("jsonargparse")
 pytest.importorskip("lightning.pytorch")
 
+import bnswap  # noqa: E402
 from bnswap.app import plan_cli  # noqa: E402
+from tests import plan_models  # noqa: E402
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -89,15 +91,22 @@ def test_the_console_script_exits_with_the_plans_status(tmp_path):
     assert "bnswap plan: 2 of 4 BatchNorm layers swapped, 2 skipped" in proc.stdout
 
 
-def test_an_unannotated_function_is_refused_with_the_fix(capsys):
-    """Guards: the refusal said only "Import path does not correspond to a subclass of
-    Module", in jsonargparse's 9-line Union report."""
-    code, out, err = run(capsys, "--model", "tests.plan_models.unannotated_net")
-    assert code == 2 and not out
-    assert err.splitlines() == [
-        "bnswap plan: error: model: Import path does not correspond to a subclass of Module",
-        "(a function is accepted when annotated to return a module, e.g. def make(...) -> "
-        "nn.Module; see bnswap plan --help)"]
+def test_an_unannotated_function_is_called_and_its_result_checked(capsys):
+    """Guards: a plain factory ``def net(width=4): return nn.Sequential(...)`` was refused
+    until annotated (issue 21); its arguments are --model.NAME, as for a class."""
+    code, out, err = run(capsys, "--model", "tests.plan_models.unannotated_net",
+                         "--model.width", "6", "--format", "json")
+    assert (code, err) == (0, "")
+    ref = bnswap.plan(plan_models.plain_net(6)).to_dicts()
+    assert [{k: v for k, v in r.items() if k != "cls"} for r in ref] == [
+        {k: v for k, v in r.items() if k != "class"} for r in json.loads(out)["layers"]]
+    code, out, err = run(capsys, "--model=tests.plan_models.unannotated_net", "--model.wdth", "6")
+    assert code == 2 and err.splitlines()[0] == (
+        "bnswap plan: error: unrecognized arguments: --model.wdth 6")
+    code, out, err = run(capsys, "--model", "tests.plan_models.not_a_model")
+    assert code == 2 and not out and err.splitlines() == [
+        "bnswap plan: error: model: tests.plan_models.not_a_model returned int, not an "
+        "nn.Module"]
 
 
 def test_notes_say_what_the_kernel_column_could_not_know(capsys):

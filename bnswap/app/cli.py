@@ -37,6 +37,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
+from bnswap.app.usage import SUBCOMMANDS, help_text
 from bnswap.app.messages import short_error
 from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
@@ -49,19 +50,6 @@ __all__ = ["BNSwapCLI", "CompareUsageError", "SUBCOMMANDS", "Trainer", "compare"
 _CKPT_ALIASES = ("last", "best", "hpc", "registry")
 
 DEFAULT_CONFIGS = ("digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml")
-
-#: Every subcommand of the console script, with its one-line help.
-SUBCOMMANDS = {
-    "train": "train the configured model (Trainer.fit) and print the final validation figures",
-    "validate": "run one validation epoch (Trainer.validate)",
-    "test": "run one test epoch (Trainer.test)",
-    "predict": "run prediction (Trainer.predict)",
-    "compare": "train each config in turn (stock vs bnswap by default), plot them "
-               "(runs/compare.png, .json) and print seconds per epoch",
-    "plan": "show what bnswap would swap in a model, before training (exit 3 if a layer "
-            "would be skipped)",
-}
-
 
 class Trainer(pl.Trainer):
     """``lightning.pytorch.Trainer`` with :meth:`train`, the CLI's main-job subcommand."""
@@ -415,21 +403,6 @@ def split_compare_args(args: Sequence[str]) -> list[str]:
     return rest
 
 
-def _help() -> str:
-    width = max(map(len, SUBCOMMANDS))
-    return "\n".join([
-        "usage: bnswap [-h] {" + ",".join(SUBCOMMANDS) + "} ...",
-        "",
-        "bnswap: train with BatchNorm on PyTorch's consolidated batch-norm ops (or ONNX "
-        "Runtime's), and inspect what it swaps.",
-        "",
-        "subcommands:",
-        *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()),
-        "",
-        "`bnswap SUBCOMMAND --help` lists a subcommand's options.",
-    ])
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: ``plan`` goes to :mod:`bnswap.app.plan_cli`, ``compare`` to
     :func:`compare` (jsonargparse), the rest to :class:`BNSwapCLI` (``train`` /
@@ -438,10 +411,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Lightning 2.6 on torch 2.13 warns on every batch about torch's own pytree API.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     if not args:  # as argparse does for a missing subcommand: usage error
-        print(_help(), file=sys.stderr)
+        print(help_text(), file=sys.stderr)
         sys.exit(2)
     if args[0] in ("-h", "--help"):
-        print(_help())
+        print(help_text())
         return
     if args[0] == "plan":
         from bnswap.app import plan_cli
@@ -457,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             _usage_error("bnswap compare", str(e))
         return
     if args[0] not in SUBCOMMANDS:
-        print(_help(), file=sys.stderr)
+        print(help_text(), file=sys.stderr)
         print(f"\nbnswap: error: unknown subcommand {args[0]!r}", file=sys.stderr)
         sys.exit(2)
     resolved = _resolve_configs(args)

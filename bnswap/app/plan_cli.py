@@ -6,9 +6,10 @@
     bnswap plan ... [--backend aten|ort] [--include P ...] [--exclude P ...]
                     [--device cuda] [--format table|json|markdown]
 
-The model is any importable ``nn.Module`` class, or function annotated to return one
-(``-> nn.Module``: jsonargparse reads the annotation), with its arguments given the
-jsonargparse way. ``--config`` builds the model of a ``bnswap train``
+The model is any importable ``nn.Module`` class or function that returns one (from the
+current folder too, as ``python -m`` finds modules), with its arguments given the
+jsonargparse way (``--model.NAME VALUE``); a function with no return annotation is
+called and its result checked to be an ``nn.Module``. ``--config`` builds the model of a ``bnswap train``
 config (a path, or the name of a config shipped with bnswap) and takes the backend and
 patterns of its ``BNSwap`` callback unless given here. Nothing is trained, no data is
 loaded, no Trainer is built.
@@ -19,6 +20,8 @@ Exit status: 0 when every BatchNorm layer would be swapped, 3 when some would be
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 import sys
@@ -55,16 +58,23 @@ class _HelpFormatter(DefaultHelpFormatter):
         return text if cut < 0 else text[:cut] + ")"
 
 
-def _parser() -> ArgumentParser:
+def _parser(factory: Any = None) -> ArgumentParser:
+    """The options; with ``factory`` (an unannotated model function), ``--model`` is its
+    dotted path and its arguments are ``--model_args.NAME`` (see :func:`main`)."""
     p = ArgumentParser(
         prog="bnswap plan", exit_on_error=False, formatter_class=_HelpFormatter,
         description="Show what bnswap would swap in a model (no training, no data). Exit "
                     "status 0: every BatchNorm layer swapped; 3: some skipped; 2: usage "
                     "error.")
-    p.add_argument("--model", type=nn.Module | None, default=None,
-                   help="the model: an importable nn.Module class, or function annotated "
-                        "to return one (e.g. torchvision.models.resnet18), its arguments as "
-                        "--model.NAME VALUE or --model.init_args.NAME VALUE")
+    if factory is not None:
+        p.add_argument("--model", type=str)
+        p.add_function_arguments(factory, "model_args", fail_untyped=False)
+    else:
+        p.add_argument("--model", type=nn.Module | None, default=None,
+                       help="the model: an importable nn.Module class, or function that "
+                            "returns one (e.g. torchvision.models.resnet18, or "
+                            "mymodels.Net from the current folder), its arguments as "
+                            "--model.NAME VALUE or --model.init_args.NAME VALUE")
     p.add_argument("--config", type=str | None, default=None,
                    help="a `bnswap train` config (path, or the name of a config shipped "
                         "with bnswap, e.g. digits_mobilenetv2.yaml): plan its model")
@@ -84,6 +94,60 @@ def _parser() -> ArgumentParser:
     return p
 
 
+def _model_path(argv: Sequence[str]) -> str | None:
+    """The value of ``--model`` when it is given as a dotted path (not a dict)."""
+    for i, a in enumerate(argv):
+        if a == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _import(path: str) -> Any:
+    """The object a dotted path names, or None (jsonargparse reports what is wrong)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _plain_factory(argv: Sequence[str]) -> Any:
+    """``--model`` naming a function with no return annotation (``def net(): return
+    nn.Sequential(...)``): jsonargparse accepts only classes or functions annotated to
+    return a module, so such a factory gets its arguments from its signature here, is
+    called, and its result is checked to be an ``nn.Module``."""
+    path = _model_path(argv)
+    if not path or path.lstrip().startswith("{"):
+        return None
+    fn = _import(path)
+    if fn is None or inspect.isclass(fn) or not callable(fn):
+        return None
+    try:
+        ret = inspect.signature(fn).return_annotation
+    except (TypeError, ValueError):
+        return None
+    return fn if ret is inspect.Signature.empty else None
+
+
+def _build_factory(fn: Any, args: Any) -> nn.Module:
+    given = getattr(args, "model_args", None)  # absent when the function takes nothing
+    kwargs = dict(vars(given)) if given is not None else {}
+    model = fn(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{args.model} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
 def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None]:
     """The model of a ``bnswap train`` config, and its BNSwap callback's arguments (None
     when the config has no BNSwap callback: training it swaps nothing)."""
@@ -94,6 +158,9 @@ def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None]:
             raise ValueError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise ValueError(f"{path}: no 'model' section (is it a `bnswap train` config?)")
+    path = cfg["model"].get("class_path") if isinstance(cfg["model"], dict) else None
+    if isinstance(path, str) and "." in path:  # a missing package (Lightning) said plainly
+        importlib.import_module(path.rsplit(".", 1)[0])
     built = _parser().instantiate_classes(_parser().parse_object({"model": cfg["model"]}))
     model = built.model
     configure = getattr(model, "configure_model", None)
@@ -139,24 +206,36 @@ def _usage_error(message: str) -> int:
 def main(argv: Sequence[str]) -> int:
     """Run ``bnswap plan`` with ``argv`` (the arguments after ``plan``); return the exit
     status (0 all swapped, 3 some skipped, 2 usage errors: printed to stderr)."""
-    parser = _parser()
+    argv = list(argv)
+    factory = _plain_factory(argv)
+    if factory is not None:  # its arguments: --model.NAME VALUE, as for a class
+        argv = [a.replace("--model.", "--model_args.", 1) if a.startswith("--model.")
+                else a for a in argv]
+    parser = _parser(factory)
     try:
-        cfg = parser.parse_args(list(argv))
+        cfg = parser.parse_args(argv)
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
     except ArgumentError as e:
-        hint = ("(a function is accepted when annotated to return a module, e.g. def "
-                "make(...) -> nn.Module; see bnswap plan --help)"
+        hint = ("(give an nn.Module class, or a function that returns a module; see "
+                "bnswap plan --help)"
                 if "does not correspond to a subclass of Module" in str(e)
                 else "(bnswap plan --help lists every option)")
-        return _usage_error(f"{short_error(str(e))}\n{hint}")
+        return _usage_error(f"{short_error(str(e)).replace('model_args.', 'model.')}\n{hint}")
     if (cfg.model is None) == (cfg.config is None):
         return _usage_error("give exactly one of --model or --config (see bnswap plan --help)")
     try:
         if cfg.config is not None:
             model, swap = _from_config(cfg.config)
+        elif factory is not None:
+            model, swap = _build_factory(factory, cfg), {}
         else:
             model, swap = parser.instantiate_classes(cfg).model, {}
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("lightning", "pytorch_lightning", "sklearn"):
+            return _usage_error(f"{cfg.config or cfg.model} needs {e.name.split('.')[0]}, "
+                                "which is not installed: pip install 'bnswap[lightning]'")
+        return _usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
     except (OSError, ValueError, TypeError, ImportError) as e:
         # building --model raised: jsonargparse's Union report holds the reason
         return _usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")

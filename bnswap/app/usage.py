@@ -1,0 +1,45 @@
+"""The ``bnswap`` command's subcommand table and top-level help (no imports: the front
+door, :mod:`bnswap.app.command`, and the Lightning subcommands, :mod:`bnswap.app.cli`,
+share it)."""
+
+from __future__ import annotations
+
+__all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "SUBCOMMANDS", "help_text"]
+
+#: Every subcommand of the console script, with its one-line help.
+SUBCOMMANDS = {
+    "train": "train the configured model (Trainer.fit) and print the final validation figures",
+    "validate": "run one validation epoch (Trainer.validate)",
+    "test": "run one test epoch (Trainer.test)",
+    "predict": "run prediction (Trainer.predict) and write the predictions to a file",
+    "compare": "train each config in turn (stock vs bnswap by default), plot them "
+               "(runs/compare.png, .json) and print seconds per epoch",
+    "plan": "show what bnswap would swap in a model, before training (exit 3 if a layer "
+            "would be skipped)",
+}
+
+#: The subcommands that need the ``lightning`` extra.
+LIGHTNING_SUBCOMMANDS = ("train", "validate", "test", "predict", "compare")
+
+#: What ``pip`` installs for the Lightning subcommands.
+LIGHTNING_EXTRA = "pip install 'bnswap[lightning]'"
+
+EXIT_USAGE = 2
+
+
+def help_text() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    return "\n".join([
+        "usage: bnswap [-h] {" + ",".join(SUBCOMMANDS) + "} ...",
+        "",
+        "bnswap: train with BatchNorm on PyTorch's consolidated batch-norm ops (or ONNX "
+        "Runtime's), and inspect what it swaps.",
+        "",
+        "subcommands:",
+        *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()),
+        "",
+        "`bnswap SUBCOMMAND --help` lists a subcommand's options; "
+        + ", ".join(LIGHTNING_SUBCOMMANDS) + f" need Lightning ({LIGHTNING_EXTRA}).",
+    ])
+
+

@@ -1,0 +1,127 @@
+"""A stranger's install (issue 21, item 1): bnswap's wheel, built from this checkout, in
+a fresh virtual environment with torch alone (no extras, no Lightning), used from a
+project folder holding the user's own ``mymodels.py``.
+
+Slow (a fresh venv and torch: about a minute) and run once: only where torch is a CPU
+build (the main environment), not again in the zoo's CUDA build of 6 GB."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.version.cuda is not None,
+                       reason="runs once, in the environment with torch's CPU build"),
+]
+
+MYMODELS = textwrap.dedent("""
+    from torch import nn
+
+    def net(width=8):
+        return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.ReLU())
+
+    class Net(nn.Module):
+        def __init__(self, width: int = 4):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(width)
+""")
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without what points at this checkout."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def _pip(py: Path, *args: str) -> None:
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    *args], check=True, capture_output=True, text=True, timeout=900,
+                   env=_clean_env())
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("install")
+    wheels = tmp / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(wheels), str(ROOT)], check=True,
+                   capture_output=True, text=True, timeout=300)
+    (wheel,) = wheels.glob("bnswap-*.whl")
+    env = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)
+    py = env / "bin" / "python"
+    pin = f"torch=={torch.__version__}"
+    try:  # the machine's own wheel first, else PyTorch's CPU index (as the Makefile does)
+        _pip(py, pin)
+    except subprocess.CalledProcessError:
+        _pip(py, "--extra-index-url", TORCH_INDEX, pin)
+    (tmp / "constraints.txt").write_text(pin + "\n")
+    _pip(py, "-c", str(tmp / "constraints.txt"), str(wheel))
+    return env
+
+
+def _run(env: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env=_clean_env())
+
+
+def test_wheel_with_torch_alone(venv, tmp_path):
+    proj = tmp_path / "project"
+    proj.mkdir()
+    (proj / "mymodels.py").write_text(MYMODELS)
+    py, exe = str(venv / "bin" / "python"), str(venv / "bin" / "bnswap")
+    # the installed package, not this checkout
+    r = _run(venv, py, "-c", "import bnswap, lightning", cwd=proj)
+    assert "No module named 'lightning'" in r.stderr
+    r = _run(venv, py, "-c", textwrap.dedent("""
+        import copy, torch, bnswap
+        from torch import nn
+        print(bnswap.__file__)
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        ref = copy.deepcopy(m)
+        p = bnswap.plan(m)
+        bnswap.convert(m)
+        x = torch.randn(4, 3, 6, 6)
+        assert torch.equal(m(x), ref(x)), "output differs from stock"
+        assert torch.equal(m[1].running_var, ref[1].running_var)
+        bnswap.revert(m)
+        print(p.summary(), bnswap.is_swapped(m[1]))
+    """), cwd=proj)
+    assert r.returncode == 0, r.stderr
+    file, summary = r.stdout.splitlines()
+    assert str(venv) in file
+    assert summary == "bnswap plan: 1 of 1 BatchNorm layers swapped, 0 skipped False"
+
+    r = _run(venv, exe, "--help", cwd=proj)
+    assert r.returncode == 0 and "plan" in r.stdout and "pip install 'bnswap[lightning]'" in r.stdout
+    r = _run(venv, exe, "plan", "--model", "mymodels.net", "--model.width", "5", cwd=proj)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "bnswap plan: 1 of 1 BatchNorm layers swapped, 0 skipped"
+    r = _run(venv, exe, "plan", "--model", "mymodels.Net", "--format", "json", cwd=proj)
+    assert r.returncode == 0 and '"class": "BatchNorm1d"' in r.stdout, r.stderr
+    for sub in ("train", "compare"):
+        r = _run(venv, exe, sub, "--config", "digits_mobilenetv2.yaml", cwd=proj)
+        assert (r.returncode, r.stdout) == (2, "")
+        assert r.stderr.splitlines()[-1] == (
+            f"bnswap {sub}: error: needs Lightning, which is not installed: "
+            "pip install 'bnswap[lightning]'")
+        assert "Traceback" not in r.stderr
+    r = _run(venv, exe, "plan", "--config", "digits_mobilenetv2.yaml", cwd=proj)
+    # (torch without numpy warns on import: torch's own UserWarning, before bnswap's line)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
+        "bnswap plan: error: digits_mobilenetv2.yaml needs lightning, which is not "
+        "installed: pip install 'bnswap[lightning]'")
+    r = _run(venv, py, "-c", "from bnswap import BNSwap", cwd=proj)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: bnswap.BNSwap needs Lightning, which is not installed: "
+        "pip install 'bnswap[lightning]'")
