@@ -19,7 +19,7 @@ from bnswap._swap import is_swapped
 from bnswap.convert import convert, revert
 from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from bnswap.plan import Plan, PlanRow, check_patterns, plan
-from bnswap.registry import register, unregister
+from bnswap.registry import register, safe_globals, unregister
 
 __version__ = "0.1.0"
 
@@ -37,6 +37,7 @@ __all__ = [
     "plan",
     "register",
     "revert",
+    "safe_globals",
     "to_stock_ops",
     "unregister",
 ]

@@ -134,7 +134,8 @@ def _probe_args(m: nn.Module, dev: torch.device) -> tuple:
 def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str:
     """The kernel ``torch._C._select_batch_norm_backend`` picks for a swapped layer on
     ``device`` (default: the layer's own) in training: ``"Native"``, ``"Cudnn"`` or
-    ``"Miopen"``.
+    ``"Miopen"``; for a ``BatchNorm1d`` that gets cuDNN, ``"Cudnn for (N, C, L); Native
+    for (N, C)"`` (cuDNN needs input of rank 3 or more).
 
     The selector sees what the bnswap core always passes (:func:`_probe_args`). For
     ``cuda`` on a machine without one, the choice is predicted from torch's rule
@@ -148,13 +149,21 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
     if dev.type == "meta":
         return "n/a (meta)"
     if dev.type == "cuda" and not torch.cuda.is_available():
-        return _predicted_cuda_kernel(_probe_dtype(m), float(m.eps))
+        return _by_rank(m, _predicted_cuda_kernel(_probe_dtype(m), float(m.eps)))
     try:
         backend = select(*_probe_args(m, dev))
     except Exception as e:  # noqa: BLE001 - a device this torch cannot probe: RuntimeError,
         # TypeError, AssertionError ("not compiled with XPU"), ModuleNotFoundError (torch.hpu)
         return f"n/a ({type(e).__name__})"
-    return backend.name
+    return _by_rank(m, backend.name)
+
+
+def _by_rank(m: nn.Module, kernel: str) -> str:
+    """cuDNN takes input of rank 3 or more (torch's rule, ``input.dim() >= 3``): a
+    ``BatchNorm1d`` fed (N, C) runs the native kernel where (N, C, L) runs cuDNN."""
+    if kernel.startswith("Cudnn") and isinstance(m, (nn.BatchNorm1d, nn.LazyBatchNorm1d)):
+        return f"{kernel} for (N, C, L); Native for (N, C)"
+    return kernel
 
 
 #: cuDNN's smallest batch-norm eps (CUDNN_BN_MIN_EPSILON, cudnn.h), below which torch

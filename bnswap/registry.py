@@ -25,11 +25,11 @@ import importlib
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap._swap import Adapter
+from bnswap._swap import Adapter, SwappedForward
 from bnswap.layers import batch_norm_forward
 
 __all__ = ["register", "unregister", "lookup", "registered", "overrides_forward",
-           "qualified_name"]
+           "qualified_name", "safe_globals"]
 
 _ADAPTERS: dict[type, Adapter] = {}
 # lookup() of classes with no entry of their own, memoized (cleared by register /
@@ -164,3 +164,30 @@ def lookup(cls: type) -> Adapter | None:
 def registered() -> dict[type, Adapter]:
     """A copy of the resolved registry, source class -> adapter."""
     return dict(_ADAPTERS)
+
+
+def safe_globals() -> list:
+    """What a whole pickled converted model references of bnswap's: the swap entry
+    (:class:`bnswap._swap.SwappedForward`) and the adapters (torch's, and every
+    registered one). ``torch.load(..., weights_only=True)`` of a whole model needs its
+    classes allowlisted, for stock's model as for a converted one; add these beside
+    them.
+
+    Returns:
+        A list of classes and functions for ``torch.serialization.safe_globals`` /
+        ``add_safe_globals``.
+
+    Examples::
+
+        >>> import io, torch, bnswap
+        >>> from torch import nn
+        >>> m = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)))
+        >>> buf = io.BytesIO(); torch.save(m, buf); _ = buf.seek(0)
+        >>> stock = [nn.Sequential, nn.Conv2d, nn.BatchNorm2d]   # as for a stock model
+        >>> with torch.serialization.safe_globals([*stock, *bnswap.safe_globals()]):
+        ...     loaded = torch.load(buf, weights_only=True)
+        >>> bnswap.is_swapped(loaded[1])
+        True
+    """
+    adapters = [batch_norm_forward, *(a for a in _ADAPTERS.values() if a is not batch_norm_forward)]
+    return [SwappedForward, *dict.fromkeys(adapters)]

@@ -215,6 +215,22 @@ def test_weights_only_load_of_a_whole_model_fails_as_stock():
     assert a[0] == b[0] == "err" and a[1][0] is b[1][0]
 
 
+def test_weights_only_load_of_a_whole_model_with_bnswap_safe_globals():
+    """A whole converted model loads with weights_only=True once its classes are
+    allowlisted as stock's must be, plus bnswap.safe_globals() (issue 21)."""
+    swapped = converted(trained())
+    stock_classes = sorted({type(m) for m in swapped.modules()}, key=str)
+    with torch.serialization.safe_globals(stock_classes):
+        assert torch.load(_bytes(trained()), weights_only=True) is not None  # stock: enough
+        with pytest.raises(pickle.UnpicklingError, match="SwappedForward"):
+            torch.load(_bytes(swapped), weights_only=True)
+    with torch.serialization.safe_globals([*stock_classes, *bnswap.safe_globals()]):
+        clone = torch.load(_bytes(swapped), weights_only=True)
+    assert isinstance(clone[1], bnswap.BatchNorm2d) and clone[1].forward.module is clone[1]
+    assert state_diff(clone, swapped) == []
+    assert_run_alike(trained(), clone)
+
+
 def test_uninitialized_lazy_model_deepcopy_and_pickle_as_stock():
     stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyBatchNorm2d())
     swapped = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyBatchNorm2d())

@@ -188,3 +188,22 @@ def test_a_layer_missing_one_affine_tensor_still_hands_both(missing):
     assert kept is getattr(bn, "bias" if missing == "weight" else "weight")
     fill = torch.ones(3) if missing == "weight" else torch.zeros(3)
     assert torch.equal(weight if missing == "weight" else bias, fill)
+
+
+def test_batchnorm1d_kernel_names_the_input_ranks_cudnn_takes():
+    """Guards: plan --device cuda said Cudnn for a BatchNorm1d, which torch runs on the
+    native kernel for (N, C) input (_select_batch_norm_backend needs input.dim() >= 3)."""
+    cudnn = "Cudnn (predicted)" if not torch.cuda.is_available() else "Cudnn"
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.LazyBatchNorm1d(), nn.BatchNorm2d(3),
+                          nn.BatchNorm1d(3).bfloat16())
+    assert [r.kernel for r in bnswap.plan(model, device="cuda")] == [
+        f"{cudnn} for (N, C, L); Native for (N, C)"] * 2 + [
+        cudnn, "Native (predicted)" if not torch.cuda.is_available() else "Native"]
+    if torch.cuda.is_available():  # torch's own rule, by rank
+        w = torch.ones(3, device="cuda")
+        z = torch.zeros(3, device="cuda")
+        for shape, want in (((4, 3), "Native"), ((4, 3, 5), "Cudnn")):
+            x = torch.randn(shape, device="cuda")
+            got = torch._C._select_batch_norm_backend(x, w, z, z, w, True, 1e-5)
+            assert str(got).rsplit(".", 1)[-1] == want
+    assert bnswap.plan(nn.BatchNorm1d(3))[0].kernel == "Native"  # CPU: as before

@@ -32,7 +32,7 @@ def test_every_layer_swapped_exits_0_in_each_format(capsys):
                                               "note": None}
     assert data["layers"] == [{"name": "1", "class": "BatchNorm2d", "action": "swap",
                                "backend": "aten", "kernel": "Native",
-                               "adapter": "bnswap.layers.batch_norm_forward", "reason": "-"}]
+                               "adapter": "bnswap.layers.batch_norm_forward", "reason": None}]
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--format", "markdown")
     rows = [ln for ln in out.splitlines() if ln.startswith("| ")]
     assert code == 0 and rows[0].split(" | ")[0] == "| layer" and len(rows) == 2
@@ -47,6 +47,9 @@ def test_skipped_layers_exit_3_with_their_reasons(capsys):
     assert by_name["2"]["action"] == "skip" and "SyncBatchNorm" in by_name["2"]["reason"]
     assert by_name["3"]["action"] == "skip" and "overrides forward" in by_name["3"]["reason"]
     assert [r["action"] for r in data["layers"]] == ["swap", "skip", "skip", "swap"]
+    # JSON says null where the table shows "-" (it wrote the string "-")
+    assert {k: by_name["3"][k] for k in ("backend", "kernel", "adapter")} == dict.fromkeys(
+        ("backend", "kernel", "adapter"))
     code, out, _ = run(capsys, "--model", "tests.plan_models.mixed_net", "--exclude", '["6"]')
     assert code == 3 and "excluded by '6'" in out
 
@@ -99,7 +102,8 @@ def test_an_unannotated_function_is_called_and_its_result_checked(capsys):
     assert (code, err) == (0, "")
     ref = bnswap.plan(plan_models.plain_net(6)).to_dicts()
     assert [{k: v for k, v in r.items() if k != "cls"} for r in ref] == [
-        {k: v for k, v in r.items() if k != "class"} for r in json.loads(out)["layers"]]
+        {k: "-" if v is None else v for k, v in r.items() if k != "class"}
+        for r in json.loads(out)["layers"]]
     code, out, err = run(capsys, "--model=tests.plan_models.unannotated_net", "--model.wdth", "6")
     assert code == 2 and err.splitlines()[0] == (
         "bnswap plan: error: unrecognized arguments: --model.wdth 6")

@@ -173,14 +173,20 @@ def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None]:
     return model, swap
 
 
+def _null(cell: str) -> str | None:
+    """A table cell for JSON: the table's ``-`` (nothing there) is ``null``."""
+    return None if cell == "-" else cell
+
+
 def render(plan: bnswap.Plan, fmt: str, note: str = "") -> str:
     """The plan as ``table`` (``str(plan)``), ``json`` (``{"layers": [...], "summary":
-    {...}}``) or ``markdown`` (a GitHub table)."""
+    {...}}``, ``null`` where the table shows ``-``) or ``markdown`` (a GitHub table)."""
     if fmt == "json":
         return json.dumps({
             "layers": [{"name": r.name, "class": r.cls, "action": r.action,
-                        "backend": r.backend, "kernel": r.kernel, "adapter": r.adapter_name,
-                        "reason": r.reason} for r in plan],
+                        "backend": _null(r.backend), "kernel": _null(r.kernel),
+                        "adapter": _null(r.adapter_name), "reason": _null(r.reason)}
+                       for r in plan],
             "summary": {"layers": len(plan), "swapped": len(plan.swapped),
                         "skipped": len(plan.skipped), "backend": plan.backend,
                         "text": plan.summary(), "note": note or None},
