@@ -88,6 +88,7 @@ class _BNSwapBase:
         self._swapped: dict[int, str] = {}  # id(layer) -> when this callback swapped it
         # layers the plan skips (excluded, SyncBatchNorm...): not planned again each step
         self._left_alone: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._logged: list[dict[str, str]] | None = None  # the plan table last logged
 
     def __repr__(self) -> str:
         return (f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
@@ -185,7 +186,13 @@ class _BNSwapBase:
         self._remove_hook()
         self._swap(pl_module, "swapped at stage start")
         self.plan = self._current_plan(pl_module)
-        rank_zero_info(str(self.plan))
+        # what each layer runs (the reason says when it was swapped: not a change)
+        table = [{k: v for k, v in row.items() if k != "reason"} for row in self.plan.to_dicts()]
+        if table != self._logged:  # the table once per change; one line when unchanged
+            rank_zero_info(str(self.plan))
+            self._logged = table
+        else:
+            rank_zero_info(f"{self.plan.summary()} (unchanged since the last stage)")
         n_sync = sum(1 for r in self.plan.rows if r.cls == "SyncBatchNorm")
         if n_sync:
             rank_zero_warn(

@@ -85,12 +85,14 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["bnswap", "compare", "--out", "cmp.png"])
-    png = tmp_path / "cmp.png"
+    # no --out: compare.png under --trainer.default_root_dir (tiny() gives tmp_path/runs;
+    # it wrote runs/compare.png under the current folder whatever the root)
+    png = tmp_path / "runs" / "compare.png"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # train options given directly go to every run (as --overrides would)
-        main(["compare", "--out", str(png), "--trainer.max_epochs", "2",
-              "--overrides", json.dumps(tiny(tmp_path)[1:])])
+        main(["compare", "--trainer.max_epochs", "2",
+              "--overrides", json.dumps(tiny(tmp_path / "runs")[1:])])
     assert not [w for w in caught if "args parameter" in str(w.message)]
     out = capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -246,6 +248,9 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
     (["train", "--config", "digits_mobilenetv2.yaml", "--num_threads", "0"],
      "bnswap train: error: num_threads: expected a positive integer or null, got 0"),
     (["compare", "--labels", "a", "b", "c"], "bnswap compare: error: labels: 3 given for 2 configs"),
+    # a train option's typo is compare's error (it said "bnswap train: error")
+    (["compare", "--trainer.max_epochz", "2"],
+     "bnswap compare: error: unrecognized arguments: --trainer.max_epochz=2"),
     (["train"], "bnswap train: error: missing --data, --model (a config gives them: "
                 "--config digits_mobilenetv2.yaml)"),
     (["train", "--config", "notes.txt"],
@@ -318,3 +323,27 @@ def test_the_compare_plot_counts_whole_epochs_from_1(epochs):
             list(range(1, epochs + 1))] * 2
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["stock", "bnswap (aten)"]
     assert "the curves coincide" in fig._suptitle.get_text()
+
+
+def test_predict_writes_its_predictions_and_says_where(tmp_path, capsys, monkeypatch):
+    """Guards: ``bnswap predict`` printed and wrote nothing (issue 21)."""
+    import torch
+
+    from bnswap.app.cli import BNSwapCLI
+
+    monkeypatch.setattr(sys, "argv", ["bnswap"])
+    cli = BNSwapCLI(args=["predict", "--config", str(CONFIG), *tiny(tmp_path)[2:],
+                          "--trainer.limit_predict_batches=2"])
+    path = tmp_path / "predictions.pt"
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"wrote {path}: 359 predictions in 2 batches (torch.load it: a list of tensors, "
+        "one per batch)")
+    got = torch.load(path)
+    model = cli.model.eval()
+    want = []
+    with torch.no_grad():
+        for i, (x, _) in enumerate(cli.datamodule.predict_dataloader()):
+            if i == 2:
+                break
+            want.append(model(x).argmax(1))
+    assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -194,6 +194,30 @@ def test_layers_built_in_init_are_swapped_at_setup_and_plan_logged_once():
                for m in bn_layers(model).values())
 
 
+def test_plan_table_logged_again_only_when_it_changes(caplog):
+    """Guards: one Trainer's validate / test / predict each logged the whole table again
+    (issue 21); now one line, and the table again when a layer's row changed."""
+    caplog.set_level(logging.INFO, logger=RANK_ZERO_LOGGER)
+    cb = BNSwap(exclude="net.features.11")
+    model = Classifier()
+    t = trainer([cb], max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                limit_test_batches=1)
+    t.fit(model, data())
+    first = str(cb.plan)
+    t.validate(model, data())
+    t.test(model, data())
+    model.extra = nn.BatchNorm1d(3)  # the table changes (a new row): logged whole again
+    t.validate(model, data())
+    msgs = [r.getMessage() for r in caplog.records if "bnswap plan:" in r.getMessage()]
+    summary = "bnswap plan: 3 of 4 BatchNorm layers swapped, 1 skipped"
+    assert msgs == [first,
+                    f"{summary} (unchanged since the last stage)",
+                    f"{summary} (unchanged since the last stage)",
+                    str(cb.plan)]
+    assert msgs[0].count("\n") == 6 and msgs[-1].count("\n") == 7
+    assert msgs[-1].startswith("bnswap plan: 4 of 5 BatchNorm layers swapped, 1 skipped\n")
+
+
 # --------------------------------------------------------------------------- given case 2
 class FinetuneModel(pl.LightningModule):
     def __init__(self):

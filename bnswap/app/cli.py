@@ -69,6 +69,13 @@ class Trainer(pl.Trainer):
         #: Wall-clock seconds of the fit (validation included).
         self.fit_seconds = round(time.perf_counter() - t0, 2)
 
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.predict``, keeping what it returns as :attr:`predictions` (the
+        ``predict`` subcommand writes them to a file)."""
+        #: What the last ``predict`` returned: one tensor per batch.
+        self.predictions = super().predict(*args, **kwargs)
+        return self.predictions
+
 
 class _Parser(LightningArgumentParser):
     """LightningCLI's parser, with its errors in one or two lines (no usage dump)."""
@@ -93,8 +100,15 @@ class _Parser(LightningArgumentParser):
 _REQUIRED = re.compile(r"the following arguments are required: (?P<keys>.+)")
 
 
+#: The subcommand a usage error is reported under when another one runs ``train``
+#: (``bnswap compare`` passes its train options on: a typo there is compare's error).
+_reporting_as: list[str] = []
+
+
 def _usage_error(prog: str, message: str) -> NoReturn:
     """Print ``prog: error: message`` and the help hint; exit with status 2 (argparse's)."""
+    if _reporting_as:
+        prog = _reporting_as[-1]
     sys.stderr.write(f"{prog}: error: {message}\n({prog} --help lists every option)\n")
     raise SystemExit(2)
 
@@ -199,6 +213,23 @@ class BNSwapCLI(LightningCLI):
                   + (f", backend {swap.backend}" if swap is not None else "") + ")")
 
 
+    def after_predict(self) -> None:
+        """Write the predictions (one tensor per batch, as ``Trainer.predict`` returns
+        them) to ``predictions.pt`` under ``--trainer.default_root_dir`` and say where
+        (global rank zero)."""
+        predictions = getattr(self.trainer, "predictions", None)
+        if predictions is None or not self.trainer.is_global_zero:
+            return
+        import torch
+
+        path = Path(self.trainer.default_root_dir) / "predictions.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(predictions, path)
+        rows = sum(len(p) for p in predictions if hasattr(p, "__len__"))
+        print(f"wrote {path}: {rows} predictions in {len(predictions)} batches "
+              "(torch.load it: a list of tensors, one per batch)")
+
+
 def run_train(args: Sequence[str]) -> BNSwapCLI:
     """Run ``bnswap train`` with ``args`` (everything after ``train``) in this process
     and return the CLI object (``.model``, ``.trainer``, ``.results``)."""
@@ -235,8 +266,20 @@ class CompareUsageError(ValueError):
     that do not match the configs, an ``out`` whose folder cannot be made."""
 
 
+def _root_dir(overrides: Sequence[str]) -> str:
+    """The ``--trainer.default_root_dir`` among ``bnswap train`` options (the last one
+    given), else ``runs``, Lightning's logs' root in the shipped configs."""
+    root = "runs"
+    for i, a in enumerate(overrides):
+        if a.startswith("--trainer.default_root_dir="):
+            root = a.split("=", 1)[1]
+        elif a == "--trainer.default_root_dir" and i + 1 < len(overrides):
+            root = overrides[i + 1]
+    return root
+
+
 def compare(configs: list[str] | None = None, labels: list[str] | None = None,
-            out: str = "runs/compare.png", overrides: list[str] | None = None) -> dict[str, Any]:
+            out: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Train each config in turn and plot validation loss and accuracy per epoch.
 
     Args:
@@ -246,7 +289,8 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
         labels: legend labels (default: "stock", or "bnswap (aten)" / "bnswap (ort)" from
             each run's callback).
         out: the PNG to write (parent folders are created); a JSON of the same name
-            holds the figures.
+            holds the figures. Default: ``compare.png`` under
+            ``--trainer.default_root_dir`` (``runs``).
         overrides: extra ``bnswap train`` arguments applied to every run, e.g.
             ``["--trainer.max_epochs=3"]`` (on the command line, ``bnswap compare
             --trainer.max_epochs 3`` does the same: :func:`split_compare_args`).
@@ -261,6 +305,8 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
             creatable.
     """
     configs = list(DEFAULT_CONFIGS) if configs is None else configs
+    if out is None:
+        out = str(Path(_root_dir(overrides or [])) / "compare.png")
     # Checked before the first run trains: every config found, the labels, --out.
     try:
         for cfg in configs:
@@ -276,7 +322,11 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     results: dict[str, Any] = {}
     for i, cfg in enumerate(configs):
         t0 = time.perf_counter()
-        cli = run_train(["--config", cfg, *(overrides or [])])
+        _reporting_as.append("bnswap compare")
+        try:
+            cli = run_train(["--config", cfg, *(overrides or [])])
+        finally:
+            _reporting_as.pop()
         res = dict(cli.results)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         res["config"] = cfg
