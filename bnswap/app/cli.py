@@ -37,7 +37,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
-from bnswap.app.usage import SUBCOMMANDS, help_text
+from bnswap.app.usage import SUBCOMMANDS, help_text, import_from_cwd
 from bnswap.app.messages import short_error
 from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
@@ -466,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args[0] in ("-h", "--help"):
         print(help_text())
         return
+    import_from_cwd()  # the user's own modules (`--model mymodels.Net`)
     if args[0] == "plan":
         from bnswap.app import plan_cli
 

@@ -10,12 +10,17 @@ is importable for ``--model`` / ``--config`` class paths, as ``python -m`` makes
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import warnings
 from collections.abc import Sequence
 
-from bnswap.app.usage import EXIT_USAGE, LIGHTNING_EXTRA, SUBCOMMANDS, help_text
+from bnswap.app.usage import (
+    EXIT_USAGE,
+    LIGHTNING_EXTRA,
+    SUBCOMMANDS,
+    help_text,
+    import_from_cwd,
+)
 
 __all__ = ["main"]
 
@@ -41,11 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(help_text(), file=sys.stderr)
         print(f"\nbnswap: error: unknown subcommand {args[0]!r}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    # the user's own modules (`--model mymodels.Net`) from the current folder, as
-    # `python -m` finds them
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
+    import_from_cwd()  # the user's own modules (`--model mymodels.Net`)
     if args[0] == "plan":
         from bnswap.app import plan_cli
 

@@ -4,7 +4,11 @@ share it)."""
 
 from __future__ import annotations
 
-__all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "SUBCOMMANDS", "help_text"]
+import os
+import sys
+
+__all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "SUBCOMMANDS", "help_text",
+           "import_from_cwd"]
 
 #: Every subcommand of the console script, with its one-line help.
 SUBCOMMANDS = {
@@ -43,3 +47,11 @@ def help_text() -> str:
     ])
 
 
+
+
+def import_from_cwd() -> None:
+    """Make the current folder importable (the user's own ``--model mymodels.Net``), as
+    ``python -m`` does."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
