@@ -31,6 +31,22 @@ runtime of its own needs to see stock's BatchNorm (README, "After training").
   refused there with a clear error (stock's graph cannot hold it: ``torch.export`` of a
   stock one raises; torchao would drop bnswap's cumulative update). Gate: torchao >= 0.18
   (tested 0.18.0) and the helpers called by name.
+* **core ATen** (``ExportedProgram.run_decompositions()`` with the default table):
+  ``torch._decomp._core_aten_decompositions_post_autograd`` (the list the default table
+  starts from) also decomposes the consolidated ops into stock's core ATen batch-norm
+  ops (:func:`patch_core_aten_decompositions`), so a bnswap program reaches core ATen
+  (ExecuTorch's ``to_edge``) as stock's does. Not applied by :func:`install`: the first
+  conversion applies it (a layer swapped by ``Plan.apply``, ``bnswap.convert(program)``).
+  Gate: ``CustomDecompTable`` builds its table with that function (torch 2.13 / 2.14).
+
+The patches, at a glance (what, when applied, version gate):
+
+| patch | target | applied | gate |
+|---|---|---|---|
+| TorchScript | ``torch.jit._recursive.create_script_module`` | :func:`install` | signature (nn_module, stubs_fn, ...) |
+| torch.onnx | ``_fx_passes.decompose_with_registry`` | on import of the module | the function and ``_decomp`` helpers |
+| torchao | ``_get_node_name_to_scope``, ``_replace_batchnorm`` | on import of the module | torchao >= 0.18, called by name |
+| core ATen | ``torch._decomp._core_aten_decompositions_post_autograd`` | first conversion | called by name by ``CustomDecompTable`` |
 """
 
 from __future__ import annotations
@@ -52,7 +68,8 @@ from bnswap._graph import to_stock_ops
 from bnswap._swap import SwappedForward, wrapped_model
 from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT
 
-__all__ = ["MIN_TORCHAO", "install", "stock_view"]
+__all__ = ["CORE_ATEN_DECOMPOSITIONS", "MIN_TORCHAO", "install",
+           "patch_core_aten_decompositions", "stock_view"]
 
 logger = logging.getLogger("bnswap")
 
@@ -232,6 +249,93 @@ def patch_torchao_export_utils(mod: Any) -> bool:
     """torchao's ``export_utils``: ``move_exported_model_to_eval`` / ``_train``."""
     return _patch_torchao(mod, "_replace_batchnorm", ("_move_exported_model_to_eval",
                                                       "_move_exported_model_to_train"))
+
+
+# ---------------------------------------------------------------------- core ATen
+def _with_update_functional(input: torch.Tensor, weight: Any, bias: Any,
+                            running_mean: torch.Tensor, running_var: torch.Tensor,
+                            momentum: float, eps: float) -> tuple:
+    out, save_mean, save_rstd, new_mean, new_var = \
+        _aten._native_batch_norm_legit_functional.default(
+            input, weight, bias, running_mean, running_var, True, momentum, eps)
+    reserve = torch.empty(0, dtype=torch.uint8, device=input.device)  # cuDNN's only
+    return out, save_mean, save_rstd, reserve, new_mean, new_var
+
+
+def _no_update(input: torch.Tensor, weight: Any, bias: Any, running_mean: torch.Tensor,
+               running_var: torch.Tensor, momentum: float, eps: float) -> tuple:
+    out, save_mean, save_rstd = _aten._native_batch_norm_legit_no_training.default(
+        input, weight, bias, running_mean, running_var, momentum, eps)
+    return out, save_mean, save_rstd, torch.empty(0, dtype=torch.uint8, device=input.device)
+
+
+def _backward(grad_out: torch.Tensor, input: torch.Tensor, weight: Any, running_mean: Any,
+              running_var: Any, save_mean: Any, save_var: Any, update: bool, eps: float,
+              output_mask: list[bool], reserve: torch.Tensor) -> tuple:
+    # (native_batch_norm_backward is in the core table: it decomposes on, as stock's)
+    return _aten.native_batch_norm_backward.default(
+        grad_out, input, weight, running_mean, running_var, save_mean, save_var, update,
+        eps, output_mask)
+
+
+#: What bnswap adds to the core ATen decomposition table: each consolidated op as the
+#: stock core ATen op with the same schema arguments (pytorch PR 116092 made the
+#: consolidated ops from these; their CPU kernels are the same functions).
+CORE_ATEN_DECOMPOSITIONS: dict[Any, Callable[..., tuple]] = {
+    _aten._batch_norm_with_update_functional.default: _with_update_functional,
+    _aten._batch_norm_no_update.default: _no_update,
+    _aten.batch_norm_backward.default: _backward,
+}
+
+
+def patch_core_aten_decompositions() -> bool:
+    """Let ``ExportedProgram.run_decompositions()`` (the default, core ATen table) turn
+    the consolidated ops into stock's core ATen ops: ``_batch_norm_with_update_functional``
+    -> ``_native_batch_norm_legit_functional``, ``_batch_norm_no_update`` ->
+    ``_native_batch_norm_legit_no_training``, ``batch_norm_backward`` ->
+    ``native_batch_norm_backward`` (:data:`CORE_ATEN_DECOMPOSITIONS`).
+
+    torch lists the ops it decomposes for core ATen in
+    ``torch._decomp._core_aten_decompositions_post_autograd`` (a fixed list;
+    ``torch.export.default_decompositions()`` and ``core_aten_decompositions()`` start
+    from it); the consolidated ops are not core ATen and not on it, so they were kept.
+    This wraps that function to add them (torch's own entry wins if it ever has one).
+    Inductor is unaffected: its table takes its own decompositions of these ops over the
+    core table's. Applied when first needed: by the first conversion (a swap, or
+    ``bnswap.convert(program)``); idempotent, thread-safe. Gate: the function exists and
+    ``torch.export.decomp_utils.CustomDecompTable`` calls it by name (torch 2.13 / 2.14).
+
+    Returns:
+        True when applied (now or before), False when the gate fails (logged at DEBUG).
+    """
+    import torch._decomp as decomp
+
+    original = getattr(decomp, "_core_aten_decompositions_post_autograd", None)
+    if original is None:
+        return False
+    if _patched(original):
+        return True
+    try:
+        from torch.export.decomp_utils import CustomDecompTable
+    except ImportError:
+        return False
+    if "_core_aten_decompositions_post_autograd" not in CustomDecompTable.__init__.__code__.co_names:
+        logger.debug("bnswap: torch's default decomposition table is not built by "
+                     "_core_aten_decompositions_post_autograd; core ATen not patched")
+        return False
+
+    @functools.wraps(original)
+    def _core_aten_decompositions_post_autograd() -> dict:
+        table = original()
+        for op, fn in CORE_ATEN_DECOMPOSITIONS.items():
+            table.setdefault(op, fn)
+        return table
+
+    with _lock:
+        if not _patched(decomp._core_aten_decompositions_post_autograd):
+            decomp._core_aten_decompositions_post_autograd = _mark(
+                _core_aten_decompositions_post_autograd)
+    return True
 
 
 # ----------------------------------------------------------------------- import hook

@@ -329,6 +329,10 @@ class Plan(Sequence[PlanRow]):
                     # two (a KeyboardInterrupt) cannot leave a layer swapped
                     undos.append(undo_of(r.module))
                     swap(r.module, r.adapter)
+            if undos:  # its exported programs reach core ATen (bnswap._compat)
+                from bnswap import _compat
+
+                _compat.patch_core_aten_decompositions()
             if self.backend == "ort" and self.rows and wrapped_model(self.model) is None:
                 from bnswap import ort  # imported only when used (ONNX Runtime)
 
@@ -361,6 +365,15 @@ class Plan(Sequence[PlanRow]):
 _NONE: tuple = ()
 
 
+def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:
+    """A graph module with batch-norm nodes and no BatchNorm submodule
+    (``exported_program.module()``): planned node by node."""
+    from bnswap import programs
+
+    return programs.stock_nodes(gm) > 0 and not any(
+        isinstance(m, _BatchNorm) for m in gm.modules())
+
+
 def _display(name: str) -> str:
     return name or "(root)"
 
@@ -388,8 +401,12 @@ def plan(
     cross-process kernel), or overrides ``forward`` with no registered adapter
     (pytorch issue 187298; :func:`bnswap.register`).
 
+    Given a ``torch.export.ExportedProgram`` (or a GraphModule holding batch-norm
+    nodes and no BatchNorm layer, such as ``ep.module()``), returns one row per
+    batch-norm node instead (:func:`bnswap.programs.plan`).
+
     Args:
-        module: any ``nn.Module``.
+        module: any ``nn.Module``, or a program.
         backend: ``"aten"`` (consolidated aten ops) or ``"ort"`` (ONNX Runtime's
             ``com.microsoft::BatchNormInternal``).
         include, exclude: glob pattern(s) on qualified names from ``named_modules()``
@@ -427,6 +444,13 @@ def plan(
         >>> bnswap.is_swapped(model[1])  # a plan changes nothing
         False
     """
+    if isinstance(module, (torch.export.ExportedProgram, torch.fx.GraphModule)) and (
+            isinstance(module, torch.export.ExportedProgram) or _has_stock_nodes(module)):
+        from bnswap import programs  # a program: one row per batch-norm node
+
+        check_backend(backend)
+        return programs.plan(module, include=include, exclude=exclude,  # type: ignore[return-value,arg-type]
+                             device=device)
     check_module(module, "plan")
     check_backend(backend)
     if device is not None:
