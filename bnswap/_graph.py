@@ -313,7 +313,11 @@ def _channels(x: object) -> int | None:
 def _fake_mode(graph: torch.fx.Graph):  # noqa: ANN202 - torch's FakeTensorMode or None
     from torch._guards import detect_fake_mode
 
-    return detect_fake_mode([v for n in graph.nodes if isinstance(v := _val(n), torch.Tensor)])
+    try:
+        return detect_fake_mode([v for n in graph.nodes
+                                 if isinstance(v := _val(n), torch.Tensor)])
+    except AssertionError:  # several fake modes (make_fx): the new nodes get no "val"
+        return None
 
 
 def _stand_in(graph: torch.fx.Graph, x: Node, value: float, dtype: torch.dtype,
