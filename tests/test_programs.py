@@ -185,3 +185,17 @@ def test_aot_inductor_package_of_a_bnswap_program_matches_eager(tmp_path):
     path = aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
     run = aoti_load_package(path)
     torch.testing.assert_close(run(X), stock(X), rtol=1e-5, atol=1e-5)
+
+
+def test_executorch_to_edge_takes_a_bnswap_program_like_stocks():
+    """ExecuTorch's to_edge (core ATen only) on an eval program: it refused bnswap's
+    _batch_norm_no_update; now it gets stock's ops. (Training programs: to_edge refuses
+    stock's _native_batch_norm_legit_functional too.) Runs where executorch is installed
+    (tested: executorch 1.5.1, torch 2.13)."""
+    exir = pytest.importorskip("executorch.exir")
+    stock = model(no_stats=False).eval()
+    swapped = bnswap.convert(copy.deepcopy(stock))
+    edges = [exir.to_edge(torch.export.export(m, (X,))).exported_program()
+             for m in (stock, swapped)]
+    assert bn_ops(edges[1].graph_module) == bn_ops(edges[0].graph_module)
+    assert torch.equal(edges[1].module()(X), edges[0].module()(X))

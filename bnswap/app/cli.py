@@ -12,8 +12,12 @@
     of validation loss and accuracy per epoch (and a JSON of the figures), and prints
     the final figures and the seconds per epoch of each run.
 
-``bnswap plan --model torchvision.models.resnet18`` (or ``--config ...``)
+``bnswap plan --model torchvision.models.resnet18`` (or ``--config ...``, ``--program``)
     What bnswap would swap in a model, before training (:mod:`bnswap.app.plan_cli`).
+
+``bnswap convert model.pt2 -o model_bnswap.pt2``
+    A ``torch.export`` program file with its batch-norm nodes on the consolidated ops
+    (:func:`bnswap.app.plan_cli.convert_main`).
 
 A ``--config`` that is not a file but the name of a config shipped with bnswap
 (:mod:`bnswap.app.configs`) is read from the package, so the commands work from any
@@ -60,6 +64,8 @@ SUBCOMMANDS = {
                "(runs/compare.png, .json) and print seconds per epoch",
     "plan": "show what bnswap would swap in a model, before training (exit 3 if a layer "
             "would be skipped)",
+    "convert": "convert a torch.export program file (.pt2) to the consolidated batch-norm "
+               "ops: bnswap convert model.pt2 -o model_bnswap.pt2",
 }
 
 
@@ -447,6 +453,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bnswap.app import plan_cli
 
         sys.exit(plan_cli.main(args[1:]))
+    if args[0] == "convert":
+        from bnswap.app import plan_cli
+
+        sys.exit(plan_cli.convert_main(args[1:]))
     if args[0] == "compare":
         from jsonargparse import CLI
 
