@@ -41,6 +41,8 @@ _WITH_UPDATE = _aten._batch_norm_with_update.default
 _WITH_UPDATE_FUNCTIONAL = _aten._batch_norm_with_update_functional.default
 _NO_UPDATE = _aten._batch_norm_no_update.default
 _TARGETS = (_WITH_UPDATE, _WITH_UPDATE_FUNCTIONAL, _NO_UPDATE)
+#: the consolidated ops' nodes (forward and backward)
+CONSOLIDATED_TARGETS = (*_TARGETS, _aten.batch_norm_backward.default)
 # aten.batch_norm's last argument as stock's layer records it under torch.export, which
 # traces with cuDNN off (torch/export/_trace.py, _ignore_backend_decomps).
 _CUDNN_ENABLED = False

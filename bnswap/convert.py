@@ -106,7 +106,8 @@ def convert(
         warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers can be "
              "swapped; see bnswap.plan(model) for why", UserWarning)
     out = todo.apply()
-    if graph:  # its stock batch-norm call_function nodes too, in place
+    if graph and not isinstance(todo, programs.ProgramPlan):  # (else apply() did them)
+        # its stock batch-norm call_function nodes too, in place
         programs.convert(module, include=include, exclude=exclude)
     _log(todo)
     return out

@@ -31,6 +31,7 @@ from torch.fx import GraphModule, Node
 
 from bnswap import _compat
 from bnswap._graph import (
+    CONSOLIDATED_TARGETS,
     STOCK_TARGETS,
     consolidated_target,
     stock_call,
@@ -353,7 +354,8 @@ def convert(program: Program, backend: str = "aten", *,
     Returns:
         The new ``ExportedProgram`` (``torch.export.save`` / ``load`` round-trip it,
         ``.module()`` runs it, ``run_decompositions({})`` keeps the consolidated ops), or
-        the ``GraphModule`` itself. A program with no batch-norm node is returned itself.
+        the ``GraphModule`` itself. A program with no stock batch-norm node (none at all,
+        or only consolidated ones: converted already) is returned itself.
 
     Raises:
         TypeError: ``program`` is neither; a pattern is not a str.
@@ -381,7 +383,7 @@ def convert(program: Program, backend: str = "aten", *,
     todo = plan(program, include=include, exclude=exclude)
     kind = "program" if is_program(program) else "graph"
     if not todo.rows:
-        if is_program(program):
+        if is_program(program) and not _consolidated_nodes(gm):  # (already converted: no)
             warn("bnswap.convert: the program has no batch-norm node; it is returned "
                  "unchanged", UserWarning)
         return program
@@ -415,6 +417,11 @@ def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     if renamed:
         new.graph_module.recompile()
     return new
+
+
+def _consolidated_nodes(gm: GraphModule) -> bool:
+    return any(n.op == "call_function" and n.target in CONSOLIDATED_TARGETS
+               for sub in gm.modules() for n in getattr(sub, "graph", torch.fx.Graph()).nodes)
 
 
 def stock_nodes(gm: GraphModule) -> int:
