@@ -22,6 +22,7 @@ default table turns the consolidated ops into stock's core ATen ops
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -130,6 +131,8 @@ class NodeRow:
         kernel_before: the kernel the node runs now on :attr:`device` (``"Native"``:
             ``torch.export`` records ``cudnn_enabled=False``, and the
             ``_native_batch_norm_legit*`` ops bind the native kernel).
+        already: the node runs a consolidated op already (a bnswap program, or one
+            converted before); :func:`convert` leaves it as it is.
         device: where :attr:`kernel` is evaluated (None: the node's input's device).
 
     Examples::
@@ -148,6 +151,7 @@ class NodeRow:
     becomes: str
     reason: str
     kernel_before: str = "Native"
+    already: bool = False
     node: Node | None = field(default=None, repr=False, compare=False)
     device: torch.device | None = field(default=None, repr=False, compare=False)
 
@@ -161,6 +165,11 @@ class NodeRow:
         node = self.node
         if node.target is torch.ops.aten.native_batch_norm_backward.default:
             node = node.args[5].args[0]  # type: ignore[union-attr]  # getitem(forward, 1)
+        if node.target is torch.ops.aten.batch_norm_backward.default:
+            return "-"
+        if node.target in CONSOLIDATED_TARGETS:  # (x, w, b, mean, var, momentum, eps)
+            x, w, _, mean, _, _, eps = node.args[:7]
+            return _kernel(x, w, mean, float(eps), self.device)  # type: ignore[arg-type]
         call = stock_call(node)
         if call is None:
             return "-"
@@ -277,7 +286,8 @@ def plan(program: Program, *, include: Iterable[str] | str | None = None,
             rule (``"Cudnn (predicted)"``).
 
     Returns:
-        A :class:`ProgramPlan`: one :class:`NodeRow` per node of :data:`STOCK_TARGETS`.
+        A :class:`ProgramPlan`: one :class:`NodeRow` per batch-norm node, stock's
+        (:data:`bnswap._graph.STOCK_TARGETS`) or consolidated already (``already``).
 
     Raises:
         TypeError: ``program`` is neither; a pattern is not a str.
@@ -301,6 +311,12 @@ def plan(program: Program, *, include: Iterable[str] | str | None = None,
         if not isinstance(graph, torch.fx.Graph):
             continue
         for n in graph.nodes:
+            if n.op == "call_function" and n.target in CONSOLIDATED_TARGETS:
+                row = NodeRow(n.name, str(n.target), "swap", str(n.target),
+                              "already the consolidated op", "-", already=True, node=n,
+                              device=dev)
+                rows.append(dataclasses.replace(row, kernel_before=row.kernel))
+                continue
             if n.op != "call_function" or n.target not in STOCK_TARGETS:
                 continue
             target, reason = consolidated_target(n)
@@ -309,7 +325,7 @@ def plan(program: Program, *, include: Iterable[str] | str | None = None,
                 target, reason = None, left_out
             rows.append(NodeRow(n.name, str(n.target), "swap" if target else "skip",
                                 str(target) if target else "-", reason,
-                                _kernel_before(n, dev), n, dev))
+                                _kernel_before(n, dev), node=n, device=dev))
     return ProgramPlan(rows, program, include, exclude)
 
 
@@ -383,17 +399,19 @@ def convert(program: Program, backend: str = "aten", *,
     todo = plan(program, include=include, exclude=exclude)
     kind = "program" if is_program(program) else "graph"
     if not todo.rows:
-        if is_program(program) and not _consolidated_nodes(gm):  # (already converted: no)
+        if is_program(program):
             warn("bnswap.convert: the program has no batch-norm node; it is returned "
                  "unchanged", UserWarning)
         return program
+    if todo.swapped and all(r.already for r in todo.swapped):
+        return program  # converted already (idempotent, as for a module)
     if not todo.swapped:
         if include is None and exclude is None:
             warn(f"bnswap.convert: none of the {kind}'s {len(todo)} batch-norm nodes can be "
                  "converted; see bnswap.plan(program) for why", UserWarning)
         return program
     _compat.patch_core_aten_decompositions()  # run_decompositions() reaches core ATen
-    names = {r.name for r in todo.swapped}
+    names = {r.name for r in todo.swapped if not r.already}
     if isinstance(program, torch.export.ExportedProgram):
         new = _copy(program)
         to_consolidated_ops(new.graph_module, names=names.__contains__,
@@ -417,11 +435,6 @@ def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     if renamed:
         new.graph_module.recompile()
     return new
-
-
-def _consolidated_nodes(gm: GraphModule) -> bool:
-    return any(n.op == "call_function" and n.target in CONSOLIDATED_TARGETS
-               for sub in gm.modules() for n in getattr(sub, "graph", torch.fx.Graph()).nodes)
 
 
 def stock_nodes(gm: GraphModule) -> int:

@@ -204,3 +204,11 @@ def test_executorch_to_edge_takes_a_bnswap_program_like_stocks():
              for m in (stock, swapped)]
     assert bn_ops(edges[1].graph_module) == bn_ops(edges[0].graph_module)
     assert torch.equal(edges[1].module()(X), edges[0].module()(X))
+
+
+def test_plan_of_a_bnswap_program_says_already():
+    ep = torch.export.export(bnswap.convert(model()).eval(), (X,))
+    p = bnswap.plan(ep)
+    assert len(p) == 4 and all(r.already and r.action == "swap" for r in p)
+    assert {r.reason for r in p} == {"already the consolidated op"}
+    assert {r.kernel for r in p} == {"Native"}
