@@ -1,4 +1,10 @@
-"""``bnswap.to_stock_ops``: an exported graph's bnswap batch norms as stock's op.
+"""The node rewrites of :mod:`bnswap.programs`, both directions: ``to_stock_ops`` (an
+exported graph's bnswap batch norms as stock's op, below) and ``to_consolidated_ops``
+(stock's batch-norm nodes as the consolidated ops: ``bnswap.convert(program)``, whose
+docstring gives the rules). They sit on the ground floor because :mod:`bnswap._compat`
+applies ``to_stock_ops`` for torch.onnx and torchao.
+
+``to_stock_ops``: an exported graph's bnswap batch norms as stock's op.
 
 A swapped layer records the consolidated ops under ``torch.export`` (that is its point:
 ``_batch_norm_with_update`` keeps cuDNN selectable where stock's graph binds the native
