@@ -444,13 +444,12 @@ def plan(
         >>> bnswap.is_swapped(model[1])  # a plan changes nothing
         False
     """
-    if isinstance(module, (torch.export.ExportedProgram, torch.fx.GraphModule)) and (
-            isinstance(module, torch.export.ExportedProgram) or _has_stock_nodes(module)):
+    if isinstance(module, torch.export.ExportedProgram) or (
+            isinstance(module, torch.fx.GraphModule) and _has_stock_nodes(module)):
         from bnswap import programs  # a program: one row per batch-norm node
 
-        check_backend(backend)
-        return programs.plan(module, include=include, exclude=exclude,  # type: ignore[return-value,arg-type]
-                             device=device)
+        return programs.plan(module, backend, include=include,  # type: ignore[return-value]
+                             exclude=exclude, device=device)  # type: ignore[arg-type]
     check_module(module, "plan")
     check_backend(backend)
     if device is not None:

@@ -61,6 +61,12 @@ def _graph_module(program: object, fn: str) -> GraphModule:
                     f"torch.fx.GraphModule, got {type(program).__name__}")
 
 
+def _check_backend(backend: str) -> None:
+    if backend != "aten":
+        raise ValueError(f"bnswap: backend={backend!r} takes an nn.Module; a program "
+                         "converts to the aten backend's ops only (backend='aten')")
+
+
 def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     out = []
     for arg, p in (("include", include), ("exclude", exclude)):
@@ -272,7 +278,8 @@ def _kernel_before(node: Node, device: torch.device | None) -> str:
     return "Native"
 
 
-def plan(program: Program, *, include: Iterable[str] | str | None = None,
+def plan(program: Program, backend: str = "aten", *,
+         include: Iterable[str] | str | None = None,
          exclude: Iterable[str] | str | None = None,
          device: torch.device | str | None = None) -> ProgramPlan:
     """What :func:`convert` would do to each batch-norm node of ``program``, without
@@ -280,6 +287,7 @@ def plan(program: Program, *, include: Iterable[str] | str | None = None,
 
     Args:
         program: a ``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule``.
+        backend: ``"aten"`` only (ONNX Runtime runs modules, not programs).
         include, exclude: glob pattern(s) on node names (``node.name``).
         device: where to evaluate the kernel column; default: the device of each node's
             input (``node.meta["val"]``). An absent CUDA device is predicted by torch's
@@ -291,6 +299,7 @@ def plan(program: Program, *, include: Iterable[str] | str | None = None,
 
     Raises:
         TypeError: ``program`` is neither; a pattern is not a str.
+        ValueError: ``backend`` is not ``"aten"``.
         RuntimeError: ``device`` is not a device torch knows.
 
     Examples::
@@ -303,6 +312,7 @@ def plan(program: Program, *, include: Iterable[str] | str | None = None,
         bnswap plan: 1 of 1 batch-norm nodes swapped, 0 skipped
     """
     gm = _graph_module(program, "plan")
+    _check_backend(backend)
     dev = torch.device(device) if device is not None else None
     inc, exc = _names(include, exclude)
     rows = []
@@ -393,9 +403,7 @@ def convert(program: Program, backend: str = "aten", *,
         True
     """
     gm = _graph_module(program, "convert")
-    if backend != "aten":
-        raise ValueError(f"bnswap.convert: backend={backend!r} takes an nn.Module; a "
-                         "program converts to the aten backend's ops only (backend='aten')")
+    _check_backend(backend)
     todo = plan(program, include=include, exclude=exclude)
     kind = "program" if is_program(program) else "graph"
     if not todo.rows:
