@@ -319,7 +319,8 @@ def patch_core_aten_decompositions() -> bool:
         from torch.export.decomp_utils import CustomDecompTable
     except ImportError:
         return False
-    if "_core_aten_decompositions_post_autograd" not in CustomDecompTable.__init__.__code__.co_names:
+    names = CustomDecompTable.__init__.__code__.co_names
+    if "_core_aten_decompositions_post_autograd" not in names:
         logger.debug("bnswap: torch's default decomposition table is not built by "
                      "_core_aten_decompositions_post_autograd; core ATen not patched")
         return False

@@ -402,8 +402,9 @@ def _backward_to_consolidated(graph: torch.fx.Graph, node: Node, fake) -> Node: 
     stand-in when it had none) and its reserve (output 3)."""
     fwd = _forward_of(node)
     assert fwd is not None
-    args = list(node.args) + [node.kwargs[a.name] for a in
-                              node.target._schema.arguments[len(node.args):]]  # type: ignore[union-attr]
+    schema = node.target._schema  # type: ignore[union-attr]
+    args = list(node.args) + [node.kwargs[a.name]
+                              for a in schema.arguments[len(node.args):]]
     grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask = args[:10]
     meta = dict(node.meta)
     with graph.inserting_before(node):

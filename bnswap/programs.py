@@ -70,7 +70,8 @@ def _check_backend(backend: str) -> None:
 def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     out = []
     for arg, p in (("include", include), ("exclude", exclude)):
-        items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]
+        items = ([] if p is None else [p] if isinstance(p, str)
+                 else list(p))  # type: ignore[call-overload]
         for item in items:
             if not isinstance(item, str):
                 raise TypeError(f"{arg} takes glob patterns (str) on node names for a "
