@@ -11,8 +11,13 @@ bnswap layers and for stock ``nn.BatchNorm``:
   aten graph as captured: bnswap should run cuDNN, stock the native kernel: pytorch
   issue 111384) and with ``inductor`` (which generates its own kernels for both);
 * ``exported``: graphs exported with ``torch.export`` / ``aot_export_module`` **on the
-  CPU** and then moved to CUDA: the decomposed forward graph and the joint
-  forward+backward train graph (bnswap: cuDNN; stock: native).
+  CPU** and then moved to CUDA: the decomposed forward graph (``run_decompositions({})``,
+  which keeps bnswap's ops; the default table gives core ATen, stock's ops) and the joint
+  forward+backward train graph (bnswap: cuDNN; stock: native);
+* ``converted_program``: a *stock* model exported on the CPU, the program given to
+  ``bnswap.convert``, both moved to CUDA (``torch.export.passes.move_to_device_pass``):
+  the converted program runs cuDNN where the original runs the native kernel (dry mode:
+  the two agree bitwise on the CPU and run on the meta device).
 
 It then times the inductor-compiled train step bnswap vs stock (interleaved pairs,
 median of ratios), and trains the MobileNetV2-style net a few hundred steps with the
@@ -311,7 +316,8 @@ class Check:
             ep = self._export(name, m, x)
             _, _, joint_ops = joint_export(m, x, y, self._joint_key(name))
             out[name] = {"export": _bn_ops(ep.graph),
-                         "export_decomposed": _bn_ops(ep.run_decompositions().graph),
+                         "export_decomposed": _bn_ops(ep.run_decompositions({}).graph),
+                         "export_core_aten": _bn_ops(ep.run_decompositions().graph),
                          "joint": joint_ops}
         bn, st = out["bnswap"], out["stock"]
         out["ok"] = (
@@ -320,7 +326,8 @@ class Check:
             and any("aten.batch_norm_backward" in o for o in bn["joint"])
             and not any("native_batch_norm" in o for o in bn["export_decomposed"] + bn["joint"])
             and any("_native_batch_norm_legit_functional" in o for o in st["export_decomposed"])
-            and any("native_batch_norm_backward" in o for o in st["joint"]))
+            and any("native_batch_norm_backward" in o for o in st["joint"])
+            and bn["export_core_aten"] == st["export_core_aten"])  # core ATen: stock's ops
         return out
 
     def _expect(self, res: dict, bnswap_kind: str, stock_kind: str) -> None:
@@ -396,7 +403,7 @@ class Check:
         x, y = x_cpu.to(self.device), y_cpu.to(self.device)
         res: dict = {"net": self.net, "forward_decomposed": {}, "joint": {}}
         for name, m in (("bnswap", a), ("stock", b)):
-            ep = self._export(name, m, x_cpu).run_decompositions()
+            ep = self._export(name, m, x_cpu).run_decompositions({})  # bnswap's ops kept
             fwd = _retarget(ep.module(), self.device)
             with torch.no_grad():
                 fwd(x)
@@ -416,6 +423,43 @@ class Check:
             res["note"] = "kernel names need CUDA; graphs moved to the meta device and run there"
         return res
 
+    def converted_program(self) -> dict:
+        """A stock model exported on the CPU, ``bnswap.convert`` of the program, both
+        moved to the device; a training forward of each under the profiler."""
+        from torch.export.passes import move_to_device_pass
+
+        _, stock = _pair(self.nets[self.net])
+        n, hw = self.shape
+        x_cpu, _ = _batch(n, hw, "cpu")
+        original = torch.export.export(stock, (x_cpu,))
+        converted = bnswap.convert(original)  # a new program; the original unchanged
+        res: dict = {"net": self.net, "graph_ops": {"stock": _bn_ops(original.graph),
+                                                    "bnswap": _bn_ops(converted.graph)}}
+        ops_ok = (res["graph_ops"]["stock"] == ["aten.batch_norm.default"]
+                  and all("_batch_norm_with_update" in o or "_batch_norm_no_update" in o
+                          for o in res["graph_ops"]["bnswap"]))
+        if self.device == "cpu":  # the same CPU kernel: bitwise, outputs and statistics
+            a, b = original.module(), converted.module()
+            same = all(torch.equal(a(x_cpu), b(x_cpu)) for _ in range(2)) and all(
+                torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+            res["bitwise_equal_on_cpu"] = same
+            try:  # what a GPU run does: the move must leave nothing on the CPU
+                y = move_to_device_pass(converted, "meta").module()(x_cpu.to("meta"))
+                res["moved_to_meta"] = "ok" if y.device.type == "meta" else "wrong device"
+            except Exception as e:
+                res["moved_to_meta"] = f"error: {type(e).__name__}: {e}"[:300]
+            res["ok"] = ops_ok and same and res["moved_to_meta"] == "ok"
+            res["note"] = "kernel names need CUDA; bitwise on the CPU, moved to meta"
+            return res
+        x = x_cpu.to(self.device)
+        for name, prog in (("bnswap", converted), ("stock", original)):
+            run = move_to_device_pass(prog, self.device).module()
+            run(x)
+            res[name] = profile_names(lambda: run(x), self.device)
+        self._expect(res, "cudnn", "native")
+        res["ok"] = bool(res["ok"]) and ops_ok
+        return res
+
     def _move_check(self, a: nn.Module, b: nn.Module, x_cpu, y_cpu) -> dict:
         """Without a GPU: move the CPU-captured graphs to the meta device and run them
         there, which fails on any tensor or device argument left on the CPU (the moves a
@@ -423,7 +467,8 @@ class Check:
         out = {}
         for name, m in (("bnswap", a), ("stock", b)):
             try:
-                fwd = _retarget(self._export(name, m, x_cpu).run_decompositions().module(), "meta")
+                fwd = _retarget(self._export(name, m, x_cpu).run_decompositions({}).module(),
+                                "meta")
                 r = fwd(x_cpu.to("meta"))
                 js = JointStep(m, x_cpu, y_cpu, "meta", key=self._joint_key(name))
                 loss = js.step(x_cpu.to("meta"), y_cpu.to("meta"))
@@ -528,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         ("eager", chk.eager, True),
         ("compile_aot_eager", chk.compile_aot_eager, True),
         ("exported", chk.exported, True),
+        ("converted_program", chk.converted_program, True),
         ("training", chk.training, True),
         ("compile_inductor", chk.compile_inductor, not dry or args.rehearse),
     ]
@@ -612,6 +658,13 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
                   f"{_kinds(j['bnswap'])}, stock {_kinds(j['stock'])}")
         if "moved_to_meta" in s:
             detail += f"; moved to meta: {s['moved_to_meta']}"
+    elif name == "converted_program":
+        if "bnswap" in s:
+            detail = f"converted: {_kinds(s['bnswap'])}; original: {_kinds(s['stock'])}"
+        else:
+            detail = (f"ops {s['graph_ops']}; bitwise on cpu {s['bitwise_equal_on_cpu']}; "
+                      f"moved to meta: {s['moved_to_meta']}")
+        detail = detail.replace("aten.", "").replace(".default", "").replace("'", "")
     elif name == "training":
         sm = s["summary"]
         detail = f"{s['steps']} steps: " + "; ".join(

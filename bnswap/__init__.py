@@ -14,7 +14,7 @@ from typing import Any
 
 from bnswap import _compat  # noqa: F401  (registers its patches for the first swap)
 from bnswap.functional import module_batch_norm
-from bnswap._graph import to_stock_ops
+from bnswap.programs import ProgramPlan, to_stock_ops
 from bnswap._swap import is_swapped
 from bnswap.convert import convert, revert
 from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d
@@ -30,6 +30,7 @@ __all__ = [
     "BatchNorm3d",
     "Plan",
     "PlanRow",
+    "ProgramPlan",
     "check_patterns",
     "convert",
     "is_swapped",

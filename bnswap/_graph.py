@@ -1,4 +1,10 @@
-"""``bnswap.to_stock_ops``: an exported graph's bnswap batch norms as stock's op.
+"""The node rewrites of :mod:`bnswap.programs`, both directions: ``to_stock_ops`` (an
+exported graph's bnswap batch norms as stock's op, below) and ``to_consolidated_ops``
+(stock's batch-norm nodes as the consolidated ops: ``bnswap.convert(program)``, whose
+docstring gives the rules). They sit on the ground floor because :mod:`bnswap._compat`
+applies ``to_stock_ops`` for torch.onnx and torchao.
+
+``to_stock_ops``: an exported graph's bnswap batch norms as stock's op.
 
 A swapped layer records the consolidated ops under ``torch.export`` (that is its point:
 ``_batch_norm_with_update`` keeps cuDNN selectable where stock's graph binds the native
@@ -41,6 +47,8 @@ _WITH_UPDATE = _aten._batch_norm_with_update.default
 _WITH_UPDATE_FUNCTIONAL = _aten._batch_norm_with_update_functional.default
 _NO_UPDATE = _aten._batch_norm_no_update.default
 _TARGETS = (_WITH_UPDATE, _WITH_UPDATE_FUNCTIONAL, _NO_UPDATE)
+#: the consolidated ops' nodes (forward and backward)
+CONSOLIDATED_TARGETS = (*_TARGETS, _aten.batch_norm_backward.default)
 # aten.batch_norm's last argument as stock's layer records it under torch.export, which
 # traces with cuDNN off (torch/export/_trace.py, _ignore_backend_decomps).
 _CUDNN_ENABLED = False
@@ -215,3 +223,247 @@ def to_stock_ops(module: GraphModule | torch.export.ExportedProgram, *,
             graph.lint()
             sub.recompile()  # type: ignore[operator]
     return count
+
+
+# ------------------------------------------------- the other direction: stock -> bnswap
+# Stock's batch-norm ops, what each of them takes, as (x, w, b, mean, var, training,
+# momentum, eps) positions (None: the op has no such argument), and whether it is
+# functional (returns the new statistics rather than updating its inputs).
+_STOCK: dict[object, tuple[tuple[int | None, ...], bool]] = {
+    _aten.batch_norm.default: ((0, 1, 2, 3, 4, 5, 6, 7), False),
+    _aten._native_batch_norm_legit_functional.default: ((0, 1, 2, 3, 4, 5, 6, 7), True),
+    _aten._native_batch_norm_legit_no_training.default: ((0, 1, 2, 3, 4, None, 5, 6), False),
+    _aten._native_batch_norm_legit.default: ((0, 1, 2, 3, 4, 5, 6, 7), False),
+    _aten._native_batch_norm_legit.no_stats: ((0, 1, 2, None, None, 3, 4, 5), True),
+    _aten.native_batch_norm.default: ((0, 1, 2, 3, 4, 5, 6, 7), False),
+}
+_BACKWARD = _aten.native_batch_norm_backward.default
+#: every op :func:`to_consolidated_ops` rewrites
+STOCK_TARGETS = (*_STOCK, _BACKWARD)
+
+
+def _arg(node: Node, i: int | None, default: object = None) -> object:
+    if i is None:
+        return default
+    return node.args[i] if i < len(node.args) else node.kwargs.get(
+        node.target._schema.arguments[i].name, default)  # type: ignore[union-attr]
+
+
+def stock_call(node: Node) -> tuple[list, bool] | None:
+    """``[x, w, b, mean, var, training, momentum, eps]`` of a stock batch-norm node and
+    whether its op is functional; None for any other node."""
+    if node.op != "call_function" or node.target not in _STOCK:
+        return None
+    pos, functional = _STOCK[node.target]
+    args = [_arg(node, i) for i in pos]
+    if pos[5] is None:
+        args[5] = False  # _native_batch_norm_legit_no_training
+    return args, functional
+
+
+def consolidated_target(node: Node) -> tuple[object | None, str]:
+    """The consolidated op a stock batch-norm node becomes (None: it stays), and why
+    it stays (``"-"`` when it does not). ``native_batch_norm_backward`` becomes
+    ``batch_norm_backward`` when its forward node is rewritten too."""
+    if node.op == "call_function" and node.target is _BACKWARD:
+        fwd = _forward_of(node)
+        if fwd is None or consolidated_target(fwd)[0] is None:
+            return None, ("its forward is no stock batch-norm node this rewrite turns "
+                          "into a consolidated op (the cuDNN reserve comes from it)")
+        return _aten.batch_norm_backward.default, "-"
+    call = stock_call(node)
+    if call is None:
+        return None, "not a batch-norm node"
+    (x, w, b, mean, var, training, momentum, eps), functional = call
+    if any(u.op != "call_function" or u.target is not operator.getitem for u in node.users) \
+            and node.target is not _aten.batch_norm.default:
+        return None, "an output is used other than by indexing"
+    if (mean is None) != (var is None):
+        return None, "only one of running_mean / running_var is given"
+    if not isinstance(training, bool) or not isinstance(momentum, (int, float)):
+        return None, "training / momentum is not a constant"
+    if not training and mean is None:
+        return None, "evaluation without running statistics (stock raises)"
+    if not training and functional:
+        return None, "a functional op in evaluation (no consolidated counterpart)"
+    if (w is None or b is None or mean is None) and _channels(x) is None:
+        return None, ("no static shape metadata (node.meta['val']) for the stand-in "
+                      "weight / bias / statistics")
+    if not training:
+        return _NO_UPDATE, "-"
+    if functional or mean is None:
+        return _WITH_UPDATE_FUNCTIONAL, "-"
+    return _WITH_UPDATE, "-"
+
+
+def _forward_of(node: Node) -> Node | None:
+    """The forward batch-norm node whose save_mean a ``native_batch_norm_backward``
+    node reads (``getitem(forward, 1)``)."""
+    save_mean = node.args[5] if len(node.args) > 5 else None
+    if (isinstance(save_mean, Node) and save_mean.target is operator.getitem
+            and isinstance(save_mean.args[0], Node)
+            and (stock_call(save_mean.args[0]) or save_mean.args[0].target in _TARGETS)):
+        return save_mean.args[0]
+    return None
+
+
+def _val(node: object) -> object:
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _channels(x: object) -> int | None:
+    v = _val(x)
+    if isinstance(v, torch.Tensor) and v.dim() >= 2 and isinstance(v.shape[1], int):
+        return int(v.shape[1])
+    return None
+
+
+def _fake_mode(graph: torch.fx.Graph):  # noqa: ANN202 - torch's FakeTensorMode or None
+    from torch._guards import detect_fake_mode
+
+    try:
+        return detect_fake_mode([v for n in graph.nodes
+                                 if isinstance(v := _val(n), torch.Tensor)])
+    except AssertionError:  # several fake modes (make_fx): the new nodes get no "val"
+        return None
+
+
+def _stand_in(graph: torch.fx.Graph, x: Node, value: float, dtype: torch.dtype,
+              meta: dict, fake) -> Node:  # noqa: ANN001
+    """``aten.full([C], value)`` on x's device, as bnswap's layers record their stand-ins
+    (so :func:`to_stock_ops` turns them back into ``None``)."""
+    c, dev = _channels(x), _val(x).device  # type: ignore[union-attr]
+    kwargs = {"dtype": dtype, "device": dev, "pin_memory": False}
+    node = graph.call_function(_aten.full.default, ([c], value), kwargs)
+    node.meta.update({k: v for k, v in meta.items() if k != "val"})
+    if fake is not None:
+        with fake:
+            node.meta["val"] = torch.full([c], value, dtype=dtype, device=dev)
+    return node
+
+
+def _getitem(graph: torch.fx.Graph, node: Node, i: int, meta: dict) -> Node:
+    g = graph.call_function(operator.getitem, (node, i))
+    g.meta.update({k: v for k, v in meta.items() if k != "val"})
+    val = _val(node)
+    if isinstance(val, (tuple, list)):
+        g.meta["val"] = val[i]
+    return g
+
+
+def _set_val(node: Node, fake) -> None:  # noqa: ANN001
+    if fake is None:
+        return
+    args = torch.fx.node.map_arg(node.args, _val)
+    if any(isinstance(a, Node) and _val(a) is None for a in node.all_input_nodes):
+        return
+    with fake:
+        node.meta["val"] = node.target(*args, **node.kwargs)  # type: ignore[operator]
+
+
+def _to_consolidated(graph: torch.fx.Graph, node: Node, target: object, fake,  # noqa: ANN001
+                     renamed: Callable[[str, str], None] | None) -> Node:
+    (x, w, b, mean, var, training, momentum, eps), _ = stock_call(node)  # type: ignore[misc]
+    meta = dict(node.meta)
+    xv = _val(x)
+    with graph.inserting_before(node):
+        ref = next((t for t in (w, b, mean) if isinstance(_val(t), torch.Tensor)), None)
+        dtype = _val(ref).dtype if ref is not None else xv.dtype  # type: ignore[union-attr]
+        if w is None:
+            w = _stand_in(graph, x, 1.0, dtype, meta, fake)
+        if b is None:
+            b = _stand_in(graph, x, 0.0, dtype, meta, fake)
+        if mean is None:  # batch statistics only: throw-away statistics, as bnswap's core
+            mean = _stand_in(graph, x, 0.0, dtype, meta, fake)
+            var = _stand_in(graph, x, 1.0, dtype, meta, fake)
+        new = graph.call_function(target, (x, w, b, mean, var, float(momentum), float(eps)))
+        new.meta.update({k: v for k, v in meta.items() if k != "val"})
+        _set_val(new, fake)
+    if node.target is _aten.batch_norm.default:  # one tensor: getitem 0 stands for it
+        with graph.inserting_after(new):
+            out = _getitem(graph, new, 0, meta)
+        node.replace_all_uses_with(out)
+        if renamed is not None:  # an ExportedProgram's signature names its outputs
+            renamed(node.name, out.name)
+    else:
+        # (out, save_mean, save_invstd[, new_mean, new_var]) -> the consolidated op's
+        # (out, save_mean, save_invstd, reserve[, new_mean, new_var])
+        for u in list(node.users):
+            i = u.args[1]
+            u.args = (new, i if i < 3 else i + 1)  # the same getitem nodes: names stay
+    graph.erase_node(node)
+    return new
+
+
+def _backward_to_consolidated(graph: torch.fx.Graph, node: Node, fake) -> Node:  # noqa: ANN001
+    """``native_batch_norm_backward(grad, x, w, mean, var, save_mean, save_invstd, train,
+    eps, mask)`` -> ``batch_norm_backward(grad, x, w, mean, var, save_mean, save_invstd,
+    update, eps, mask, reserve)``: the same arguments, the forward's weight (its
+    stand-in when it had none) and its reserve (output 3)."""
+    fwd = _forward_of(node)
+    assert fwd is not None
+    schema = node.target._schema  # type: ignore[union-attr]
+    args = list(node.args) + [node.kwargs[a.name]
+                              for a in schema.arguments[len(node.args):]]
+    grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask = args[:10]
+    meta = dict(node.meta)
+    with graph.inserting_before(node):
+        reserve = _getitem(graph, fwd, 3, meta)
+        new = graph.call_function(
+            _aten.batch_norm_backward.default,
+            (grad, x, fwd.args[1], mean, var, save_mean, save_invstd, train, eps, mask,
+             reserve))
+        new.meta.update({k: v for k, v in meta.items() if k != "val"})
+        _set_val(new, fake)
+    for u in list(node.users):
+        u.args = (new, u.args[1])
+    graph.erase_node(node)
+    return new
+
+
+def to_consolidated_ops(gm: GraphModule, *, names: Callable[[str], bool] | None = None,
+                        renamed: Callable[[str, str], None] | None = None,
+                        ) -> list[tuple[str, str, str]]:
+    """Rewrite ``gm``'s stock batch-norm nodes (:data:`STOCK_TARGETS`) into the
+    consolidated ops, in place, and recompile it; the low half of
+    :func:`bnswap.programs.convert` (its docstring gives the rules).
+
+    Args:
+        gm: the graph (nested graphs included).
+        names: which node names to rewrite (default: all).
+        renamed: called with (old, new) when a node the graph outputs is replaced (an
+            ExportedProgram's signature names its outputs).
+
+    Returns:
+        ``(node name, op before, op after)`` for each node rewritten, in graph order.
+    """
+    done = []
+    for sub in gm.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        fake = _fake_mode(graph)
+        forwards = [n for n in graph.nodes if n.op == "call_function" and n.target in _STOCK]
+        backwards = [n for n in graph.nodes if n.op == "call_function" and n.target is _BACKWARD]
+        # the backward nodes first: they look their forward node up by its stock op
+        plans = [(n, n.name, str(n.target), consolidated_target(n)[0])
+                 for n in backwards + forwards if names is None or names(n.name)]
+        plans = [p for p in plans if p[3] is not None]
+        if not plans:
+            continue
+        for n, name, before, target in plans:
+            if n.target is _BACKWARD:
+                continue
+            _to_consolidated(graph, n, target, fake,
+                                            renamed if sub is gm else None)
+            done.append((name, before, str(target)))
+        for n, name, before, target in plans:
+            if n.target is _BACKWARD:
+                fwd = _forward_of(n)
+                if fwd is None or fwd.target not in _TARGETS:
+                    continue
+                _backward_to_consolidated(graph, n, fake)
+                done.append((name, before, str(target)))
+        graph.lint()
+        sub.recompile()  # type: ignore[operator]
+    return done

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 
 from torch import nn
+from torch.fx import GraphModule
 
+from bnswap import programs
 from bnswap._swap import unswap, wrapped_model
 from bnswap._warn import warn
 from bnswap.plan import Patterns, check_backend, check_module, plan
@@ -45,8 +47,14 @@ def convert(
     records stock's ops (``torch.jit.script`` / ``trace``, ``torch.onnx.export``; see the
     README, "What convert does").
 
+    Given a ``torch.export.ExportedProgram``, returns a new program whose batch-norm
+    nodes run the consolidated ops (:func:`bnswap.programs.convert`); given a
+    ``torch.fx.GraphModule``, its BatchNorm submodules are swapped and its batch-norm
+    ``call_function`` nodes rewritten, in place.
+
     Args:
-        module: any ``nn.Module``; a BatchNorm layer itself is converted too.
+        module: any ``nn.Module``; a BatchNorm layer itself is converted too; or a
+            ``torch.export.ExportedProgram``.
         backend: ``"aten"``: PyTorch's consolidated batch-norm ops. ``"ort"``: the same
             swap, then the model is wrapped in ONNX Runtime's ``ORTModule``, which runs
             its layers as ``com.microsoft::BatchNormInternal`` (needs ``bnswap[ort-cpu]``
@@ -83,10 +91,13 @@ def convert(
         >>> bnswap.revert(model) is model and not bnswap.is_swapped(model[1])
         True
     """
+    if programs.is_program(module):  # a torch.export program: bnswap.programs.convert
+        return programs.convert(module, backend, include=include, exclude=exclude)
     check_module(module, "convert")
     check_backend(backend)
     todo = plan(module, backend, include=include, exclude=exclude)
-    if not todo.rows:
+    graph = isinstance(module, GraphModule) and programs.stock_nodes(module) > 0
+    if not todo.rows and not graph:
         warn("bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
              + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
                 "modules eager)" if backend == "ort" and wrapped_model(module) is None
@@ -95,6 +106,9 @@ def convert(
         warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers can be "
              "swapped; see bnswap.plan(model) for why", UserWarning)
     out = todo.apply()
+    if graph and not isinstance(todo, programs.ProgramPlan):  # (else apply() did them)
+        # its stock batch-norm call_function nodes too, in place
+        programs.convert(module, include=include, exclude=exclude)
     _log(todo)
     return out
 

@@ -371,6 +371,15 @@ class Plan(Sequence[PlanRow]):
 _NONE: tuple = ()
 
 
+def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:
+    """A graph module with batch-norm nodes and no BatchNorm submodule
+    (``exported_program.module()``): planned node by node."""
+    from bnswap import programs
+
+    return programs.stock_nodes(gm) > 0 and not any(
+        isinstance(m, _BatchNorm) for m in gm.modules())
+
+
 def _display(name: str) -> str:
     return name or "(root)"
 
@@ -398,8 +407,12 @@ def plan(
     cross-process kernel), or overrides ``forward`` with no registered adapter
     (pytorch issue 187298; :func:`bnswap.register`).
 
+    Given a ``torch.export.ExportedProgram`` (or a GraphModule holding batch-norm
+    nodes and no BatchNorm layer, such as ``ep.module()``), returns one row per
+    batch-norm node instead (:func:`bnswap.programs.plan`).
+
     Args:
-        module: any ``nn.Module``.
+        module: any ``nn.Module``, or a program.
         backend: ``"aten"`` (consolidated aten ops) or ``"ort"`` (ONNX Runtime's
             ``com.microsoft::BatchNormInternal``).
         include, exclude: glob pattern(s) on qualified names from ``named_modules()``
@@ -437,6 +450,12 @@ def plan(
         >>> bnswap.is_swapped(model[1])  # a plan changes nothing
         False
     """
+    if isinstance(module, torch.export.ExportedProgram) or (
+            isinstance(module, torch.fx.GraphModule) and _has_stock_nodes(module)):
+        from bnswap import programs  # a program: one row per batch-norm node
+
+        return programs.plan(module, backend, include=include,  # type: ignore[return-value]
+                             exclude=exclude, device=device)  # type: ignore[arg-type]
     check_module(module, "plan")
     check_backend(backend)
     if device is not None:

@@ -25,13 +25,14 @@ ALLOWED: dict[str, set[str]] = {
     "layers": {"functional", "_swap"},
     "adapters": {"functional"},
     "_compat": {"functional", "_swap", "_graph"},
+    "programs": {"_graph", "_warn", "_compat"},
     "registry": {"_swap", "layers", "adapters"},
     "ort": {"functional", "_swap"},
-    "plan": {"_swap", "_warn", "registry", "ort"},
-    "convert": {"_swap", "_warn", "plan"},
+    "plan": {"_swap", "_warn", "registry", "ort", "programs", "_compat"},
+    "convert": {"_swap", "_warn", "plan", "programs"},
     "lightning": {"convert", "layers", "plan", "ort"},
     "__init__": {"functional", "_swap", "_graph", "layers", "_compat", "registry", "plan",
-                 "convert", "lightning", "ort"},
+                 "convert", "lightning", "ort", "programs"},
     "app": {"__init__", "lightning"},
 }
 PACKAGES = {"ort", "app", "adapters"}  # rooms that are folders: their modules may import

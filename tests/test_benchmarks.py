@@ -53,6 +53,9 @@ def test_gpu_check_dry_graph_ops(gpu_dry):
     # training IR: stock keeps the legacy composite (aten.batch_norm in torch 2.13)
     assert st["export"] and not any("_batch_norm_with_update" in o for o in st["export"])
     assert st["export_decomposed"] == ["aten._native_batch_norm_legit_functional.default"]
+    # the default (core ATen) table: bnswap's program reaches stock's core ATen ops
+    assert bn["export_core_aten"] == st["export_core_aten"] == [
+        "aten._native_batch_norm_legit_functional.default"]
     assert st["joint"] == ["aten._native_batch_norm_legit_functional.default",
                            "aten.native_batch_norm_backward.default"]
 
@@ -69,6 +72,12 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     assert s["eager"]["ok"] is None and "need CUDA" in s["eager"]["note"]
     # graphs captured on the CPU run on another device (meta) without CPU leftovers
     assert s["exported"]["moved_to_meta"] == {"bnswap": "ok", "stock": "ok"}
+    # a stock program converted by bnswap.convert: the consolidated ops, bitwise on the
+    # CPU, and movable to another device
+    c = s["converted_program"]
+    assert c["graph_ops"]["stock"] == ["aten.batch_norm.default"]
+    assert c["graph_ops"]["bnswap"] == ["aten._batch_norm_with_update.default"]
+    assert c["bitwise_equal_on_cpu"] is True and c["moved_to_meta"] == "ok" and c["ok"]
     # the exported joint graph trains exactly like eager on the CPU (same native kernel)
     t = s["training"]["summary"]
     assert t["exported_bnswap"]["max_abs_diff_vs_eager"] == 0.0

@@ -181,7 +181,7 @@ def test_help_lists_every_subcommand(capsys):
 
     main(["--help"])
     out = capsys.readouterr().out
-    for name in ("train", "validate", "test", "predict", "compare", "plan"):
+    for name in ("train", "validate", "test", "predict", "compare", "plan", "convert"):
         assert name in SUBCOMMANDS
         assert any(line.strip().startswith(name + " ") for line in out.splitlines()), name
 

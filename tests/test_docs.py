@@ -15,7 +15,7 @@ import pytest
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 MODULES = ["bnswap._swap", "bnswap.functional", "bnswap.layers", "bnswap.registry",
-           "bnswap.plan", "bnswap.convert", "bnswap._graph", "bnswap.ort.errors"]
+           "bnswap.plan", "bnswap.convert", "bnswap._graph", "bnswap.programs", "bnswap.ort.errors"]
 
 REQUIRED = {
     "bnswap.convert": ["convert", "revert"],
@@ -23,6 +23,7 @@ REQUIRED = {
     "bnswap.registry": ["register"],
     "bnswap._swap": ["is_swapped"],
     "bnswap._graph": ["to_stock_ops"],
+    "bnswap.programs": ["convert", "plan", "NodeRow", "ProgramPlan"],
     "bnswap.lightning": ["BNSwap"],
     "bnswap.ort": ["wrap"],
 }

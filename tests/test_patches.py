@@ -55,7 +55,8 @@ def test_import_patches_nothing_and_first_swap_applies():
                                     "onnx_imported": False, "torchao_imported": False,
                                     "applied": []}
     assert after["script_patched"] and after["hooks"] == ["_ImportHook"]
-    assert after["applied"] == ["torch.jit._recursive.create_script_module"]
+    assert after["applied"] == ["torch._decomp._core_aten_decompositions_post_autograd",
+                                "torch.jit._recursive.create_script_module"]
     assert not after["onnx_imported"] and not after["torchao_imported"]
 
 
@@ -85,7 +86,7 @@ def test_unpickled_model_applies_the_patches(tmp_path):
     assert err == 0.0
 
 
-@pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx"])
+@pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx,core_aten"])
 def test_disable_all(value):
     out = _run("""
         import bnswap
@@ -119,7 +120,7 @@ def test_disable_some_and_unknown_name_warns():
     assert "torch.onnx._internal.exporter._fx_passes.decompose_with_registry" in st["applied"]
     assert "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope" in st["applied"]
     assert warned == ["bnswap: BNSWAP_DISABLE_PATCHES names unknown patches ['cuda']; known: "
-                      "'all', 'onnx', 'torchao', 'torchscript'"]
+                      "'all', 'core_aten', 'onnx', 'torchao', 'torchscript'"]
 
 
 def test_docs_list_every_patch():

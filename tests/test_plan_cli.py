@@ -219,3 +219,63 @@ def test_a_config_without_the_callback_says_training_it_keeps_stock(capsys):
     assert json.loads(out)["summary"]["note"] == note
     code, out, _ = run(capsys, "--config", "digits_mobilenetv2.yaml", "--format", "json")
     assert json.loads(out)["summary"]["note"] is None
+
+
+# ------------------------------------------------------------------ programs (.pt2)
+def _program_file(tmp_path, eval_mode: bool = False):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4, affine=False))
+    model.train(not eval_mode)
+    x = torch.randn(2, 3, 8, 8)
+    ep = torch.export.export(model, (x,))
+    path = tmp_path / "model.pt2"
+    torch.export.save(ep, path)
+    return path, ep, x
+
+
+def test_plan_of_a_program_file_one_row_per_node(capsys, tmp_path):
+    path, _, _ = _program_file(tmp_path, eval_mode=True)
+    code, out, _ = run(capsys, "--program", str(path), "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and data["summary"]["nodes"] == 2 and data["summary"]["swapped"] == 2
+    assert [(r["node"], r["op"], r["becomes"], r["kernel"]) for r in data["nodes"]] == [
+        (n, "aten.batch_norm.default", "aten._batch_norm_no_update.default", "Native")
+        for n in ("batch_norm", "batch_norm_1")]
+    code, out, _ = run(capsys, "--program", str(path), "--exclude", '["batch_norm_1"]',
+                       "--format", "markdown")
+    assert code == 3 and "| `batch_norm_1` |" in out and "excluded by 'batch_norm_1'" in out
+
+
+def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, capsys):
+    import torch
+
+    path, ep, x = _program_file(tmp_path)
+    out_path = tmp_path / "model_bnswap.pt2"
+    assert plan_cli.convert_main([str(path), "-o", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 batch-norm nodes swapped" in out and f"wrote {out_path}" in out
+    new = torch.export.load(out_path)
+    assert {str(n.target) for n in new.graph.nodes if "batch_norm" in str(n.target)} == {
+        "aten._batch_norm_with_update.default"}
+    a, b = ep.module(), new.module()
+    for _ in range(2):
+        assert torch.equal(a(x), b(x))
+    for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(v, w), k
+
+
+@pytest.mark.parametrize("cmd", ["plan", "convert"])
+def test_a_file_that_is_no_program_is_a_one_line_usage_error(capsys, tmp_path, cmd):
+    bad = tmp_path / "notes.pt2"
+    bad.write_text("not a program")
+    if cmd == "plan":
+        code, out, err = run(capsys, "--program", str(bad))
+    else:
+        code = plan_cli.convert_main([str(bad), "-o", str(tmp_path / "o.pt2")])
+        out, err = capsys.readouterr()
+    assert code == 2 and not out and not (tmp_path / "o.pt2").exists()
+    assert err.count("\n") == 1 and err.startswith(f"bnswap {cmd}: error: {bad}: not a "
+                                                   "torch.export program"), err

@@ -12,8 +12,12 @@
     of validation loss and accuracy per epoch (and a JSON of the figures), and prints
     the final figures and the seconds per epoch of each run.
 
-``bnswap plan --model torchvision.models.resnet18`` (or ``--config ...``)
+``bnswap plan --model torchvision.models.resnet18`` (or ``--config ...``, ``--program``)
     What bnswap would swap in a model, before training (:mod:`bnswap.app.plan_cli`).
+
+``bnswap convert model.pt2 -o model_bnswap.pt2``
+    A ``torch.export`` program file with its batch-norm nodes on the consolidated ops
+    (:func:`bnswap.app.plan_cli.convert_main`).
 
 A ``--config`` that is not a file but the name of a config shipped with bnswap
 (:mod:`bnswap.app.configs`) is read from the package, so the commands work from any
@@ -471,6 +475,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bnswap.app import plan_cli
 
         sys.exit(plan_cli.main(args[1:]))
+    if args[0] == "convert":
+        from bnswap.app import plan_cli
+
+        sys.exit(plan_cli.convert_main(args[1:]))
     if args[0] == "compare":
         from jsonargparse import CLI
 

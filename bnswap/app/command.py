@@ -51,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bnswap.app import plan_cli
 
         sys.exit(plan_cli.main(args[1:]))
+    if args[0] == "convert":
+        from bnswap.app import plan_cli
+
+        sys.exit(plan_cli.convert_main(args[1:]))
     if not _has_lightning():
         print(f"bnswap {args[0]}: error: needs Lightning, which is not installed: "
               f"{LIGHTNING_EXTRA}", file=sys.stderr)

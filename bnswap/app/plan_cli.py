@@ -3,6 +3,7 @@
     bnswap plan --model torchvision.models.resnet18 [--model.num_classes 10]
     bnswap plan --model.class_path torchvision.models.ResNet --model.init_args.layers ...
     bnswap plan --config configs/digits_mobilenetv2.yaml        # the main job's model
+    bnswap plan --program model.pt2                             # a torch.export program
     bnswap plan ... [--backend aten|ort] [--include P ...] [--exclude P ...]
                     [--device cuda] [--format table|json|markdown]
 
@@ -14,8 +15,11 @@ config (a path, or the name of a config shipped with bnswap) and takes the backe
 patterns of its ``BNSwap`` callback unless given here. Nothing is trained, no data is
 loaded, no Trainer is built.
 
-Exit status: 0 when every BatchNorm layer would be swapped, 3 when some would be skipped
-(so CI can gate on it), 2 on usage errors.
+``--program`` plans a ``torch.export.save`` file node by node (what ``bnswap convert
+model.pt2 -o model_bnswap.pt2`` does to it: :func:`convert_main`).
+
+Exit status: 0 when every BatchNorm layer (or batch-norm node) would be swapped, 3 when
+some would be skipped (so CI can gate on it), 2 on usage errors.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging
 import os
 import sys
 import warnings
@@ -39,7 +44,8 @@ import bnswap
 from bnswap.app.configs import resolve as resolve_config
 from bnswap.app.messages import short_error
 
-__all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "main", "render"]
+__all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "convert_main", "main",
+           "render"]
 
 EXIT_ALL_SWAPPED = 0
 EXIT_SOME_SKIPPED = 3
@@ -78,6 +84,9 @@ def _parser(factory: Any = None) -> ArgumentParser:
     p.add_argument("--config", type=str | None, default=None,
                    help="a `bnswap train` config (path, or the name of a config shipped "
                         "with bnswap, e.g. digits_mobilenetv2.yaml): plan its model")
+    p.add_argument("--program", type=str | None, default=None,
+                   help="a torch.export program file (torch.export.save, .pt2): one row per "
+                        "batch-norm node, what `bnswap convert` does to it")
     p.add_argument("--backend", type=Literal["aten", "ort"] | None, default=None,
                    help="aten (PyTorch's consolidated ops) or ort (ONNX Runtime); default: "
                         "the config's BNSwap callback, else aten")
@@ -178,9 +187,29 @@ def _null(cell: str) -> str | None:
     return None if cell == "-" else cell
 
 
-def render(plan: bnswap.Plan, fmt: str, note: str = "") -> str:
+def _render_program(plan: bnswap.ProgramPlan, fmt: str, note: str) -> str:
+    rows = plan.to_dicts()
+    if fmt == "json":
+        return json.dumps({"nodes": [{k: _null(v) for k, v in r.items()} for r in rows], "summary": {
+            "nodes": len(plan), "swapped": len(plan.swapped), "skipped": len(plan.skipped),
+            "backend": plan.backend, "text": plan.summary(), "note": note or None}}, indent=1)
+    if fmt == "markdown":
+        head = ["node", "op", "action", "becomes", "kernel_before", "kernel", "reason"]
+        lines = [f"**{plan.summary()}**", "", "| " + " | ".join(head) + " |",
+                 "|" + "---|" * len(head)]
+        for r in rows:
+            lines.append("| " + " | ".join(f"`{r[k]}`" if k in ("node", "op", "becomes")
+                                           else r[k].replace("|", "\\|") for k in head) + " |")
+        return "\n".join(lines + ([f"\n{note}"] if note else []))
+    return str(plan) + (f"\n{note}" if note else "")
+
+
+def render(plan: bnswap.Plan | bnswap.ProgramPlan, fmt: str, note: str = "") -> str:
     """The plan as ``table`` (``str(plan)``), ``json`` (``{"layers": [...], "summary":
-    {...}}``, ``null`` where the table shows ``-``) or ``markdown`` (a GitHub table)."""
+    {...}}``; a program's: ``{"nodes": [...], ...}``; ``null`` where the table shows ``-``)
+    or ``markdown`` (a GitHub table)."""
+    if isinstance(plan, bnswap.ProgramPlan):
+        return _render_program(plan, fmt, note)
     if fmt == "json":
         return json.dumps({
             "layers": [{"name": r.name, "class": r.cls, "action": r.action,
@@ -203,9 +232,9 @@ def render(plan: bnswap.Plan, fmt: str, note: str = "") -> str:
     return str(plan) + (f"\n{note}" if note else "")
 
 
-def _usage_error(message: str) -> int:
+def _usage_error(message: str, command: str = "plan") -> int:
     """Print ``bnswap plan: error: message`` to stderr; the usage-error exit status."""
-    print(f"bnswap plan: error: {message}", file=sys.stderr)
+    print(f"bnswap {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
 
 
@@ -228,15 +257,23 @@ def main(argv: Sequence[str]) -> int:
                 if "does not correspond to a subclass of Module" in str(e)
                 else "(bnswap plan --help lists every option)")
         return _usage_error(f"{short_error(str(e)).replace('model_args.', 'model.')}\n{hint}")
-    if (cfg.model is None) == (cfg.config is None):
-        return _usage_error("give exactly one of --model or --config (see bnswap plan --help)")
+    if sum(v is not None for v in (cfg.model, cfg.config, cfg.program)) != 1:
+        return _usage_error("give exactly one of --model, --config or --program (see bnswap "
+                            "plan --help)")
+    if cfg.program is not None and cfg.backend not in (None, "aten"):
+        return _usage_error(f"--backend {cfg.backend} runs modules; a program converts to "
+                            "the aten backend's ops only")
     try:
-        if cfg.config is not None:
+        if cfg.program is not None:
+            model, swap = load_program(cfg.program), {}
+        elif cfg.config is not None:
             model, swap = _from_config(cfg.config)
         elif factory is not None:
             model, swap = _build_factory(factory, cfg), {}
         else:
             model, swap = parser.instantiate_classes(cfg).model, {}
+    except ProgramFileError as e:
+        return _usage_error(str(e))
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] in ("lightning", "pytorch_lightning", "sklearn"):
             return _usage_error(f"{cfg.config or cfg.model} needs {e.name.split('.')[0]}, "
@@ -259,7 +296,7 @@ def main(argv: Sequence[str]) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plan = bnswap.plan(model, backend, include=include, exclude=exclude,
-                               device=cfg.device)
+                               device=cfg.device)  # (a program: one row per node)
     except (RuntimeError, ValueError, TypeError) as e:
         return _usage_error(str(e))
     for w in caught:  # a pattern that matches nothing: one line, not Python's format
@@ -284,4 +321,73 @@ def main(argv: Sequence[str]) -> int:
     except BrokenPipeError:  # `bnswap plan ... | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_SOME_SKIPPED if plan.skipped else EXIT_ALL_SWAPPED
+
+
+class ProgramFileError(ValueError):
+    """A file that is no ``torch.export`` program (the message is one line)."""
+
+
+def load_program(path: str) -> torch.export.ExportedProgram:
+    """``torch.export.load(path)``; a missing file or one that is no program raises
+    :class:`ProgramFileError` with one line naming the file and the reason."""
+    if not os.path.isfile(path):
+        raise ProgramFileError(f"{path}: no such file")
+    quiet = logging.getLogger("torch.export")  # it logs the traceback it then raises
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        return torch.export.load(path)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a foreign file
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise ProgramFileError(f"{path}: not a torch.export program (torch.export.load: "
+                               f"{type(e).__name__}{': ' + first if first else ''})") from None
+    finally:
+        quiet.setLevel(level)
+
+
+def _convert_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="bnswap convert", exit_on_error=False,
+        description="Convert a torch.export program file so that its batch-norm nodes run "
+                    "PyTorch's consolidated ops (cuDNN on CUDA); prints the plan. Exit "
+                    "status 0: every node converted; 3: some left as they were; 2: usage "
+                    "error.")
+    p.add_argument("program", type=str, help="the program (torch.export.save, .pt2)")
+    p.add_argument("-o", "--output", type=str, required=True,
+                   help="where to write the converted program (.pt2)")
+    p.add_argument("--include", type=list[str] | None, default=None,
+                   help="glob patterns on node names to convert (default: all)")
+    p.add_argument("--exclude", type=list[str] | None, default=None,
+                   help="glob patterns on node names to leave as they are")
+    return p
+
+
+def convert_main(argv: Sequence[str]) -> int:
+    """Run ``bnswap convert PROGRAM -o OUTPUT`` with ``argv`` (the arguments after
+    ``convert``): load, :func:`bnswap.convert`, ``torch.export.save``, print the plan.
+    Returns the exit status (0 all converted, 3 some left, 2 usage errors on stderr)."""
+    try:
+        cfg = _convert_parser().parse_args(list(argv))
+    except SystemExit as e:  # --help (0)
+        return int(e.code or 0)
+    except ArgumentError as e:
+        return _usage_error(f"{short_error(str(e))}\n(bnswap convert --help lists every "
+                            "option)", "convert")
+    try:
+        ep = load_program(cfg.program)
+    except ProgramFileError as e:
+        return _usage_error(str(e), "convert")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = bnswap.plan(ep, include=cfg.include, exclude=cfg.exclude)
+        new = plan.apply()
+    for w in caught:  # bnswap's own (no batch-norm node...), in one line
+        if str(w.message).startswith("bnswap"):
+            print("bnswap convert: warning: "
+                  f"{str(w.message).removeprefix('bnswap.convert: ')}", file=sys.stderr)
+    try:
+        torch.export.save(new, cfg.output)
+    except OSError as e:
+        return _usage_error(f"{cfg.output}: {e.strerror or e}", "convert")
+    print(render(plan, "table", f"wrote {cfg.output}"))
     return EXIT_SOME_SKIPPED if plan.skipped else EXIT_ALL_SWAPPED

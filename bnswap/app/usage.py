@@ -20,6 +20,8 @@ SUBCOMMANDS = {
                "(runs/compare.png, .json) and print seconds per epoch",
     "plan": "show what bnswap would swap in a model, before training (exit 3 if a layer "
             "would be skipped)",
+    "convert": "convert a torch.export program file (.pt2) to the consolidated batch-norm "
+               "ops: bnswap convert model.pt2 -o model_bnswap.pt2",
 }
 
 #: The subcommands that need the ``lightning`` extra.

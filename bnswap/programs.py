@@ -1,0 +1,452 @@
+"""``bnswap.programs``: exported programs and graph modules, in both directions.
+
+bnswap's layers record the consolidated batch-norm ops (``aten._batch_norm_with_update``
+/ ``_batch_norm_no_update`` / ``batch_norm_backward``, pytorch PR 116092) when a
+converted model is exported. A graph made without bnswap (a ``torch.export`` program of
+a stock model, a ``.pt2`` file someone sent) records stock's ops, which bind the native
+kernel on CUDA (pytorch issue 111384: ``torch.export`` traces with cuDNN off, pytorch PR
+148140; ``run_decompositions()`` gives ``_native_batch_norm_legit_functional``). The two
+directions of one rewrite:
+
+* :func:`convert` (``bnswap.convert(program)``): stock's batch-norm nodes become the
+  consolidated ops, which pick cuDNN / MIOpen / native at run time;
+* :func:`to_stock_ops`: bnswap's nodes become stock's, for graph tools written against
+  stock's graph (torchao's pt2e, ONNX; bnswap applies it for them).
+
+:func:`plan` says what :func:`convert` would do to each node. And a bnswap program reaches
+core ATen on its own: once anything is converted, ``run_decompositions()`` with the
+default table turns the consolidated ops into stock's core ATen ops
+(:mod:`bnswap._compat`, "core ATen").
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule, Node
+
+from bnswap import _compat
+from bnswap._graph import (
+    CONSOLIDATED_TARGETS,
+    STOCK_TARGETS,
+    consolidated_target,
+    stock_call,
+    to_consolidated_ops,
+    to_stock_ops,
+)
+from bnswap._warn import warn
+
+__all__ = ["NodeRow", "ProgramPlan", "convert", "is_program", "plan", "to_stock_ops"]
+
+Program = torch.export.ExportedProgram | GraphModule
+
+
+def is_program(obj: object) -> bool:
+    """True for a ``torch.export.ExportedProgram`` (what :func:`convert` / :func:`plan`
+    take in place of a module)."""
+    return isinstance(obj, torch.export.ExportedProgram)
+
+
+def _graph_module(program: object, fn: str) -> GraphModule:
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.graph_module
+    if isinstance(program, GraphModule):
+        return program
+    raise TypeError(f"bnswap.programs.{fn}() expects a torch.export.ExportedProgram or a "
+                    f"torch.fx.GraphModule, got {type(program).__name__}")
+
+
+def _check_backend(backend: str) -> None:
+    if backend != "aten":
+        raise ValueError(f"bnswap: backend={backend!r} takes an nn.Module; a program "
+                         "converts to the aten backend's ops only (backend='aten')")
+
+
+def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
+    out = []
+    for arg, p in (("include", include), ("exclude", exclude)):
+        items = ([] if p is None else [p] if isinstance(p, str)
+                 else list(p))  # type: ignore[call-overload]
+        for item in items:
+            if not isinstance(item, str):
+                raise TypeError(f"{arg} takes glob patterns (str) on node names for a "
+                                f"program, got {item!r}")
+        out.append(items)
+    return out[0], out[1]
+
+
+def _selected(name: str, inc: list[str], exc: list[str]) -> str | None:
+    """Why node ``name`` is left out by the patterns (None: it is not)."""
+    hit = next((p for p in exc if fnmatch.fnmatchcase(name, p)), None)
+    if hit is not None:
+        return f"excluded by {hit!r}"
+    if inc and not any(fnmatch.fnmatchcase(name, p) for p in inc):
+        return "not matched by include"
+    return None
+
+
+# ----------------------------------------------------------------------------- plan
+#: cuDNN's smallest batch-norm eps (CUDNN_BN_MIN_EPSILON, cudnn.h); the rule below is
+#: bnswap.plan's for layers (plan imports this room, so it cannot be imported here).
+_CUDNN_MIN_EPS = 1e-5
+
+
+def _kernel(x: object, w: object, mean: object, eps: float,
+            device: torch.device | None) -> str:
+    """What ``torch._C._select_batch_norm_backend`` picks for the consolidated op on
+    this node's input, in training, with defined weight, bias and statistics."""
+    xv = x.meta.get("val") if isinstance(x, Node) else None
+    if not isinstance(xv, torch.Tensor) or xv.dim() < 2:
+        return "n/a (no shape metadata)"
+    ref = next((v for v in (getattr(w, "meta", {}).get("val"),
+                            getattr(mean, "meta", {}).get("val"))
+                if isinstance(v, torch.Tensor)), xv)
+    dev = device if device is not None else xv.device
+    if dev.type == "meta":
+        return "n/a (meta)"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        if (ref.dtype == torch.bfloat16 or eps < _CUDNN_MIN_EPS
+                or not torch.backends.cudnn.enabled):
+            return "Native (predicted)"
+        return "Cudnn (predicted)"
+    c = int(xv.shape[1]) if isinstance(xv.shape[1], int) else 1
+    try:
+        probe = torch.empty((2, c) + (1,) * (xv.dim() - 2), device=dev, dtype=xv.dtype)
+        ones = torch.ones(c, device=dev, dtype=ref.dtype)
+        zeros = torch.zeros(c, device=dev, dtype=ref.dtype)
+        return torch._C._select_batch_norm_backend(  # type: ignore[attr-defined]
+            probe, ones, zeros, zeros, ones, True, float(eps)).name
+    except Exception as e:  # noqa: BLE001 - a device this torch cannot probe
+        return f"n/a ({type(e).__name__})"
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """What :func:`convert` does to one batch-norm node of a program.
+
+    Attributes:
+        name: the node's name (``node.name``).
+        op: its op now, e.g. ``"aten.batch_norm.default"``.
+        action: ``"swap"`` or ``"skip"``.
+        becomes: the consolidated op it becomes (``"-"`` when skipped).
+        reason: why it is skipped (``"-"`` when swapped).
+        kernel_before: the kernel the node runs now on :attr:`device` (``"Native"``:
+            ``torch.export`` records ``cudnn_enabled=False``, and the
+            ``_native_batch_norm_legit*`` ops bind the native kernel).
+        already: the node runs a consolidated op already (a bnswap program, or one
+            converted before); :func:`convert` leaves it as it is.
+        device: where :attr:`kernel` is evaluated (None: the node's input's device).
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> ep = torch.export.export(nn.Sequential(nn.BatchNorm1d(4)), (torch.randn(2, 4),))
+        >>> row = bnswap.plan(ep)[0]
+        >>> row.name, row.op, row.becomes, row.kernel
+        ('batch_norm', 'aten.batch_norm.default', 'aten._batch_norm_with_update.default', 'Native')
+    """
+
+    name: str
+    op: str
+    action: str
+    becomes: str
+    reason: str
+    kernel_before: str = "Native"
+    already: bool = False
+    node: Node | None = field(default=None, repr=False, compare=False)
+    device: torch.device | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def kernel(self) -> str:
+        """The kernel the consolidated op picks on :attr:`device` in training
+        (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs), as layer rows show it;
+        ``"-"`` when skipped. A backward node shows its forward node's."""
+        if self.action != "swap" or self.node is None:
+            return "-"
+        node = self.node
+        if node.target is torch.ops.aten.native_batch_norm_backward.default:
+            node = node.args[5].args[0]  # type: ignore[union-attr]  # getitem(forward, 1)
+        if node.target is torch.ops.aten.batch_norm_backward.default:
+            return "-"
+        if node.target in CONSOLIDATED_TARGETS:  # (x, w, b, mean, var, momentum, eps)
+            x, w, _, mean, _, _, eps = node.args[:7]
+            return _kernel(x, w, mean, float(eps), self.device)  # type: ignore[arg-type]
+        call = stock_call(node)
+        if call is None:
+            return "-"
+        x, w, _, mean, _, _, _, eps = call[0]
+        return _kernel(x, w, mean, float(eps), self.device)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, str]:
+        """The row as plain strings (for logging or JSON)."""
+        return {"node": self.name, "op": self.op, "action": self.action,
+                "becomes": self.becomes, "kernel_before": self.kernel_before,
+                "kernel": self.kernel, "reason": self.reason}
+
+
+class ProgramPlan(Sequence[NodeRow]):
+    """The rows of a program's conversion, in graph order: what :func:`plan` returns
+    for a program (``bnswap.plan(ep)``), as :class:`bnswap.Plan` is for a module.
+
+    ``str(plan)`` is an aligned text table, ``plan.swapped`` / ``plan.skipped`` the rows by
+    action, ``plan.to_dicts()`` plain dicts, :meth:`apply` the converted program.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> ep = torch.export.export(nn.Sequential(nn.BatchNorm1d(4)), (torch.randn(2, 4),))
+        >>> bnswap.plan(ep)
+        ProgramPlan(1 swap, 0 skip)
+    """
+
+    backend = "aten"
+
+    def __init__(self, rows: Sequence[NodeRow], program: Program | None = None,
+                 include: object = None, exclude: object = None):
+        self.rows: tuple[NodeRow, ...] = tuple(rows)
+        self.program = program
+        self._patterns = (include, exclude)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.rows[i]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[NodeRow]:
+        return iter(self.rows)
+
+    @property
+    def swapped(self) -> list[NodeRow]:
+        """The rows with action ``"swap"``."""
+        return [r for r in self.rows if r.action == "swap"]
+
+    @property
+    def skipped(self) -> list[NodeRow]:
+        """The rows with action ``"skip"``, each with its reason."""
+        return [r for r in self.rows if r.action == "skip"]
+
+    def to_dicts(self) -> list[dict[str, str]]:
+        """One plain dict per row (:meth:`NodeRow.to_dict`; JSON-serializable)."""
+        return [r.to_dict() for r in self.rows]
+
+    def summary(self) -> str:
+        """``"bnswap plan: N of M batch-norm nodes swapped, K skipped"``."""
+        return (f"bnswap plan: {len(self.swapped)} of {len(self.rows)} batch-norm nodes "
+                f"swapped, {len(self.skipped)} skipped")
+
+    def apply(self) -> Program:
+        """:func:`convert` the program with the plan's patterns: a new ExportedProgram
+        (a GraphModule is rewritten in place and returned)."""
+        if self.program is None:
+            raise ValueError("this ProgramPlan has no program to apply to (build it with "
+                             "bnswap.plan)")
+        return convert(self.program, include=self._patterns[0], exclude=self._patterns[1])
+
+    def __str__(self) -> str:
+        header = ("node", "op", "action", "becomes", "kernel", "reason")
+        if not self.rows:
+            return self.summary() + " (the program has no batch-norm node)"
+        body = [(r.name, r.op, r.action, r.becomes,
+                 r.kernel if r.kernel in (r.kernel_before, "-")
+                 else f"{r.kernel_before} -> {r.kernel}", r.reason) for r in self.rows]
+        widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header) - 1)]
+
+        def line(cells: Sequence[str]) -> str:
+            return "  ".join([*(c.ljust(w) for c, w in zip(cells, widths)), cells[-1]])
+
+        rule = line(["-" * w for w in widths] + ["-" * len(header[-1])])
+        return "\n".join([self.summary(), line(header), rule, *(line(b) for b in body)])
+
+    def __repr__(self) -> str:
+        return f"ProgramPlan({len(self.swapped)} swap, {len(self.skipped)} skip)"
+
+
+def _kernel_before(node: Node, device: torch.device | None) -> str:
+    call = stock_call(node)
+    if call is not None and node.target is torch.ops.aten.batch_norm.default:
+        cudnn = node.args[8] if len(node.args) > 8 else node.kwargs.get("cudnn_enabled")
+        if cudnn:  # stock's own selection (cuDNN enabled): what the new op picks too
+            x, w, _, mean, _, _, _, eps = call[0]
+            return _kernel(x, w, mean, float(eps), device)  # type: ignore[arg-type]
+    return "Native"
+
+
+def plan(program: Program, backend: str = "aten", *,
+         include: Iterable[str] | str | None = None,
+         exclude: Iterable[str] | str | None = None,
+         device: torch.device | str | None = None) -> ProgramPlan:
+    """What :func:`convert` would do to each batch-norm node of ``program``, without
+    changing it (``bnswap.plan(program)`` comes here).
+
+    Args:
+        program: a ``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule``.
+        backend: ``"aten"`` only (ONNX Runtime runs modules, not programs).
+        include, exclude: glob pattern(s) on node names (``node.name``).
+        device: where to evaluate the kernel column; default: the device of each node's
+            input (``node.meta["val"]``). An absent CUDA device is predicted by torch's
+            rule (``"Cudnn (predicted)"``).
+
+    Returns:
+        A :class:`ProgramPlan`: one :class:`NodeRow` per batch-norm node, stock's
+        (:data:`bnswap._graph.STOCK_TARGETS`) or consolidated already (``already``).
+
+    Raises:
+        TypeError: ``program`` is neither; a pattern is not a str.
+        ValueError: ``backend`` is not ``"aten"``.
+        RuntimeError: ``device`` is not a device torch knows.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        >>> ep = torch.export.export(model, (torch.randn(2, 3, 8, 8),))
+        >>> print(bnswap.plan(ep, device="cuda").summary())
+        bnswap plan: 1 of 1 batch-norm nodes swapped, 0 skipped
+    """
+    gm = _graph_module(program, "plan")
+    _check_backend(backend)
+    dev = torch.device(device) if device is not None else None
+    inc, exc = _names(include, exclude)
+    rows = []
+    for sub in gm.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target in CONSOLIDATED_TARGETS:
+                row = NodeRow(n.name, str(n.target), "swap", str(n.target),
+                              "already the consolidated op", "-", already=True, node=n,
+                              device=dev)
+                rows.append(dataclasses.replace(row, kernel_before=row.kernel))
+                continue
+            if n.op != "call_function" or n.target not in STOCK_TARGETS:
+                continue
+            target, reason = consolidated_target(n)
+            left_out = _selected(n.name, inc, exc)
+            if left_out is not None:
+                target, reason = None, left_out
+            rows.append(NodeRow(n.name, str(n.target), "swap" if target else "skip",
+                                str(target) if target else "-", reason,
+                                _kernel_before(n, dev), node=n, device=dev))
+    return ProgramPlan(rows, program, include, exclude)
+
+
+# -------------------------------------------------------------------------- convert
+def convert(program: Program, backend: str = "aten", *,
+            include: Iterable[str] | str | None = None,
+            exclude: Iterable[str] | str | None = None) -> Program:
+    """Make every stock batch-norm node of ``program`` run the consolidated ops
+    (``bnswap.convert(program)`` comes here).
+
+    The rules (the ops' schemas, ``native_functions.yaml``; the consolidated ops take
+    the same arguments and update the statistics with the same momentum and unbiased
+    batch variance, so outputs and statistics are bitwise stock's on CPU):
+
+    * ``aten.batch_norm`` (``torch.export``'s training IR, any ``cudnn_enabled``),
+      ``native_batch_norm``, ``_native_batch_norm_legit`` in training ->
+      ``_batch_norm_with_update`` (updates its statistics in place, as they did); in
+      evaluation -> ``_batch_norm_no_update``;
+    * ``_native_batch_norm_legit_functional`` (``run_decompositions()``) ->
+      ``_batch_norm_with_update_functional``: its new running_mean / running_var outputs
+      are the same ``getitem`` nodes, so the signature's ``buffers_to_mutate`` stay;
+      ``_native_batch_norm_legit_no_training`` -> ``_batch_norm_no_update``;
+    * no running statistics (``track_running_stats=False``,
+      ``_native_batch_norm_legit.no_stats``) -> ``_batch_norm_with_update_functional`` on
+      throw-away statistics; a missing weight / bias (``affine=False``) -> constant ones /
+      zeros (cuDNN is chosen only when both are defined; ``batch_norm_backward`` needs a
+      weight), ``aten.full`` nodes on the input's device, exactly what bnswap's own layers
+      record (so :func:`to_stock_ops` turns them back);
+    * ``native_batch_norm_backward`` (joint / backward graphs) -> ``batch_norm_backward``
+      with its forward's reserve (output 3).
+
+    A node is left as it is (:func:`plan` says why) when its training flag or momentum is
+    not a constant, or it has no shape metadata for the stand-ins it needs.
+
+    Args:
+        program: a ``torch.export.ExportedProgram`` (not changed: a new program is
+            returned, its own copy of the state) or a ``torch.fx.GraphModule``
+            (``ep.module()``, a ``make_fx`` / AOT graph: rewritten in place).
+        backend: ``"aten"`` only (ONNX Runtime runs modules, not programs).
+        include, exclude: glob pattern(s) on node names.
+
+    Returns:
+        The new ``ExportedProgram`` (``torch.export.save`` / ``load`` round-trip it,
+        ``.module()`` runs it, ``run_decompositions({})`` keeps the consolidated ops), or
+        the ``GraphModule`` itself. A program with no stock batch-norm node (none at all,
+        or only consolidated ones: converted already) is returned itself.
+
+    Raises:
+        TypeError: ``program`` is neither; a pattern is not a str.
+        ValueError: ``backend`` is not ``"aten"``.
+
+    Warns:
+        UserWarning: the program has no batch-norm node, or none can be converted.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        >>> ep = torch.export.export(model, (torch.randn(2, 3, 8, 8),))
+        >>> new = bnswap.convert(ep)
+        >>> [str(n.target) for n in new.graph.nodes if "batch_norm" in str(n.target)]
+        ['aten._batch_norm_with_update.default']
+        >>> new is not ep
+        True
+    """
+    gm = _graph_module(program, "convert")
+    _check_backend(backend)
+    todo = plan(program, include=include, exclude=exclude)
+    kind = "program" if is_program(program) else "graph"
+    if not todo.rows:
+        if is_program(program):
+            warn("bnswap.convert: the program has no batch-norm node; it is returned "
+                 "unchanged", UserWarning)
+        return program
+    if todo.swapped and all(r.already for r in todo.swapped):
+        return program  # converted already (idempotent, as for a module)
+    if not todo.swapped:
+        if include is None and exclude is None:
+            warn(f"bnswap.convert: none of the {kind}'s {len(todo)} batch-norm nodes can be "
+                 "converted; see bnswap.plan(program) for why", UserWarning)
+        return program
+    _compat.install()  # (as a first swap does) run_decompositions() reaches core ATen
+    names = {r.name for r in todo.swapped if not r.already}
+    if isinstance(program, torch.export.ExportedProgram):
+        new = _copy(program)
+        to_consolidated_ops(new.graph_module, names=names.__contains__,
+                            renamed=new.graph_signature.replace_all_uses)
+        new.validate()
+        return new
+    to_consolidated_ops(gm, names=names.__contains__)
+    return gm
+
+
+def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A deep copy of ``ep`` (graph, state, signature) with its node names kept:
+    ``copy.deepcopy`` renames a node that shadows a Python builtin (``input`` becomes
+    ``input_1``), which its signature then does not name (SpecViolationError)."""
+    new = copy.deepcopy(ep)
+    renamed = False
+    for old, n in zip(ep.graph.nodes, new.graph.nodes, strict=True):
+        if n.name != old.name:
+            n.name = old.name  # (torch.export names its placeholders the same way)
+            renamed = True
+    if renamed:
+        new.graph_module.recompile()
+    return new
+
+
+def stock_nodes(gm: GraphModule) -> int:
+    """How many stock batch-norm nodes ``gm`` holds (its own graph and nested ones)."""
+    return sum(1 for sub in gm.modules() for n in getattr(sub, "graph", torch.fx.Graph()).nodes
+               if n.op == "call_function" and n.target in STOCK_TARGETS)

@@ -1,0 +1,219 @@
+"""bnswap.convert / bnswap.plan of exported programs and graph modules, and bnswap's own
+programs in core ATen (bnswap.programs). Every comparison is against the original
+program (or stock torch) on identical inputs and weights, bitwise on CPU."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import bnswap
+
+X = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+CONSOLIDATED = {"aten._batch_norm_with_update.default",
+                "aten._batch_norm_with_update_functional.default",
+                "aten._batch_norm_no_update.default", "aten.batch_norm_backward.default"}
+
+
+def model(no_stats: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4, affine=False)]
+    if no_stats:
+        layers.append(nn.BatchNorm2d(4, affine=False, track_running_stats=False))
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(144, 5), nn.BatchNorm1d(5))
+
+
+def bn_ops(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes
+            if n.op == "call_function" and "batch_norm" in str(n.target)]
+
+
+def same_runs(a, b, calls: int = 3) -> None:
+    """``a`` and ``b`` (modules) give bitwise the same outputs and buffers, call after call."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(calls):
+        x = torch.randn(3, 3, 8, 8, generator=g)
+        assert torch.equal(a(x), b(x))
+        sa, sb = a.state_dict(), b.state_dict()
+        assert list(sa) == list(sb)
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("decomposed", [False, True], ids=["training_ir", "decomposed"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_convert_program_runs_bitwise_like_the_original(train, decomposed):
+    ep = torch.export.export(model().train(train), (X,))
+    if decomposed:
+        ep = ep.run_decompositions()
+    before = bn_ops(ep.graph_module)
+    new = bnswap.convert(ep)
+    assert new is not ep and bn_ops(ep.graph_module) == before  # the input is unchanged
+    ops = bn_ops(new.graph_module)
+    assert len(ops) == 4 and set(ops) <= CONSOLIDATED, ops
+    assert new.graph_signature.buffers_to_mutate == ep.graph_signature.buffers_to_mutate
+    new.validate()
+    same_runs(ep.module(), new.module())
+    kept = bn_ops(new.run_decompositions({}).graph_module)
+    assert len(kept) == 4 and set(kept) <= CONSOLIDATED, kept
+
+
+def test_converted_program_saves_and_loads(tmp_path):
+    ep = torch.export.export(model(), (X,))
+    new = bnswap.convert(ep)
+    torch.export.save(new, tmp_path / "m.pt2")
+    loaded = torch.export.load(tmp_path / "m.pt2")
+    assert bn_ops(loaded.graph_module) == bn_ops(new.graph_module)
+    same_runs(ep.module(), loaded.module())
+
+
+def test_program_without_batch_norm_warns_and_comes_back_unchanged():
+    ep = torch.export.export(nn.Sequential(nn.Linear(3, 2)), (torch.randn(2, 3),))
+    with pytest.warns(UserWarning, match="no batch-norm node"):
+        assert bnswap.convert(ep) is ep
+    assert len(bnswap.plan(ep)) == 0
+    converted = bnswap.convert(torch.export.export(model(), (X,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # converted already: no warning, itself
+        assert bnswap.convert(converted) is converted
+
+
+def test_convert_graph_module_rewrites_its_nodes_in_place():
+    ep = torch.export.export(model(), (X,))
+    gm = ep.module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "the model has no BatchNorm layer"
+        assert bnswap.convert(gm) is gm
+    assert set(bn_ops(gm)) <= CONSOLIDATED and len(bn_ops(gm)) == 4
+    same_runs(ep.module(), gm)
+
+
+def test_joint_graph_native_batch_norm_and_backward():
+    """make_fx of forward + autograd.grad: native_batch_norm / native_batch_norm_backward
+    become _batch_norm_with_update / batch_norm_backward (with the forward's reserve);
+    outputs, gradients and statistics bitwise."""
+    def f(x, w, b, rm, rv):
+        y = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
+        return (*torch.autograd.grad(y.square().sum(), (x, w, b)), y)
+
+    g = torch.Generator().manual_seed(2)
+    args = [torch.randn(4, 3, 5, 5, generator=g, requires_grad=True),
+            torch.rand(3, generator=g, requires_grad=True),
+            torch.randn(3, generator=g, requires_grad=True), torch.zeros(3), torch.ones(3)]
+    gm = make_fx(f)(*args)
+    ref = copy.deepcopy(gm)
+    bnswap.convert(gm)
+    assert bn_ops(gm) == ["aten._batch_norm_with_update.default",
+                          "aten.batch_norm_backward.default"]
+
+    def fresh():
+        return [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+
+    a1, a2 = fresh(), fresh()
+    for p, q in zip(ref(*a1), gm(*a2), strict=True):
+        assert torch.equal(p, q)
+    assert torch.equal(a1[3], a2[3]) and torch.equal(a1[4], a2[4])  # running stats
+
+
+def test_plan_of_a_program_one_row_per_node():
+    ep = torch.export.export(model().eval(), (X,))
+    p = bnswap.plan(ep, device="cuda")
+    assert isinstance(p, bnswap.ProgramPlan) and len(p) == 4 and not p.skipped
+    assert [r.name for r in p] == [n for n in (n.name for n in ep.graph.nodes)
+                                   if n.startswith("batch_norm")]
+    assert [r.becomes for r in p] == ["aten._batch_norm_no_update.default"] * 2 + [
+        "aten._batch_norm_with_update_functional.default",
+        "aten._batch_norm_no_update.default"]
+    if not torch.cuda.is_available():
+        assert {r.kernel for r in p} == {"Cudnn (predicted)"}
+    assert {r.kernel_before for r in p} == {"Native"}  # torch.export: cudnn_enabled=False
+    assert "Native -> Cudnn" in str(p) and p.summary().startswith("bnswap plan: 4 of 4")
+    assert bnswap.plan(ep, exclude="batch_norm_1").skipped[0].reason == \
+        "excluded by 'batch_norm_1'"
+    assert bn_ops(ep.graph_module) == ["aten.batch_norm.default"] * 4  # a plan changes nothing
+    for fn in (bnswap.plan, bnswap.convert):
+        with pytest.raises(ValueError, match="backend='ort' takes an nn.Module"):
+            fn(ep, "ort")
+    with pytest.raises(TypeError, match="glob patterns"):
+        bnswap.plan(ep, include=[nn.BatchNorm2d])
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_bnswap_program_reaches_core_aten_like_stock(train):
+    """run_decompositions() with the default table: only core ATen ops, stock's batch-norm
+    ops, bitwise stock's outputs and buffer updates."""
+    stock = model(no_stats=False).train(train)
+    swapped = bnswap.convert(copy.deepcopy(stock))
+    ps = torch.export.export(stock, (X,)).run_decompositions()
+    pb = torch.export.export(swapped, (X,)).run_decompositions()
+    assert bn_ops(pb.graph_module) == bn_ops(ps.graph_module)
+
+    def overloads(ep):
+        return {n.target for n in ep.graph.nodes if n.op == "call_function"
+                and isinstance(n.target, torch._ops.OpOverload)}
+
+    # stock's program is core ATen by definition (_native_batch_norm_legit_functional is
+    # the functional form of the core-tagged _native_batch_norm_legit); bnswap's adds
+    # only core-tagged ops (its stand-ins' aten.full, the empty-batch assertion)
+    extra = overloads(pb) - overloads(ps)
+    assert all(torch.Tag.core in op.tags for op in extra
+               if op is not torch.ops.aten._assert_scalar.default), extra
+    same_runs(ps.module(), pb.module())
+
+
+def test_core_aten_patch_applied_at_first_conversion_not_at_import():
+    code = (
+        "import torch, torch._decomp as d, bnswap\n"
+        "from torch import nn\n"
+        "op = torch.ops.aten._batch_norm_no_update.default\n"
+        "assert op not in torch.export.default_decompositions()\n"
+        "assert not hasattr(d._core_aten_decompositions_post_autograd, '_bnswap_patched')\n"
+        "bnswap.convert(nn.BatchNorm1d(3))\n"
+        "assert op in torch.export.default_decompositions()\n"
+        "from torch._inductor.decomposition import decompositions\n"
+        "from bnswap._compat import CORE_ATEN_DECOMPOSITIONS as ours\n"
+        "assert decompositions[op] is not ours[op]  # inductor keeps torch's own\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_aot_inductor_package_of_a_bnswap_program_matches_eager(tmp_path):
+    """aoti_compile_and_package / aoti_load_package of a converted program on CPU:
+    eager's output within float rounding."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    ep = bnswap.convert(torch.export.export(stock, (X,)))
+    assert "aten._batch_norm_no_update.default" in bn_ops(ep.graph_module)
+    path = aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
+    run = aoti_load_package(path)
+    torch.testing.assert_close(run(X), stock(X), rtol=1e-5, atol=1e-5)
+
+
+def test_executorch_to_edge_takes_a_bnswap_program_like_stocks():
+    """ExecuTorch's to_edge (core ATen only) on an eval program: it refused bnswap's
+    _batch_norm_no_update; now it gets stock's ops. (Training programs: to_edge refuses
+    stock's _native_batch_norm_legit_functional too.) Runs where executorch is installed
+    (tested: executorch 1.5.1, torch 2.13)."""
+    exir = pytest.importorskip("executorch.exir")
+    stock = model(no_stats=False).eval()
+    swapped = bnswap.convert(copy.deepcopy(stock))
+    edges = [exir.to_edge(torch.export.export(m, (X,))).exported_program()
+             for m in (stock, swapped)]
+    assert bn_ops(edges[1].graph_module) == bn_ops(edges[0].graph_module)
+    assert torch.equal(edges[1].module()(X), edges[0].module()(X))
+
+
+def test_plan_of_a_bnswap_program_says_already():
+    ep = torch.export.export(bnswap.convert(model()).eval(), (X,))
+    p = bnswap.plan(ep)
+    assert len(p) == 4 and all(r.already and r.action == "swap" for r in p)
+    assert {r.reason for r in p} == {"already the consolidated op"}
+    assert {r.kernel for r in p} == {"Native"}
