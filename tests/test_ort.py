@@ -418,13 +418,75 @@ def test_bad_input_raises_before_ort_and_keeps_stats():
             wrapped(torch.randn(2, 5, 5, 5))  # wrong channel count
 
 
-def test_mixed_train_eval_layers_rejected():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4))
+def _flags(model: nn.Module) -> list[tuple[str, bool]]:
+    return [(n, m.training) for n, m in model.named_modules()]
+
+
+def _frozen_bn_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                         nn.BatchNorm2d(8))
+
+
+def test_frozen_batchnorm_in_a_training_model_matches_stock():
+    """Issue 19 case 1: a frozen (eval-mode) layer inside a training model. Wrapping keeps
+    every flag; the frozen layer normalizes with its running statistics and never updates
+    them (graph: element-wise ops, not BatchNormInternal), as stock."""
+    torch.manual_seed(0)
+    ref = _frozen_bn_net()
+    ref[1].eval()
+    with torch.no_grad():  # non-trivial running statistics for the frozen layer
+        ref[1].running_mean.uniform_(-1, 1)
+        ref[1].running_var.uniform_(0.5, 2)
+    model = copy.deepcopy(ref)
+    before = _flags(model)
     wrapped = bnswap.convert(model, backend="ort")
-    model[2].eval()
-    with buffers_unchanged(model), pytest.raises(bnswap.ort.ORTRunError,
-                                                 match="eval mode while"):
-        wrapped(torch.randn(2, 3, 5, 5))
+    assert _flags(model) == before  # ORTModule.__init__ had reset them all to True
+    frozen = (model[1].running_mean.clone(), model[1].running_var.clone())
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 10, 10) + i, steps=3)
+    assert _flags(model) == before
+    assert int(model[1].num_batches_tracked) == 0 and int(model[4].num_batches_tracked) == 3
+    assert torch.equal(model[1].running_mean, frozen[0])
+    assert torch.equal(model[1].running_var, frozen[1])
+    ops = bnswap.ort.executed_ops(wrapped, training=True)
+    assert ops["BatchNormInternal"] == 1 and ops["BatchNormalizationGrad"] == 1
+    # Lightning's validation round trip: eval(), then each flag restored one by one
+    # (_ModuleMode.restore); the inference graph, then the same training graph again.
+    wrapped.eval()
+    ref.eval()
+    x = torch.randn(4, 3, 10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    for (_, m), (_, mr), (_, flag) in zip(model.named_modules(), ref.named_modules(), before):
+        m.training = mr.training = flag
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 10, 10) - i, steps=1)
+    assert _flags(model) == before and int(model[1].num_batches_tracked) == 0
+    # unfreezing between steps re-exports: both layers update again
+    model[1].train()
+    ref[1].train()
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 10, 10), steps=1)
+    assert int(model[1].num_batches_tracked) == 1
+    assert bnswap.ort.executed_ops(wrapped, training=True)["BatchNormInternal"] == 2
+
+
+def test_train_mode_batchnorm_in_an_eval_model_updates_as_stock():
+    """Issue 19, the reverse: a train-mode layer inside an eval model (AdaBN-style
+    recalibration under no_grad) uses batch statistics and updates them, as stock; the
+    eval layers keep theirs; no flag changes."""
+    torch.manual_seed(1)
+    ref = _frozen_bn_net().eval()
+    ref[4].train()
+    model = copy.deepcopy(ref)
+    before = _flags(model)
+    wrapped = bnswap.convert(model, backend="ort")
+    assert _flags(model) == before
+    for i in range(3):
+        x = torch.randn(6, 3, 10, 10) * 2 + i
+        with torch.no_grad():
+            out, out_ref = wrapped(x), ref(x)
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=1e-5)
+        assert_stats_equal(model, ref)
+    assert int(model[4].num_batches_tracked) == 3 and int(model[1].num_batches_tracked) == 0
+    assert _flags(model) == before and wrapped.module is model
 
 
 class _FFT(nn.Module):
@@ -862,14 +924,22 @@ def test_changes_the_exported_graph_depends_on_trigger_a_new_export():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-def test_eval_model_with_a_train_mode_batchnorm_is_refused():
-    model = _small()
+def test_eval_model_with_a_layer_put_in_train_mode_after_export_follows_stock():
+    """An eval wrapper that already ran its inference graph; one layer then put in train
+    mode (AdaBN-style recalibration): statistics update as eager's (was refused)."""
+    torch.manual_seed(2)
+    ref = _small().eval()
+    model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
-    wrapped.eval()
-    model[1].train()  # AdaBN-style recalibration: eager would update the statistics
-    with buffers_unchanged(model), torch.no_grad(), \
-            pytest.raises(bnswap.ort.ORTRunError, match="needs backend='aten'"):
-        wrapped(torch.randn(8, 3, 8, 8))
+    x = torch.randn(8, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    model[1].train()
+    ref[1].train()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x + 1), ref(x + 1), rtol=RTOL, atol=1e-5)
+    assert_stats_equal(model, ref)
+    assert int(model[1].num_batches_tracked) == 1 and not model.training
 
 
 def test_works_where_stdout_has_no_file_descriptor(monkeypatch):

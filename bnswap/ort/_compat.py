@@ -361,10 +361,22 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
                     for m, name in trace_bufs:
                         m._non_persistent_buffers_set.discard(name)
                 if ours:
+                    # The exporter's select_model_mode_for_export calls train() / eval()
+                    # on the whole module; the trace must see each module's own mode (a
+                    # frozen BatchNorm in a training model, a train-mode one in an eval
+                    # model): put every flag back just before the traced forward.
+                    def keep_modes(_module, _inputs):
+                        for m, training in modes:
+                            m.training = training
+
+                    handle = flattened_module.register_forward_pre_hook(keep_modes)
                     # bnswap layers trace to the consolidated ops that the symbolics
                     # above export (elsewhere they trace to stock's aten::batch_norm)
-                    with consolidated_ops_while_tracing():
-                        result = original(flattened_module, *args, **kwargs)
+                    try:
+                        with consolidated_ops_while_tracing():
+                            result = original(flattened_module, *args, **kwargs)
+                    finally:
+                        handle.remove()
                 else:
                     result = original(flattened_module, *args, **kwargs)
                 if ours:

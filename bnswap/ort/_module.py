@@ -7,12 +7,13 @@ the wrapper's ``__dict__`` under :data:`bnswap._swap.WRAPPER_STATE` (``"_bnswap"
 
 A forward, in named steps (:meth:`BNSwapORTModule._bnswap_forward`):
 
-1. :meth:`~BNSwapORTModule._bnswap_sync_mode`: ORT's mode follows the wrapped model's
-   ``training`` flag;
-2. :meth:`~BNSwapORTModule._bnswap_check_modes`: every BatchNorm layer in the model's mode;
-3. :meth:`~BNSwapORTModule._bnswap_check_export`: re-export when what the graph baked in
-   changed;
-4. :meth:`~BNSwapORTModule._bnswap_train_step` (running statistics by PyTorch's rule,
+1. :func:`graph_mode` and :meth:`~BNSwapORTModule._bnswap_sync_mode`: ORT runs its
+   training graph when the wrapped model or any of its BatchNorm layers is in train
+   mode (each module keeps its own mode inside the graph: a frozen layer normalizes
+   with its running statistics), else its inference graph;
+2. :meth:`~BNSwapORTModule._bnswap_check_export`: re-export when what the graph baked in
+   changed (each module's train/eval flag included);
+3. :meth:`~BNSwapORTModule._bnswap_train_step` (running statistics by PyTorch's rule,
    :mod:`bnswap.ort._stats`) or :meth:`~BNSwapORTModule._bnswap_eval_step`.
 """
 
@@ -41,7 +42,7 @@ from bnswap.ort._logs import ort_log_level
 from bnswap.ort._stats import RunningStats, detach_tree, leaf_key
 from bnswap.ort.errors import ORTRunError
 
-__all__ = ["BNSwapORTModule", "Verification", "WrapperState"]
+__all__ = ["BNSwapORTModule", "Verification", "WrapperState", "graph_mode"]
 
 logger = logging.getLogger("bnswap.ort")
 
@@ -87,6 +88,17 @@ class WrapperState:
         self.__init__(**state)  # type: ignore[misc]
 
 
+def graph_mode(model_training: bool, layers: list[tuple[str, nn.Module]]) -> bool:
+    """Which ORT graph runs: the training graph (forward + backward, batch statistics
+    written) when the model or any of its BatchNorm ``layers`` is in train mode, else the
+    inference graph. Each module keeps its own mode inside the exported graph
+    (:func:`bnswap.ort._compat.apply`'s export keeps every flag), so a frozen
+    (eval-mode) BatchNorm in a training model exports as ``_batch_norm_no_update``
+    (running statistics, never updated) and a train-mode one in an eval model (AdaBN)
+    as ``_batch_norm_with_update``, as eager PyTorch runs them."""
+    return model_training or any(m.training for _, m in layers)
+
+
 def _recorded_elsewhere() -> bool:
     return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
@@ -108,9 +120,17 @@ class BNSwapORTModule(_ortmodule.ORTModule):
 
     def __init__(self, module: nn.Module, *, fallback: str | None,
                  session_options: dict[str, Any], debug_options: Any = None):
-        with _compat.scoped_env("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE"), \
-                _compat.ort_scope():
-            super().__init__(module, debug_options)
+        # ORTModule.__init__ ends with self.train(module.training), which resets the
+        # flag of every submodule (a frozen BatchNorm inside a training model was
+        # silently un-frozen): wrapping never changes a flag of the user's model.
+        modes = [(m, m.training) for m in module.modules()]
+        try:
+            with _compat.scoped_env("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE"), \
+                    _compat.ort_scope():
+                super().__init__(module, debug_options)
+        finally:
+            for m, training in modes:
+                m.training = training
         self.__dict__[WRAPPER_STATE] = WrapperState(
             model=module, fallback=fallback, session_options=dict(session_options),
             stats=RunningStats(module))
@@ -169,14 +189,14 @@ class BNSwapORTModule(_ortmodule.ORTModule):
             # the exporter's runtime picks its kernels. (ORT's own export traces that
             # model directly, never this wrapper.)
             return model(*args, **kwargs)
-        training = model.training
-        self._bnswap_sync_mode(training)
         mods = list(model.named_modules())  # the one walk of the model per call
         layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
-        self._bnswap_check_modes(layers, training)
+        training = graph_mode(model.training, layers)
+        self._bnswap_sync_mode(training)
         self._bnswap_check_export(mods, layers, args, kwargs, training)
         if training:
-            return self._bnswap_train_step(layers, args, kwargs)
+            return self._bnswap_train_step([(n, m) for n, m in layers if m.training],
+                                           args, kwargs)
         self._bnswap_warn_eval_grad()
         return self._bnswap_eval_step(args, kwargs)
 
@@ -197,25 +217,6 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         flat = getattr(self._torch_module, "_flattened_module", None)
         if flat is not None and flat.training is not training:
             flat.training = training  # its only child is the wrapped model
-
-    @staticmethod
-    def _bnswap_check_modes(layers: list[tuple[str, nn.Module]], training: bool) -> None:
-        """ORT exports the whole model in one mode: refuse layers in the other one."""
-        for name, m in layers:
-            if m.training == training:
-                continue
-            if training:
-                raise ORTRunError(
-                    f"bnswap.ort: BatchNorm layer {name!r} is in eval mode while the model "
-                    "trains; ORT exports the whole model in one mode, so frozen (eval-mode) "
-                    "BatchNorm layers inside a training model need backend='aten' "
-                    "(bnswap.convert(model)).")
-            raise ORTRunError(
-                f"bnswap.ort: BatchNorm layer {name!r} is in train mode while the model is "
-                "in eval; ORT exports the whole model in one mode (its inference graph "
-                "would neither use batch statistics nor update running ones). Statistics "
-                "recalibration (AdaBN, swa_utils.update_bn on an eval model) needs "
-                "backend='aten', or put the whole model in train mode.")
 
     def _bnswap_check_export(self, mods: list, layers: list, args: tuple, kwargs: dict,
                       training: bool) -> None:
@@ -271,8 +272,9 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         training, ``requires_grad``."""
         structure, tensors, grads = [], [], []
         for n, m in mods:
-            # the forward a layer runs too: bnswap swaps it per instance
-            structure.append((n, type(m), m.__dict__.get("forward")))
+            # the forward a layer runs too: bnswap swaps it per instance; and its own
+            # train/eval flag (the graph carries each module's mode)
+            structure.append((n, type(m), m.__dict__.get("forward"), m.training))
             for p in m._parameters.values():
                 tensors.append(id(p))
                 grads.append(p is not None and p.requires_grad)
