@@ -7,9 +7,11 @@ progress on stderr); ``python -m bnswap.ort build`` does it ahead of time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import logging
 import copy
+import io
+import logging
 import warnings
 from collections import Counter
 
@@ -1044,3 +1046,63 @@ def test_ortmodules_notices_show_at_info_only(caplog, monkeypatch):
             sum("BNSWAP_ORT_LOG_LEVEL" in str(w.message) for w in caught))
     assert seen == {"": (0, 0, 0), "WARNING": (0, 0, 0), "error": (0, 0, 0),
                     "INFO": (2, 2, 0), "bogus-notices-test": (0, 0, 1)}
+
+
+def _onnx_ops(proto) -> collections.Counter:
+    return collections.Counter(n.op_type for n in proto.graph.node)
+
+
+def _run_onnx(proto, x: torch.Tensor) -> torch.Tensor:
+    import onnxruntime  # the training build, after bnswap.ort set it up
+
+    sess = onnxruntime.InferenceSession(proto.SerializeToString(),
+                                        providers=["CPUExecutionProvider"])
+    return torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+
+
+def test_default_exporters_of_a_wrapper_give_the_wrapped_models_result():
+    """Issue 19 case 2: torch.onnx.export (dynamo=True, torch's default, and False) and
+    torch.export.export of an ORT wrapper raised "ORTModule.named_parameters() got an
+    unexpected keyword argument 'remove_duplicate'". They record the model it wraps:
+    ops and onnxruntime outputs as stock's export of the same weights; nothing changes."""
+    import onnx
+
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3),
+                          nn.BatchNorm2d(4, affine=False))
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(4, 3, 10, 10)
+    wrapped(x).square().mean().backward()  # trained on ORT: the stats moved
+    wrapped.eval()
+    stock = bnswap.revert(copy.deepcopy(model))  # the same weights, stock layers
+    assert not any(bnswap.is_swapped(m) for m in stock.modules())
+    want = stock(x).detach()
+    with buffers_unchanged(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for dynamo in (True, False):
+            protos = []
+            for m in (stock, wrapped):
+                buf = io.BytesIO()
+                prog = torch.onnx.export(m, (x,), None if dynamo else buf, dynamo=dynamo,
+                                         verbose=False)
+                protos.append(prog.model_proto if dynamo else onnx.load_from_string(
+                    buf.getvalue()))
+            ps, pw = protos
+            assert _onnx_ops(pw) == _onnx_ops(ps), dynamo  # both fold BN into the Conv
+            assert _onnx_ops(ps)["Conv"] == 2 and "BatchNormInternal" not in _onnx_ops(pw)
+            torch.testing.assert_close(_run_onnx(pw, x), _run_onnx(ps, x), rtol=0, atol=0)
+            torch.testing.assert_close(_run_onnx(pw, x), want, rtol=1e-5, atol=1e-5)
+        ep = torch.export.export(wrapped, (x,))
+        ep_model = torch.export.export(model, (x,))
+    def calls(prog):
+        return [str(n.target) for n in prog.graph.nodes if n.op == "call_function"]
+
+    assert calls(ep) == calls(ep_model)
+    assert "aten._batch_norm_no_update.default" in calls(ep)
+    assert sorted(ep.state_dict) == sorted(ep_model.state_dict) == sorted(model.state_dict())
+    torch.testing.assert_close(ep.module()(x), want, rtol=1e-5, atol=1e-6)
+    # the wrapper still runs ORT afterwards
+    wrapped.train()
+    wrapped(x)
+    assert int(model[1].num_batches_tracked) == 2

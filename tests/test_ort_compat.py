@@ -147,3 +147,25 @@ def test_the_extension_build_shows_progress_while_the_compiler_is_silent(capsys)
         time.sleep(0.3)
     err = capsys.readouterr().err
     assert err.count(f"bnswap.ort: compiling {_build.EXTENSION}...") >= 3
+
+
+def test_named_tensor_signatures_gate_matches_the_installed_ortmodule():
+    """The remove_duplicate override (issue 19 case 2) is on exactly when the installed
+    ORTModule lacks the argument (1.19.2 does), and then has torch's signature."""
+    ortmodule = _compat.apply()
+    lacks = _compat.lacks_remove_duplicate(ortmodule)
+    assert lacks is ("remove_duplicate" not in inspect.signature(
+        ortmodule.ORTModule.named_parameters).parameters)
+    assert lacks  # onnxruntime-training 1.19.2
+    cls = bnswap.ort.BNSwapORTModule
+    for name in ("named_parameters", "named_buffers"):
+        def params(f):
+            return [(p.name, p.default) for p in inspect.signature(f).parameters.values()]
+
+        assert params(getattr(cls, name)) == params(getattr(nn.Module, name))
+    model = bnswap.convert(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    model.tied = model[0]  # a shared module: remove_duplicate=False lists it twice
+    wrapped = bnswap.ort.wrap(model)
+    assert (list(wrapped.named_parameters(remove_duplicate=False))
+            == list(model.named_parameters(remove_duplicate=False)))
+    assert list(wrapped.named_buffers(prefix="p")) == list(model.named_buffers(prefix="p"))

@@ -50,6 +50,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -494,6 +495,14 @@ def apply() -> types.ModuleType:
         _applied = True
         logger.debug("bnswap.ort: ORT compatibility layer applied")
         return ortmodule
+
+
+def lacks_remove_duplicate(ortmodule: types.ModuleType) -> bool:
+    """Whether ORTModule's ``named_parameters`` / ``named_buffers`` lack torch's
+    ``remove_duplicate`` argument (onnxruntime-training 1.19.2: they do)."""
+    cls = ortmodule.ORTModule
+    return any("remove_duplicate" not in inspect.signature(getattr(cls, name)).parameters
+               for name in ("named_parameters", "named_buffers"))
 
 
 def force_reexport(ortmodule: Any, training: bool) -> None:

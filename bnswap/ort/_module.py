@@ -47,6 +47,7 @@ __all__ = ["BNSwapORTModule", "Verification", "WrapperState", "graph_mode"]
 logger = logging.getLogger("bnswap.ort")
 
 _ortmodule = _compat.apply()
+_NAMED_LACK_REMOVE_DUPLICATE = _compat.lacks_remove_duplicate(_ortmodule)
 _fallback_exceptions = __import__(
     "onnxruntime.training.ortmodule._fallback_exceptions", fromlist=["_"])
 
@@ -100,7 +101,11 @@ def graph_mode(model_training: bool, layers: list[tuple[str, nn.Module]]) -> boo
 
 
 def _recorded_elsewhere() -> bool:
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    """Whether the call is being recorded for another runtime: ``torch.jit.trace`` /
+    the TorchScript ONNX exporter, or ``torch.export`` (strict or not, which
+    ``torch.onnx.export(dynamo=True)`` uses) / ``torch.compile``."""
+    return (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+            or torch.compiler.is_compiling())
 
 
 def _is_ort_error(err: BaseException) -> bool:
@@ -178,6 +183,22 @@ class BNSwapORTModule(_ortmodule.ORTModule):
                 so.add_session_config_entry(key[len("config:"):], str(value))
             else:
                 setattr(so, key, value)
+
+    # ------------------------------------------------------ torch.nn.Module API
+    if _NAMED_LACK_REMOVE_DUPLICATE:
+        # ORT 1.19.2's ORTModule.named_parameters / named_buffers take (prefix, recurse)
+        # only; torch.export.export (and torch.onnx.export(dynamo=True), which uses it)
+        # call them with remove_duplicate=False: TypeError. The wrapped model's own
+        # methods, with torch's signature (same names as ORT's: no wrapper prefix).
+        def named_parameters(self, prefix: str = "", recurse: bool = True,
+                             remove_duplicate: bool = True):
+            yield from self.module.named_parameters(
+                prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+        def named_buffers(self, prefix: str = "", recurse: bool = True,
+                          remove_duplicate: bool = True):
+            yield from self.module.named_buffers(
+                prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     # ---------------------------------------------------------------- forward
     def _bnswap_forward(self, *args: Any, **kwargs: Any) -> Any:
