@@ -264,7 +264,7 @@ class _BNSwapBase:
         if self.revert_on_teardown:
             for name, child in list(pl_module.named_children()):
                 if self._wrapped(child):  # undo bnswap.ort.wrap
-                    setattr(pl_module, name, child.module)
+                    setattr(pl_module, name, _ort().unwrap(child))
             revert(pl_module)
 
 

@@ -836,3 +836,47 @@ def test_ort_backend_train_mode_layer_in_an_eval_model_matches_stock():
         assert int(net.features[1].num_batches_tracked) == 0, variant
         runs[variant] = state(net)
     _assert_close_states(runs["stock"], runs["ort"])
+
+
+class FeatureHeadSplit(Classifier):
+    """The feature / head split: ``self.net[:-1](x)`` then ``self.net[-1]``, with len,
+    iteration and submodule attributes of the container."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x):
+        assert len(self.net) == 9 and self.net[1].num_features == 8
+        assert [type(m).__name__ for m in self.net][-1] == "Linear"
+        return self.net[-1](self.net[:-1](x))
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_feature_head_split_of_a_wrapped_sequential_matches_stock():
+    """Issue 19 case 3: indexing, slicing, len and iteration of a child BNSwap(backend=
+    "ort") wrapped raised "'BNSwapORTModule' object is not subscriptable"; the features
+    slice runs on ONNX Runtime, the fit matches stock's within 1e-4."""
+    import bnswap.ort
+
+    runs = {}
+    for variant in ("stock", "ort"):
+        pl.seed_everything(0)
+        model = FeatureHeadSplit()
+        net = model.net
+        cbs = [BNSwap("ort")] if variant == "ort" else []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+            trainer(cbs, limit_train_batches=3).fit(model, data())
+        runs[variant] = state(net)
+        if variant == "ort":
+            assert isinstance(model.net, bnswap.ort.BNSwapORTModule) and model.net.module is net
+            ops = bnswap.ort.executed_ops(model.net[:-1], training=True)
+            assert ops["BatchNormInternal"] == 2
+            assert model.net[-1] is net[-1] and list(model.net) == list(net)
+    assert int(runs["ort"]["1.num_batches_tracked"]) == 3
+    _assert_close_states(runs["stock"], runs["ort"], atol=1e-4)

@@ -1106,3 +1106,41 @@ def test_default_exporters_of_a_wrapper_give_the_wrapped_models_result():
     wrapped.train()
     wrapped(x)
     assert int(model[1].num_batches_tracked) == 2
+
+
+def test_calling_the_wrapped_model_itself_warns_once_naming_the_wrapper():
+    """Issue 19 case 4: convert(model, backend="ort") returns a new module; calling
+    ``model`` trained eagerly without a word. It warns once (UnwrappedCallWarning); the
+    wrapper's own calls of it (forward, ORT's export, shape passes, exports) never do."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(2, 3, 6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+        wrapped(x).sum().backward()
+        with torch.no_grad():
+            wrapped(x)  # training forward under no_grad
+        wrapped.eval()
+        with torch.no_grad():
+            wrapped(x)
+        torch.jit.trace(wrapped, (x,))
+        wrapped.train()
+    with pytest.warns(bnswap.ort.UnwrappedCallWarning,
+                      match=r"BNSwapORTModule.*Call the wrapper") as rec:
+        model(x)
+    assert rec[0].filename == __file__  # points at the user's call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+        model(x)  # once per model
+        copy.deepcopy(model)(x)  # a copy is not wrapped
+        pickle.loads(pickle.dumps(model))(x)  # the hook pickles; the copy is not wrapped
+    other = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    w2 = bnswap.convert(other, backend="ort")
+    assert bnswap.ort.unwrap(w2) is other
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+        other(x)  # unwrapped: no warning
+    assert not other._forward_pre_hooks

@@ -28,6 +28,8 @@ from torch import nn
 from bnswap._swap import WRAPPER_STATE
 from bnswap.ort._layers import check_layers, trace_constants
 from bnswap.ort._logs import LOG_LEVEL_ENV, ort_log_level, quiet_ort_notices
+from bnswap.ort._original import UnwrappedCallWarning
+from bnswap.ort._original import release as _release
 from bnswap.ort.errors import (
     BuildError,
     LayerRunsTwiceError,
@@ -43,8 +45,8 @@ logger = logging.getLogger("bnswap.ort")
 
 __all__ = ["DEFAULT_SESSION_OPTIONS", "INSTALL", "LOG_LEVEL_ENV", "BuildError", "LayerRunsTwiceError",
            "ORTBackendError", "ORTNotAvailableError", "ORTRunError", "StatsNotWrittenError",
-           "UnsupportedLayerError", "UnsupportedVersionError", "build", "executed_ops",
-           "is_available", "ort_log_level", "wrap"]
+           "UnsupportedLayerError", "UnsupportedVersionError", "UnwrappedCallWarning", "build",
+           "executed_ops", "is_available", "ort_log_level", "unwrap", "wrap"]
 
 #: The exact install commands for the CPU backend (torch first, pinned).
 INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
@@ -212,6 +214,34 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
         if isinstance(err, (ORTBackendError, TypeError, ValueError)):
             raise  # its own type: ORTNotAvailableError, UnsupportedVersionError, BuildError
         raise ORTRunError(f"bnswap.ort: could not set up ONNX Runtime: {err}") from err
+
+
+def unwrap(wrapper: nn.Module) -> nn.Module:
+    """The model ``wrapper`` (what :func:`wrap` / ``bnswap.convert(..., backend="ort")``
+    returned) wraps, no longer marked as wrapped: calling it directly stops warning
+    (:class:`UnwrappedCallWarning`). Its layers stay swapped (``bnswap.revert`` them).
+
+    Raises:
+        TypeError: ``wrapper`` was not made by :func:`wrap`.
+
+    Examples::
+
+        >>> import torch, bnswap, bnswap.ort
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        >>> wrapped = bnswap.convert(model, backend="ort")
+        >>> bnswap.ort.unwrap(wrapped) is model
+        True
+        >>> model(torch.randn(2, 3, 6, 6)).shape  # eager again, no warning
+        torch.Size([2, 4, 4, 4])
+    """
+    state = wrapper.__dict__.get(WRAPPER_STATE) if isinstance(wrapper, nn.Module) else None
+    model = getattr(state, "model", None)
+    if model is None:
+        raise TypeError("bnswap.ort.unwrap expects a model returned by bnswap.ort.wrap / "
+                        "bnswap.convert(..., backend='ort')")
+    _release(model)
+    return model
 
 
 def executed_ops(model: nn.Module, training: bool | None = None) -> collections.Counter:

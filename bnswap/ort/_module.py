@@ -36,7 +36,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from bnswap._swap import WRAPPER_STATE
-from bnswap.ort import _compat
+from bnswap.ort import _compat, _original
 from bnswap.ort._layers import check_layers, trace_constants
 from bnswap.ort._logs import ort_log_level
 from bnswap.ort._stats import RunningStats, detach_tree, leaf_key
@@ -80,6 +80,9 @@ class WrapperState:
     graph_files: dict[str, str] = field(default_factory=dict)
     ops: dict[str, Any] = field(default_factory=dict)
     tmp: str | None = None
+    # wrapper[a:b] of a wrapped container: (index, the slice's children) -> its wrapper
+    slices: dict[tuple, Any] = field(default_factory=dict)
+    debug_options: Any = None  # ORT's DebugOptions the wrapper was made with
 
     def __getstate__(self) -> dict:
         keep = ("model", "fallback", "session_options", "stats", "eager")
@@ -138,7 +141,7 @@ class BNSwapORTModule(_ortmodule.ORTModule):
                 m.training = training
         self.__dict__[WRAPPER_STATE] = WrapperState(
             model=module, fallback=fallback, session_options=dict(session_options),
-            stats=RunningStats(module))
+            stats=RunningStats(module), debug_options=debug_options)
         self._bnswap_install()
 
     def _bnswap_state(self) -> WrapperState:
@@ -153,6 +156,7 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         ORT's optimized graphs, and the forward / session hooks."""
         state = self._bnswap_state()
         _compat.BNSWAP_MODULES.add(state.model)
+        _original.register(state.model, self)  # calling the model directly warns once
         state.tmp = tempfile.mkdtemp(prefix="bnswap-ort-")
         weakref.finalize(self, shutil.rmtree, state.tmp, True)
         state.ort_forward = self.__dict__["forward"]
@@ -200,8 +204,50 @@ class BNSwapORTModule(_ortmodule.ORTModule):
             yield from self.module.named_buffers(
                 prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
+    # -------------------------------------------------------------- containers
+    # A wrapped container (nn.Sequential, ModuleList, ModuleDict) keeps its container
+    # behaviour through the wrapper: ``len``, iteration, ``in``, indexing return the
+    # user's own modules (attribute access already reaches them: ORTModule.__getattr__).
+    # A slice holding BatchNorm layers (the feature / head split, ``net[:-1](x)``) is a
+    # new container each time; it runs on ONNX Runtime through a wrapper made once per
+    # (index, children) and kept on this wrapper; a slice without BatchNorm is returned
+    # as it is (eager, as BNSwap(backend="ort") leaves such children).
+    def __len__(self) -> int:
+        return len(self.module)
+
+    def __iter__(self) -> Any:
+        return iter(self.module)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.module
+
+    def __getitem__(self, idx: Any) -> Any:
+        item = self.module[idx]
+        if not isinstance(idx, slice) or not isinstance(item, nn.Module) or not any(
+                isinstance(m, _BatchNorm) for m in item.modules()):
+            return item
+        state = self._bnswap_state()
+        key = (idx.start, idx.stop, idx.step, tuple(id(m) for m in item.children()))
+        wrapper = state.slices.get(key)
+        if wrapper is None or list(wrapper.module.children()) != list(item.children()):
+            if len(state.slices) > 16:
+                state.slices.clear()
+            check_layers(item)  # as bnswap.ort.wrap does
+            trace_constants(item, add=True)
+            wrapper = type(self)(item, fallback=state.fallback,
+                                 session_options=state.session_options,
+                                 debug_options=state.debug_options)
+            state.slices[key] = wrapper
+        # the slice container is bnswap's own object: it follows the wrapped model's flag
+        wrapper.module.training = self.module.training
+        return wrapper
+
     # ---------------------------------------------------------------- forward
     def _bnswap_forward(self, *args: Any, **kwargs: Any) -> Any:
+        with _original.wrapper_call():  # the wrapper's own calls of its model never warn
+            return self._bnswap_forward_inner(args, kwargs)
+
+    def _bnswap_forward_inner(self, args: tuple, kwargs: dict) -> Any:
         state = self._bnswap_state()
         model = state.model
         if state.eager or _recorded_elsewhere():
