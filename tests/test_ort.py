@@ -1144,3 +1144,28 @@ def test_calling_the_wrapped_model_itself_warns_once_naming_the_wrapper():
         warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
         other(x)  # unwrapped: no warning
     assert not other._forward_pre_hooks
+
+
+def test_meta_device_model_is_refused_unchanged_and_the_documented_order_works():
+    """Issue 19 case 5: convert(backend="ort") of a model still on the meta device is
+    refused before anything changes (no swap, no hook, no trace buffer), naming what to
+    do; the documented order (aten convert on meta, to_empty, load the weights, then
+    convert with backend="ort") trains as stock."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU())
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU())
+    keys = list(model.state_dict())
+    with pytest.raises(bnswap.ort.UnsupportedLayerError,
+                       match=r"meta device.*to_empty.*then call bnswap.convert\(model, "
+                             r"backend='ort'\)"):
+        bnswap.convert(model, backend="ort")
+    assert not bnswap.is_swapped(model[1]) and list(model.state_dict()) == keys
+    assert not model[1]._buffers.keys() - {"running_mean", "running_var",
+                                           "num_batches_tracked"}
+    assert not model._forward_pre_hooks and model[1].running_mean.is_meta
+    bnswap.convert(model)  # aten on meta: fine
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) + i, steps=2)
