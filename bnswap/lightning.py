@@ -50,6 +50,7 @@ def _has_batchnorm(module: nn.Module) -> bool:
 def _ort() -> Any:
     """bnswap.ort, checked usable (it imports ONNX Runtime only when it wraps)."""
     ort = importlib.import_module("bnswap.ort")
+    ort.check_python()  # Python 3.12+: one clear error (ONNX Runtime training needs 3.10/3.11)
     if not ort.is_available():
         raise ort.ORTNotAvailableError(
             "BNSwap(backend='ort') needs ONNX Runtime training and torch-ort: " + ort.INSTALL)
