@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bnswap._swap import INTERNAL_HOOK
+
 __all__ = ["UnwrappedCallWarning", "WarnUnwrappedCall", "register", "release",
            "wrapper_call"]
 
@@ -51,11 +53,12 @@ def wrapper_call() -> Iterator[None]:
 
 class WarnUnwrappedCall:
     """Forward pre-hook on a wrapped model: warn once per model when it is called from
-    outside its wrapper (:class:`UnwrappedCallWarning`)."""
+    outside its wrapper (:class:`UnwrappedCallWarning`). Left out of TorchScript's view
+    of the model (:data:`bnswap._swap.INTERNAL_HOOK`)."""
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if getattr(_local, "depth", 0) or torch.jit.is_tracing() \
-                or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() \
+                or torch.onnx.is_in_onnx_export() or getattr(_local, "depth", 0):
             return None
         entry = _wrapped.get(module)
         if entry is None or entry[1] or entry[0]() is None:
@@ -69,6 +72,9 @@ class WarnUnwrappedCall:
             "(`model = bnswap.convert(model, backend='ort')`). Warned once per model.",
             UnwrappedCallWarning, stacklevel=_user_level())
         return None
+
+
+setattr(WarnUnwrappedCall, INTERNAL_HOOK, True)
 
 
 def _user_level() -> int:
