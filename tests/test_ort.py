@@ -1169,3 +1169,20 @@ def test_meta_device_model_is_refused_unchanged_and_the_documented_order_works()
     model.load_state_dict(ref.state_dict())
     wrapped = bnswap.convert(model, backend="ort")
     train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) + i, steps=2)
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
+def test_frozen_batchnorm1d_on_2d_input_matches_stock(affine):
+    """The frozen layer's element-wise export on (N, C) inputs, with and without affine
+    parameters (affine=False: the per-layer ones / zeros trace buffers)."""
+    torch.manual_seed(3)
+    ref = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6, affine=affine), nn.ReLU(),
+                        nn.Linear(6, 4), nn.BatchNorm1d(4))
+    ref[1].eval()
+    with torch.no_grad():
+        ref[1].running_mean.uniform_(-1, 1)
+        ref[1].running_var.uniform_(0.5, 2)
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(8, 5) * 2 + i, steps=2)
+    assert not model[1].training and int(model[1].num_batches_tracked) == 0
