@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from bnswap._graph import to_stock_ops
-from bnswap._swap import SwappedForward, on_first_swap, wrapped_model
+from bnswap._swap import INTERNAL_HOOK, SwappedForward, on_first_swap, wrapped_model
 from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT
 
 __all__ = ["CORE_ATEN_DECOMPOSITIONS", "DISABLE_ENV", "MIN_TORCHAO", "PATCHES", "Patch",
@@ -105,7 +105,8 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
         return module
     children = {k: (stock_view(v, memo) if v is not None else None)
                 for k, v in module._modules.items()}
-    own = (type(module.__dict__.get("forward")) is SwappedForward
+    hooks = [k for k, h in module._forward_pre_hooks.items() if getattr(h, INTERNAL_HOOK, False)]
+    own = (type(module.__dict__.get("forward")) is SwappedForward or bool(hooks)
            or TRACE_WEIGHT in module._buffers or TRACE_BIAS in module._buffers)
     if not own and all(children[k] is module._modules[k] for k in children):
         memo[key] = module
@@ -122,6 +123,9 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
                          if k not in (TRACE_WEIGHT, TRACE_BIAS)}
         d["_non_persistent_buffers_set"] = (module._non_persistent_buffers_set
                                             - {TRACE_WEIGHT, TRACE_BIAS})
+    if hooks:  # TorchScript would compile them (and cannot: not functions)
+        d["_forward_pre_hooks"] = type(module._forward_pre_hooks)(
+            (k, h) for k, h in module._forward_pre_hooks.items() if k not in hooks)
     d["_modules"] = children
     return view
 

@@ -24,13 +24,18 @@ from torch.nn.utils import parametrize
 
 from bnswap.functional import drop_trace_buffers, records_consolidated_ops
 
-__all__ = ["Adapter", "SwappedForward", "WRAPPER_STATE", "adapter_of", "bound_elsewhere", "is_swapped",
-           "on_first_swap", "swap", "type_before_parametrizations", "undo_of", "unswap",
-           "wrapped_model"]
+__all__ = ["Adapter", "INTERNAL_HOOK", "SwappedForward", "WRAPPER_STATE", "adapter_of",
+           "bound_elsewhere", "is_swapped", "on_first_swap", "swap",
+           "type_before_parametrizations", "undo_of", "unswap", "wrapped_model"]
 
 #: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (the ORT
 #: backend's ``ORTModule``) keeps its state; the state's ``model`` is the model it wraps.
 WRAPPER_STATE = "_bnswap"
+
+#: Attribute (true) of a forward hook bnswap puts on a user's module (the ORT backend's
+#: warning when a wrapped model is called directly): views for other runtimes
+#: (TorchScript, ``bnswap._compat.stock_view``) leave such hooks out.
+INTERNAL_HOOK = "_bnswap_internal_hook"
 
 #: An adapter: ``adapter(layer, input, ...)`` does what ``type(layer).forward(layer, input,
 #: ...)`` does, with the batch norm on bnswap's kernel (see :mod:`bnswap.layers`).

@@ -55,6 +55,7 @@ def _has_batchnorm(module: nn.Module) -> bool:
 def _ort() -> Any:
     """bnswap.ort, checked usable (it imports ONNX Runtime only when it wraps)."""
     ort = importlib.import_module("bnswap.ort")
+    ort.check_python()  # Python 3.12+: one clear error (ONNX Runtime training needs 3.10/3.11)
     if not ort.is_available():
         raise ort.ORTNotAvailableError(
             "BNSwap(backend='ort') needs ONNX Runtime training and torch-ort: " + ort.INSTALL)
@@ -276,7 +277,7 @@ class _BNSwapBase:
         if self.revert_on_teardown:
             for name, child in list(pl_module.named_children()):
                 if self._wrapped(child):  # undo bnswap.ort.wrap
-                    setattr(pl_module, name, child.module)
+                    setattr(pl_module, name, _ort().unwrap(child))
             revert(pl_module)
 
 

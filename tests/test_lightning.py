@@ -782,3 +782,125 @@ def test_ort_backend_wraps_a_child_with_a_lazy_layer_once_it_has_initialized():
     for k in s_state:
         torch.testing.assert_close(b_state[k].double(), s_state[k].double(), rtol=1e-4,
                                    atol=1e-5, msg=k)
+
+
+# --------------------------------------------------------------- ORT: mixed train / eval
+def _flags(module: nn.Module) -> list[tuple[str, bool]]:
+    return [(n, m.training) for n, m in module.named_modules()]
+
+
+def _assert_close_states(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if k.endswith("num_batches_tracked"):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=atol, msg=k)
+
+
+class FrozenBNModel(Classifier):
+    """Fine-tuning with frozen BatchNorm layers (detection backbones): two layers of the
+    training model in eval mode for the whole fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.net.features[1].eval()
+        self.net.features[8].eval()
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_frozen_batchnorm_fine_tuning_matches_stock():
+    """Issue 19 case 1 under a real Trainer: BNSwap(backend="ort") changes no module's
+    flag (fit, with its validation round trips), the frozen layers keep their statistics
+    and counters, and the fit matches stock's."""
+    import bnswap.ort
+
+    runs = {}
+    for variant in ("stock", "ort"):
+        pl.seed_everything(0)
+        model = FrozenBNModel()
+        net = model.net
+        before = _flags(net)
+        cbs = [BNSwap("ort")] if variant == "ort" else []
+        trainer(cbs, limit_train_batches=3).fit(model, data())
+        assert _flags(net) == before and model.training, variant
+        assert int(net.features[1].num_batches_tracked) == 0, variant
+        assert torch.equal(net.features[8].running_mean, torch.zeros(16)), variant
+        assert int(net.features[4].num_batches_tracked) == 3, variant
+        runs[variant] = state(net)
+        if variant == "ort":
+            assert isinstance(model.net, bnswap.ort.BNSwapORTModule)
+            assert bnswap.ort.executed_ops(model.net, training=True)["BatchNormInternal"] == 2
+    _assert_close_states(runs["stock"], runs["ort"])
+
+
+class AdaBNValidation(Classifier):
+    """AdaBN-style: one layer recalibrates its statistics during validation (train mode
+    inside the eval model Lightning validates)."""
+
+    def on_validation_model_eval(self) -> None:
+        super().on_validation_model_eval()
+        self.net.features[11].train()
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_train_mode_layer_in_an_eval_model_matches_stock():
+    runs = {}
+    for variant in ("stock", "ort"):
+        pl.seed_everything(0)
+        model = AdaBNValidation()
+        net = model.net
+        before = _flags(net)
+        cbs = [BNSwap("ort")] if variant == "ort" else []
+        trainer(cbs).validate(model, data(), verbose=False)
+        assert _flags(net) == before, variant  # Lightning restores its own switch
+        assert int(net.features[11].num_batches_tracked) == 2, variant
+        assert int(net.features[1].num_batches_tracked) == 0, variant
+        runs[variant] = state(net)
+    _assert_close_states(runs["stock"], runs["ort"])
+
+
+class FeatureHeadSplit(Classifier):
+    """The feature / head split: ``self.net[:-1](x)`` then ``self.net[-1]``, with len,
+    iteration and submodule attributes of the container."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x):
+        assert len(self.net) == 9 and self.net[1].num_features == 8
+        assert [type(m).__name__ for m in self.net][-1] == "Linear"
+        return self.net[-1](self.net[:-1](x))
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_feature_head_split_of_a_wrapped_sequential_matches_stock():
+    """Issue 19 case 3: indexing, slicing, len and iteration of a child BNSwap(backend=
+    "ort") wrapped raised "'BNSwapORTModule' object is not subscriptable"; the features
+    slice runs on ONNX Runtime, the fit matches stock's within 1e-4."""
+    import bnswap.ort
+
+    runs = {}
+    for variant in ("stock", "ort"):
+        pl.seed_everything(0)
+        model = FeatureHeadSplit()
+        net = model.net
+        cbs = [BNSwap("ort")] if variant == "ort" else []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+            trainer(cbs, limit_train_batches=3).fit(model, data())
+        runs[variant] = state(net)
+        if variant == "ort":
+            assert isinstance(model.net, bnswap.ort.BNSwapORTModule) and model.net.module is net
+            ops = bnswap.ort.executed_ops(model.net[:-1], training=True)
+            assert ops["BatchNormInternal"] == 2
+            assert model.net[-1] is net[-1] and list(model.net) == list(net)
+    assert int(runs["ort"]["1.num_batches_tracked"]) == 3
+    _assert_close_states(runs["stock"], runs["ort"], atol=1e-4)

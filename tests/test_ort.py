@@ -7,9 +7,11 @@ progress on stderr); ``python -m bnswap.ort build`` does it ahead of time.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import logging
 import copy
+import io
+import logging
 import warnings
 from collections import Counter
 
@@ -418,13 +420,75 @@ def test_bad_input_raises_before_ort_and_keeps_stats():
             wrapped(torch.randn(2, 5, 5, 5))  # wrong channel count
 
 
-def test_mixed_train_eval_layers_rejected():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4))
+def _flags(model: nn.Module) -> list[tuple[str, bool]]:
+    return [(n, m.training) for n, m in model.named_modules()]
+
+
+def _frozen_bn_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                         nn.BatchNorm2d(8))
+
+
+def test_frozen_batchnorm_in_a_training_model_matches_stock():
+    """Issue 19 case 1: a frozen (eval-mode) layer inside a training model. Wrapping keeps
+    every flag; the frozen layer normalizes with its running statistics and never updates
+    them (graph: element-wise ops, not BatchNormInternal), as stock."""
+    torch.manual_seed(0)
+    ref = _frozen_bn_net()
+    ref[1].eval()
+    with torch.no_grad():  # non-trivial running statistics for the frozen layer
+        ref[1].running_mean.uniform_(-1, 1)
+        ref[1].running_var.uniform_(0.5, 2)
+    model = copy.deepcopy(ref)
+    before = _flags(model)
     wrapped = bnswap.convert(model, backend="ort")
-    model[2].eval()
-    with buffers_unchanged(model), pytest.raises(bnswap.ort.ORTRunError,
-                                                 match="eval mode while"):
-        wrapped(torch.randn(2, 3, 5, 5))
+    assert _flags(model) == before  # ORTModule.__init__ had reset them all to True
+    frozen = (model[1].running_mean.clone(), model[1].running_var.clone())
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 10, 10) + i, steps=3)
+    assert _flags(model) == before
+    assert int(model[1].num_batches_tracked) == 0 and int(model[4].num_batches_tracked) == 3
+    assert torch.equal(model[1].running_mean, frozen[0])
+    assert torch.equal(model[1].running_var, frozen[1])
+    ops = bnswap.ort.executed_ops(wrapped, training=True)
+    assert ops["BatchNormInternal"] == 1 and ops["BatchNormalizationGrad"] == 1
+    # Lightning's validation round trip: eval(), then each flag restored one by one
+    # (_ModuleMode.restore); the inference graph, then the same training graph again.
+    wrapped.eval()
+    ref.eval()
+    x = torch.randn(4, 3, 10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    for (_, m), (_, mr), (_, flag) in zip(model.named_modules(), ref.named_modules(), before):
+        m.training = mr.training = flag
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 10, 10) - i, steps=1)
+    assert _flags(model) == before and int(model[1].num_batches_tracked) == 0
+    # unfreezing between steps re-exports: both layers update again
+    model[1].train()
+    ref[1].train()
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 10, 10), steps=1)
+    assert int(model[1].num_batches_tracked) == 1
+    assert bnswap.ort.executed_ops(wrapped, training=True)["BatchNormInternal"] == 2
+
+
+def test_train_mode_batchnorm_in_an_eval_model_updates_as_stock():
+    """Issue 19, the reverse: a train-mode layer inside an eval model (AdaBN-style
+    recalibration under no_grad) uses batch statistics and updates them, as stock; the
+    eval layers keep theirs; no flag changes."""
+    torch.manual_seed(1)
+    ref = _frozen_bn_net().eval()
+    ref[4].train()
+    model = copy.deepcopy(ref)
+    before = _flags(model)
+    wrapped = bnswap.convert(model, backend="ort")
+    assert _flags(model) == before
+    for i in range(3):
+        x = torch.randn(6, 3, 10, 10) * 2 + i
+        with torch.no_grad():
+            out, out_ref = wrapped(x), ref(x)
+        torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=1e-5)
+        assert_stats_equal(model, ref)
+    assert int(model[4].num_batches_tracked) == 3 and int(model[1].num_batches_tracked) == 0
+    assert _flags(model) == before and wrapped.module is model
 
 
 class _FFT(nn.Module):
@@ -862,14 +926,22 @@ def test_changes_the_exported_graph_depends_on_trigger_a_new_export():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-def test_eval_model_with_a_train_mode_batchnorm_is_refused():
-    model = _small()
+def test_eval_model_with_a_layer_put_in_train_mode_after_export_follows_stock():
+    """An eval wrapper that already ran its inference graph; one layer then put in train
+    mode (AdaBN-style recalibration): statistics update as eager's (was refused)."""
+    torch.manual_seed(2)
+    ref = _small().eval()
+    model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
-    wrapped.eval()
-    model[1].train()  # AdaBN-style recalibration: eager would update the statistics
-    with buffers_unchanged(model), torch.no_grad(), \
-            pytest.raises(bnswap.ort.ORTRunError, match="needs backend='aten'"):
-        wrapped(torch.randn(8, 3, 8, 8))
+    x = torch.randn(8, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    model[1].train()
+    ref[1].train()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x + 1), ref(x + 1), rtol=RTOL, atol=1e-5)
+    assert_stats_equal(model, ref)
+    assert int(model[1].num_batches_tracked) == 1 and not model.training
 
 
 def test_works_where_stdout_has_no_file_descriptor(monkeypatch):
@@ -974,3 +1046,143 @@ def test_ortmodules_notices_show_at_info_only(caplog, monkeypatch):
             sum("BNSWAP_ORT_LOG_LEVEL" in str(w.message) for w in caught))
     assert seen == {"": (0, 0, 0), "WARNING": (0, 0, 0), "error": (0, 0, 0),
                     "INFO": (2, 2, 0), "bogus-notices-test": (0, 0, 1)}
+
+
+def _onnx_ops(proto) -> collections.Counter:
+    return collections.Counter(n.op_type for n in proto.graph.node)
+
+
+def _run_onnx(proto, x: torch.Tensor) -> torch.Tensor:
+    import onnxruntime  # the training build, after bnswap.ort set it up
+
+    sess = onnxruntime.InferenceSession(proto.SerializeToString(),
+                                        providers=["CPUExecutionProvider"])
+    return torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
+
+
+def test_default_exporters_of_a_wrapper_give_the_wrapped_models_result():
+    """Issue 19 case 2: torch.onnx.export (dynamo=True, torch's default, and False) and
+    torch.export.export of an ORT wrapper raised "ORTModule.named_parameters() got an
+    unexpected keyword argument 'remove_duplicate'". They record the model it wraps:
+    ops and onnxruntime outputs as stock's export of the same weights; nothing changes."""
+    import onnx
+
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3),
+                          nn.BatchNorm2d(4, affine=False))
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(4, 3, 10, 10)
+    wrapped(x).square().mean().backward()  # trained on ORT: the stats moved
+    wrapped.eval()
+    stock = bnswap.revert(copy.deepcopy(model))  # the same weights, stock layers
+    assert not any(bnswap.is_swapped(m) for m in stock.modules())
+    want = stock(x).detach()
+    with buffers_unchanged(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for dynamo in (True, False):
+            protos = []
+            for m in (stock, wrapped):
+                buf = io.BytesIO()
+                prog = torch.onnx.export(m, (x,), None if dynamo else buf, dynamo=dynamo,
+                                         verbose=False)
+                protos.append(prog.model_proto if dynamo else onnx.load_from_string(
+                    buf.getvalue()))
+            ps, pw = protos
+            assert _onnx_ops(pw) == _onnx_ops(ps), dynamo  # both fold BN into the Conv
+            assert _onnx_ops(ps)["Conv"] == 2 and "BatchNormInternal" not in _onnx_ops(pw)
+            torch.testing.assert_close(_run_onnx(pw, x), _run_onnx(ps, x), rtol=0, atol=0)
+            torch.testing.assert_close(_run_onnx(pw, x), want, rtol=1e-5, atol=1e-5)
+        ep = torch.export.export(wrapped, (x,))
+        ep_model = torch.export.export(model, (x,))
+    def calls(prog):
+        return [str(n.target) for n in prog.graph.nodes if n.op == "call_function"]
+
+    assert calls(ep) == calls(ep_model)
+    assert "aten._batch_norm_no_update.default" in calls(ep)
+    assert sorted(ep.state_dict) == sorted(ep_model.state_dict) == sorted(model.state_dict())
+    torch.testing.assert_close(ep.module()(x), want, rtol=1e-5, atol=1e-6)
+    # the wrapper still runs ORT afterwards
+    wrapped.train()
+    wrapped(x)
+    assert int(model[1].num_batches_tracked) == 2
+
+
+def test_calling_the_wrapped_model_itself_warns_once_naming_the_wrapper():
+    """Issue 19 case 4: convert(model, backend="ort") returns a new module; calling
+    ``model`` trained eagerly without a word. It warns once (UnwrappedCallWarning); the
+    wrapper's own calls of it (forward, ORT's export, shape passes, exports) never do."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(2, 3, 6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+        wrapped(x).sum().backward()
+        with torch.no_grad():
+            wrapped(x)  # training forward under no_grad
+        wrapped.eval()
+        with torch.no_grad():
+            wrapped(x)
+        torch.jit.trace(wrapped, (x,))
+        wrapped.train()
+    with pytest.warns(bnswap.ort.UnwrappedCallWarning,
+                      match=r"BNSwapORTModule.*Call the wrapper") as rec:
+        model(x)
+    assert rec[0].filename == __file__  # points at the user's call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+        model(x)  # once per model
+        copy.deepcopy(model)(x)  # a copy is not wrapped
+        pickle.loads(pickle.dumps(model))(x)  # the hook pickles; the copy is not wrapped
+    other = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    w2 = bnswap.convert(other, backend="ort")
+    assert bnswap.ort.unwrap(w2) is other
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+        other(x)  # unwrapped: no warning
+    assert not other._forward_pre_hooks
+
+
+def test_meta_device_model_is_refused_unchanged_and_the_documented_order_works():
+    """Issue 19 case 5: convert(backend="ort") of a model still on the meta device is
+    refused before anything changes (no swap, no hook, no trace buffer), naming what to
+    do; the documented order (aten convert on meta, to_empty, load the weights, then
+    convert with backend="ort") trains as stock."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU())
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU())
+    keys = list(model.state_dict())
+    with pytest.raises(bnswap.ort.UnsupportedLayerError,
+                       match=r"meta device.*to_empty.*then call bnswap.convert\(model, "
+                             r"backend='ort'\)"):
+        bnswap.convert(model, backend="ort")
+    assert not bnswap.is_swapped(model[1]) and list(model.state_dict()) == keys
+    assert not model[1]._buffers.keys() - {"running_mean", "running_var",
+                                           "num_batches_tracked"}
+    assert not model._forward_pre_hooks and model[1].running_mean.is_meta
+    bnswap.convert(model)  # aten on meta: fine
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) + i, steps=2)
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
+def test_frozen_batchnorm1d_on_2d_input_matches_stock(affine):
+    """The frozen layer's element-wise export on (N, C) inputs, with and without affine
+    parameters (affine=False: the per-layer ones / zeros trace buffers)."""
+    torch.manual_seed(3)
+    ref = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6, affine=affine), nn.ReLU(),
+                        nn.Linear(6, 4), nn.BatchNorm1d(4))
+    ref[1].eval()
+    with torch.no_grad():
+        ref[1].running_mean.uniform_(-1, 1)
+        ref[1].running_var.uniform_(0.5, 2)
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    train_pair(model, ref, wrapped, lambda i: torch.randn(8, 5) * 2 + i, steps=2)
+    assert not model[1].training and int(model[1].num_batches_tracked) == 0

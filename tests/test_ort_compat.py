@@ -147,3 +147,66 @@ def test_the_extension_build_shows_progress_while_the_compiler_is_silent(capsys)
         time.sleep(0.3)
     err = capsys.readouterr().err
     assert err.count(f"bnswap.ort: compiling {_build.EXTENSION}...") >= 3
+
+
+def test_named_tensor_signatures_gate_matches_the_installed_ortmodule():
+    """The remove_duplicate override (issue 19 case 2) is on exactly when the installed
+    ORTModule lacks the argument (1.19.2 does), and then has torch's signature."""
+    ortmodule = _compat.apply()
+    lacks = _compat.lacks_remove_duplicate(ortmodule)
+    assert lacks is ("remove_duplicate" not in inspect.signature(
+        ortmodule.ORTModule.named_parameters).parameters)
+    assert lacks  # onnxruntime-training 1.19.2
+    cls = bnswap.ort.BNSwapORTModule
+    for name in ("named_parameters", "named_buffers"):
+        def params(f):
+            return [(p.name, p.default) for p in inspect.signature(f).parameters.values()]
+
+        assert params(getattr(cls, name)) == params(getattr(nn.Module, name))
+    model = bnswap.convert(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    model.tied = model[0]  # a shared module: remove_duplicate=False lists it twice
+    wrapped = bnswap.ort.wrap(model)
+    assert (list(wrapped.named_parameters(remove_duplicate=False))
+            == list(model.named_parameters(remove_duplicate=False)))
+    assert list(wrapped.named_buffers(prefix="p")) == list(model.named_buffers(prefix="p"))
+
+
+@pytest.mark.parametrize("version", [(3, 10, 14), (3, 11, 7), (3, 12, 0), (3, 13, 1), (3, 9, 0)])
+def test_check_python_accepts_3_10_and_3_11_only(version):
+    if version[:2] in ((3, 10), (3, 11)):
+        assert bnswap.ort.check_python(version) is None
+        return
+    with pytest.raises(bnswap.ort.ORTNotAvailableError,
+                       match=rf"needs Python 3.10 or 3.11 \(this is Python {version[0]}."
+                             rf"{version[1]}\).*last release.*backend='aten'"):
+        bnswap.ort.check_python(version)
+
+
+def test_backend_ort_on_python_3_12_raises_one_clear_error_and_changes_nothing():
+    """Issue 19: onnxruntime-training 1.19.2 has no wheels for Python 3.12+. There,
+    convert(backend="ort") and BNSwap(backend="ort").setup raise one error naming the
+    Python versions, before the model changes (sys.version_info patched in a child)."""
+    p = _run("""
+        import collections, sys
+        import torch, bnswap, bnswap.ort
+        from torch import nn
+        from bnswap.lightning import BNSwap
+        V = collections.namedtuple("V", "major minor micro releaselevel serial")
+        sys.version_info = V(3, 12, 1, "final", 0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        for call in (lambda: bnswap.convert(model, backend="ort"),
+                     lambda: BNSwap("ort").setup(None, model, "fit")):
+            try:
+                call()
+            except bnswap.ort.ORTNotAvailableError as err:
+                print("ERR", err)
+            assert not bnswap.is_swapped(model[1]) and not model._forward_pre_hooks
+            assert list(model.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias",
+                "1.running_mean", "1.running_var", "1.num_batches_tracked"]
+        print("UNCHANGED")
+    """)
+    assert p.returncode == 0, p.stderr[-3000:]
+    errs = [line for line in p.stdout.splitlines() if line.startswith("ERR")]
+    assert len(errs) == 2 and all("needs Python 3.10 or 3.11 (this is Python 3.12)" in e
+                                  for e in errs)
+    assert "UNCHANGED" in p.stdout

@@ -28,6 +28,8 @@ from torch import nn
 from bnswap._swap import WRAPPER_STATE
 from bnswap.ort._layers import check_layers, trace_constants
 from bnswap.ort._logs import LOG_LEVEL_ENV, ort_log_level, quiet_ort_notices
+from bnswap.ort._original import UnwrappedCallWarning
+from bnswap.ort._original import release as _release
 from bnswap.ort.errors import (
     BuildError,
     LayerRunsTwiceError,
@@ -43,8 +45,8 @@ logger = logging.getLogger("bnswap.ort")
 
 __all__ = ["DEFAULT_SESSION_OPTIONS", "INSTALL", "LOG_LEVEL_ENV", "BuildError", "LayerRunsTwiceError",
            "ORTBackendError", "ORTNotAvailableError", "ORTRunError", "StatsNotWrittenError",
-           "UnsupportedLayerError", "UnsupportedVersionError", "build", "executed_ops",
-           "is_available", "ort_log_level", "wrap"]
+           "UnsupportedLayerError", "UnsupportedVersionError", "UnwrappedCallWarning", "build",
+           "check_python", "executed_ops", "is_available", "ort_log_level", "unwrap", "wrap"]
 
 #: The exact install commands for the CPU backend (torch first, pinned).
 INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
@@ -57,6 +59,38 @@ INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
 #: slower. ``{"intra_op_num_threads": 1}`` helps when other processes load the cores.
 #: ``execution_mode=ORT_PARALLEL`` fails in ORT 1.19.2's training session.
 DEFAULT_SESSION_OPTIONS: dict[str, Any] = {}
+
+
+#: Python versions onnxruntime-training 1.19.2 (the last release) has wheels for.
+SUPPORTED_PYTHON = ((3, 10), (3, 11))
+
+
+def check_python(version: tuple[int, ...] | None = None) -> None:
+    """Raise unless this Python (or ``version``, e.g. ``(3, 12, 1)``) is one ONNX Runtime
+    training runs on: 3.10 or 3.11. onnxruntime-training 1.19.2 is its last release
+    (no wheels for Python 3.12 and newer; upstream has proposed removing ORTModule), so
+    the ``bnswap[ort]`` / ``bnswap[ort-cpu]`` extras install nothing there.
+
+    Raises:
+        ORTNotAvailableError: (an ImportError) on Python 3.12 and newer (or older than
+            3.10), naming the versions and ``backend="aten"``.
+
+    Examples::
+
+        >>> import bnswap.ort
+        >>> bnswap.ort.check_python((3, 11, 9))
+        >>> bnswap.ort.check_python((3, 12, 0))
+        Traceback (most recent call last):
+        ...
+        bnswap.ort.errors.ORTNotAvailableError: bnswap's ORT backend: ONNX Runtime training ...
+    """
+    v = tuple(sys.version_info[:2] if version is None else version[:2])
+    if v not in SUPPORTED_PYTHON:
+        raise ORTNotAvailableError(
+            "bnswap's ORT backend: ONNX Runtime training needs Python 3.10 or 3.11 (this is "
+            f"Python {v[0]}.{v[1]}); onnxruntime-training 1.19.2 is its last release and "
+            "has no wheels for Python 3.12 and newer. Use backend='aten' (the default), or "
+            "a Python 3.10 / 3.11 environment.")
 
 
 def is_available() -> bool:
@@ -82,7 +116,8 @@ def is_available() -> bool:
 
 def _require() -> Any:
     """``onnxruntime.training.ortmodule``, made usable on this torch (or
-    :class:`ORTNotAvailableError` naming the install command)."""
+    :class:`ORTNotAvailableError` naming the Python versions or the install command)."""
+    check_python()
     if not is_available():
         raise ORTNotAvailableError(
             "bnswap's ORT backend needs ONNX Runtime training and torch-ort. Install them "
@@ -152,7 +187,8 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
         and an ORT that cannot be set up, ``module`` itself (after a warning).
 
     Raises:
-        ORTNotAvailableError: ORT training / torch-ort not installed (names the command).
+        ORTNotAvailableError: ORT training / torch-ort not installed (names the command),
+            or Python 3.12 and newer (:func:`check_python`).
         UnsupportedVersionError, BuildError: untested versions; the extension cannot be
             built (``fallback=None``; with ``"aten"``: a warning and ``module``).
         UnsupportedLayerError: a BatchNorm layer is not swapped, not initialized, not
@@ -212,6 +248,34 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
         if isinstance(err, (ORTBackendError, TypeError, ValueError)):
             raise  # its own type: ORTNotAvailableError, UnsupportedVersionError, BuildError
         raise ORTRunError(f"bnswap.ort: could not set up ONNX Runtime: {err}") from err
+
+
+def unwrap(wrapper: nn.Module) -> nn.Module:
+    """The model ``wrapper`` (what :func:`wrap` / ``bnswap.convert(..., backend="ort")``
+    returned) wraps, no longer marked as wrapped: calling it directly stops warning
+    (:class:`UnwrappedCallWarning`). Its layers stay swapped (``bnswap.revert`` them).
+
+    Raises:
+        TypeError: ``wrapper`` was not made by :func:`wrap`.
+
+    Examples::
+
+        >>> import torch, bnswap, bnswap.ort
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        >>> wrapped = bnswap.convert(model, backend="ort")
+        >>> bnswap.ort.unwrap(wrapped) is model
+        True
+        >>> model(torch.randn(2, 3, 6, 6)).shape  # eager again, no warning
+        torch.Size([2, 4, 4, 4])
+    """
+    state = wrapper.__dict__.get(WRAPPER_STATE) if isinstance(wrapper, nn.Module) else None
+    model = getattr(state, "model", None)
+    if model is None:
+        raise TypeError("bnswap.ort.unwrap expects a model returned by bnswap.ort.wrap / "
+                        "bnswap.convert(..., backend='ort')")
+    _release(model)
+    return model
 
 
 def executed_ops(model: nn.Module, training: bool | None = None) -> collections.Counter:

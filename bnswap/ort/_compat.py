@@ -50,6 +50,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -361,10 +362,22 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
                     for m, name in trace_bufs:
                         m._non_persistent_buffers_set.discard(name)
                 if ours:
+                    # The exporter's select_model_mode_for_export calls train() / eval()
+                    # on the whole module; the trace must see each module's own mode (a
+                    # frozen BatchNorm in a training model, a train-mode one in an eval
+                    # model): put every flag back just before the traced forward.
+                    def keep_modes(_module, _inputs):
+                        for m, training in modes:
+                            m.training = training
+
+                    handle = flattened_module.register_forward_pre_hook(keep_modes)
                     # bnswap layers trace to the consolidated ops that the symbolics
                     # above export (elsewhere they trace to stock's aten::batch_norm)
-                    with consolidated_ops_while_tracing():
-                        result = original(flattened_module, *args, **kwargs)
+                    try:
+                        with consolidated_ops_while_tracing():
+                            result = original(flattened_module, *args, **kwargs)
+                    finally:
+                        handle.remove()
                 else:
                     result = original(flattened_module, *args, **kwargs)
                 if ours:
@@ -482,6 +495,14 @@ def apply() -> types.ModuleType:
         _applied = True
         logger.debug("bnswap.ort: ORT compatibility layer applied")
         return ortmodule
+
+
+def lacks_remove_duplicate(ortmodule: types.ModuleType) -> bool:
+    """Whether ORTModule's ``named_parameters`` / ``named_buffers`` lack torch's
+    ``remove_duplicate`` argument (onnxruntime-training 1.19.2: they do)."""
+    cls = ortmodule.ORTModule
+    return any("remove_duplicate" not in inspect.signature(getattr(cls, name)).parameters
+               for name in ("named_parameters", "named_buffers"))
 
 
 def force_reexport(ortmodule: Any, training: bool) -> None:

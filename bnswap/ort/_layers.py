@@ -30,7 +30,8 @@ def check_layers(module: nn.Module) -> None:
             (Class) is not a bnswap layer ..."`` (ORT would export it with a momentum
             frozen at trace time), ``"... is an uninitialized LazyBatchNorm1d ..."``,
             ``"... has weight of dtype torch.float64; ONNX Runtime's CPU
-            BatchNormInternal kernel is float32 only ..."``, or ``"... is on meta; ..."``.
+            BatchNormInternal kernel is float32 only ..."``, or ``"... is on the meta
+            device; ... Materialize the model first ..."``.
     """
     for name, m in bn_layers(module):
         label = name or type(m).__name__
@@ -55,6 +56,14 @@ def check_layers(module: nn.Module) -> None:
                     f"bnswap.ort.wrap: layer {label!r} has {pname} of dtype {t.dtype}; ONNX "
                     "Runtime's CPU BatchNormInternal kernel is float32 only. Use float32 "
                     "parameters, or backend='aten'.")
+            if t is not None and t.device.type == "meta":
+                raise UnsupportedLayerError(
+                    f"bnswap.ort.wrap: layer {label!r} is on the meta device; ORTModule "
+                    "runs on CPU or CUDA and bnswap.ort adds per-layer buffers that "
+                    "to_empty would leave uninitialized. Materialize the model first "
+                    "(model.to_empty(device=...), then load its weights), then call "
+                    "bnswap.convert(model, backend='ort'); bnswap.convert(model) "
+                    "(backend='aten') works on the meta device.")
             if t is not None and t.device.type != "cpu" and t.device.type != "cuda":
                 raise UnsupportedLayerError(f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
                                 "ORTModule runs on CPU or CUDA.")

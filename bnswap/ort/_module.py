@@ -7,12 +7,13 @@ the wrapper's ``__dict__`` under :data:`bnswap._swap.WRAPPER_STATE` (``"_bnswap"
 
 A forward, in named steps (:meth:`BNSwapORTModule._bnswap_forward`):
 
-1. :meth:`~BNSwapORTModule._bnswap_sync_mode`: ORT's mode follows the wrapped model's
-   ``training`` flag;
-2. :meth:`~BNSwapORTModule._bnswap_check_modes`: every BatchNorm layer in the model's mode;
-3. :meth:`~BNSwapORTModule._bnswap_check_export`: re-export when what the graph baked in
-   changed;
-4. :meth:`~BNSwapORTModule._bnswap_train_step` (running statistics by PyTorch's rule,
+1. :func:`graph_mode` and :meth:`~BNSwapORTModule._bnswap_sync_mode`: ORT runs its
+   training graph when the wrapped model or any of its BatchNorm layers is in train
+   mode (each module keeps its own mode inside the graph: a frozen layer normalizes
+   with its running statistics), else its inference graph;
+2. :meth:`~BNSwapORTModule._bnswap_check_export`: re-export when what the graph baked in
+   changed (each module's train/eval flag included);
+3. :meth:`~BNSwapORTModule._bnswap_train_step` (running statistics by PyTorch's rule,
    :mod:`bnswap.ort._stats`) or :meth:`~BNSwapORTModule._bnswap_eval_step`.
 """
 
@@ -35,17 +36,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from bnswap._swap import WRAPPER_STATE
-from bnswap.ort import _compat
+from bnswap.ort import _compat, _original
 from bnswap.ort._layers import check_layers, trace_constants
 from bnswap.ort._logs import ort_log_level
 from bnswap.ort._stats import RunningStats, detach_tree, leaf_key
 from bnswap.ort.errors import ORTRunError
 
-__all__ = ["BNSwapORTModule", "Verification", "WrapperState"]
+__all__ = ["BNSwapORTModule", "Verification", "WrapperState", "graph_mode"]
 
 logger = logging.getLogger("bnswap.ort")
 
 _ortmodule = _compat.apply()
+_NAMED_LACK_REMOVE_DUPLICATE = _compat.lacks_remove_duplicate(_ortmodule)
 _fallback_exceptions = __import__(
     "onnxruntime.training.ortmodule._fallback_exceptions", fromlist=["_"])
 
@@ -78,6 +80,9 @@ class WrapperState:
     graph_files: dict[str, str] = field(default_factory=dict)
     ops: dict[str, Any] = field(default_factory=dict)
     tmp: str | None = None
+    # wrapper[a:b] of a wrapped container: (index, the slice's children) -> its wrapper
+    slices: dict[tuple, Any] = field(default_factory=dict)
+    debug_options: Any = None  # ORT's DebugOptions the wrapper was made with
 
     def __getstate__(self) -> dict:
         keep = ("model", "fallback", "session_options", "stats", "eager")
@@ -87,8 +92,23 @@ class WrapperState:
         self.__init__(**state)  # type: ignore[misc]
 
 
+def graph_mode(model_training: bool, layers: list[tuple[str, nn.Module]]) -> bool:
+    """Which ORT graph runs: the training graph (forward + backward, batch statistics
+    written) when the model or any of its BatchNorm ``layers`` is in train mode, else the
+    inference graph. Each module keeps its own mode inside the exported graph
+    (:func:`bnswap.ort._compat.apply`'s export keeps every flag), so a frozen
+    (eval-mode) BatchNorm in a training model exports as ``_batch_norm_no_update``
+    (running statistics, never updated) and a train-mode one in an eval model (AdaBN)
+    as ``_batch_norm_with_update``, as eager PyTorch runs them."""
+    return model_training or any(m.training for _, m in layers)
+
+
 def _recorded_elsewhere() -> bool:
-    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    """Whether the call is being recorded for another runtime: ``torch.jit.trace`` /
+    the TorchScript ONNX exporter, or ``torch.export`` (strict or not, which
+    ``torch.onnx.export(dynamo=True)`` uses) / ``torch.compile``."""
+    return (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+            or torch.compiler.is_compiling())
 
 
 def _is_ort_error(err: BaseException) -> bool:
@@ -108,12 +128,20 @@ class BNSwapORTModule(_ortmodule.ORTModule):
 
     def __init__(self, module: nn.Module, *, fallback: str | None,
                  session_options: dict[str, Any], debug_options: Any = None):
-        with _compat.scoped_env("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE"), \
-                _compat.ort_scope():
-            super().__init__(module, debug_options)
+        # ORTModule.__init__ ends with self.train(module.training), which resets the
+        # flag of every submodule (a frozen BatchNorm inside a training model was
+        # silently un-frozen): wrapping never changes a flag of the user's model.
+        modes = [(m, m.training) for m in module.modules()]
+        try:
+            with _compat.scoped_env("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE"), \
+                    _compat.ort_scope():
+                super().__init__(module, debug_options)
+        finally:
+            for m, training in modes:
+                m.training = training
         self.__dict__[WRAPPER_STATE] = WrapperState(
             model=module, fallback=fallback, session_options=dict(session_options),
-            stats=RunningStats(module))
+            stats=RunningStats(module), debug_options=debug_options)
         self._bnswap_install()
 
     def _bnswap_state(self) -> WrapperState:
@@ -128,6 +156,7 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         ORT's optimized graphs, and the forward / session hooks."""
         state = self._bnswap_state()
         _compat.BNSWAP_MODULES.add(state.model)
+        _original.register(state.model, self)  # calling the model directly warns once
         state.tmp = tempfile.mkdtemp(prefix="bnswap-ort-")
         weakref.finalize(self, shutil.rmtree, state.tmp, True)
         state.ort_forward = self.__dict__["forward"]
@@ -159,8 +188,66 @@ class BNSwapORTModule(_ortmodule.ORTModule):
             else:
                 setattr(so, key, value)
 
+    # ------------------------------------------------------ torch.nn.Module API
+    if _NAMED_LACK_REMOVE_DUPLICATE:
+        # ORT 1.19.2's ORTModule.named_parameters / named_buffers take (prefix, recurse)
+        # only; torch.export.export (and torch.onnx.export(dynamo=True), which uses it)
+        # call them with remove_duplicate=False: TypeError. The wrapped model's own
+        # methods, with torch's signature (same names as ORT's: no wrapper prefix).
+        def named_parameters(self, prefix: str = "", recurse: bool = True,
+                             remove_duplicate: bool = True):
+            yield from self.module.named_parameters(
+                prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+        def named_buffers(self, prefix: str = "", recurse: bool = True,
+                          remove_duplicate: bool = True):
+            yield from self.module.named_buffers(
+                prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    # -------------------------------------------------------------- containers
+    # A wrapped container (nn.Sequential, ModuleList, ModuleDict) keeps its container
+    # behaviour through the wrapper: ``len``, iteration, ``in``, indexing return the
+    # user's own modules (attribute access already reaches them: ORTModule.__getattr__).
+    # A slice holding BatchNorm layers (the feature / head split, ``net[:-1](x)``) is a
+    # new container each time; it runs on ONNX Runtime through a wrapper made once per
+    # (index, children) and kept on this wrapper; a slice without BatchNorm is returned
+    # as it is (eager, as BNSwap(backend="ort") leaves such children).
+    def __len__(self) -> int:
+        return len(self.module)
+
+    def __iter__(self) -> Any:
+        return iter(self.module)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.module
+
+    def __getitem__(self, idx: Any) -> Any:
+        item = self.module[idx]
+        if not isinstance(idx, slice) or not isinstance(item, nn.Module) or not any(
+                isinstance(m, _BatchNorm) for m in item.modules()):
+            return item
+        state = self._bnswap_state()
+        key = (idx.start, idx.stop, idx.step, tuple(id(m) for m in item.children()))
+        wrapper = state.slices.get(key)
+        if wrapper is None or list(wrapper.module.children()) != list(item.children()):
+            if len(state.slices) > 16:
+                state.slices.clear()
+            check_layers(item)  # as bnswap.ort.wrap does
+            trace_constants(item, add=True)
+            wrapper = type(self)(item, fallback=state.fallback,
+                                 session_options=state.session_options,
+                                 debug_options=state.debug_options)
+            state.slices[key] = wrapper
+        # the slice container is bnswap's own object: it follows the wrapped model's flag
+        wrapper.module.training = self.module.training
+        return wrapper
+
     # ---------------------------------------------------------------- forward
     def _bnswap_forward(self, *args: Any, **kwargs: Any) -> Any:
+        with _original.wrapper_call():  # the wrapper's own calls of its model never warn
+            return self._bnswap_forward_inner(args, kwargs)
+
+    def _bnswap_forward_inner(self, args: tuple, kwargs: dict) -> Any:
         state = self._bnswap_state()
         model = state.model
         if state.eager or _recorded_elsewhere():
@@ -169,14 +256,14 @@ class BNSwapORTModule(_ortmodule.ORTModule):
             # the exporter's runtime picks its kernels. (ORT's own export traces that
             # model directly, never this wrapper.)
             return model(*args, **kwargs)
-        training = model.training
-        self._bnswap_sync_mode(training)
         mods = list(model.named_modules())  # the one walk of the model per call
         layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
-        self._bnswap_check_modes(layers, training)
+        training = graph_mode(model.training, layers)
+        self._bnswap_sync_mode(training)
         self._bnswap_check_export(mods, layers, args, kwargs, training)
         if training:
-            return self._bnswap_train_step(layers, args, kwargs)
+            return self._bnswap_train_step([(n, m) for n, m in layers if m.training],
+                                           args, kwargs)
         self._bnswap_warn_eval_grad()
         return self._bnswap_eval_step(args, kwargs)
 
@@ -197,25 +284,6 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         flat = getattr(self._torch_module, "_flattened_module", None)
         if flat is not None and flat.training is not training:
             flat.training = training  # its only child is the wrapped model
-
-    @staticmethod
-    def _bnswap_check_modes(layers: list[tuple[str, nn.Module]], training: bool) -> None:
-        """ORT exports the whole model in one mode: refuse layers in the other one."""
-        for name, m in layers:
-            if m.training == training:
-                continue
-            if training:
-                raise ORTRunError(
-                    f"bnswap.ort: BatchNorm layer {name!r} is in eval mode while the model "
-                    "trains; ORT exports the whole model in one mode, so frozen (eval-mode) "
-                    "BatchNorm layers inside a training model need backend='aten' "
-                    "(bnswap.convert(model)).")
-            raise ORTRunError(
-                f"bnswap.ort: BatchNorm layer {name!r} is in train mode while the model is "
-                "in eval; ORT exports the whole model in one mode (its inference graph "
-                "would neither use batch statistics nor update running ones). Statistics "
-                "recalibration (AdaBN, swa_utils.update_bn on an eval model) needs "
-                "backend='aten', or put the whole model in train mode.")
 
     def _bnswap_check_export(self, mods: list, layers: list, args: tuple, kwargs: dict,
                       training: bool) -> None:
@@ -271,8 +339,9 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         training, ``requires_grad``."""
         structure, tensors, grads = [], [], []
         for n, m in mods:
-            # the forward a layer runs too: bnswap swaps it per instance
-            structure.append((n, type(m), m.__dict__.get("forward")))
+            # the forward a layer runs too: bnswap swaps it per instance; and its own
+            # train/eval flag (the graph carries each module's mode)
+            structure.append((n, type(m), m.__dict__.get("forward"), m.training))
             for p in m._parameters.values():
                 tensors.append(id(p))
                 grads.append(p is not None and p.requires_grad)

@@ -78,14 +78,48 @@ def _batch_norm_with_update(g, input, weight, bias, running_mean, running_var, m
     return out, None, None, None
 
 
+def _exporting_for_training() -> bool:
+    import torch
+
+    globals_ = importlib.import_module(f"{_TSE}._globals").GLOBALS
+    return globals_.training_mode == torch.onnx.TrainingMode.TRAINING
+
+
 def _batch_norm_no_update(g, input, weight, bias, running_mean, running_var, momentum, eps):
     sh = _helpers()
     eps = sh._maybe_get_const(eps, "f")
     weight, bias, running_mean, running_var = sh._batchnorm_helper(
         g, input, weight, bias, running_mean, running_var)
+    if _exporting_for_training():
+        # An eval-mode (frozen) layer inside ORT's training graph. ORT's training
+        # transform turns every BatchNormalization into BatchNormInternal, which
+        # normalizes with batch statistics whatever training_mode says (measured on
+        # onnxruntime-training 1.19.2: a frozen layer's output was 0.64 off stock's).
+        # Written out as element-wise ops (ORT differentiates each), the running-stat
+        # normalization of aten's native CPU kernel: y = x * a + b with
+        # a = weight / sqrt(running_var + eps), b = bias - running_mean * a.
+        return _frozen_batch_norm(g, sh, input, weight, bias, running_mean, running_var,
+                                  eps), None, None, None
     out = g.op("BatchNormalization", input, weight, bias, running_mean, running_var,
                epsilon_f=eps, momentum_f=1.0, training_mode_i=0, outputs=1)
     return out, None, None, None
+
+
+def _frozen_batch_norm(g, sh, input, weight, bias, running_mean, running_var, eps: float):
+    import torch
+
+    rank = sh._get_tensor_rank(input)
+    if rank is None:
+        raise RuntimeError("bnswap.ort: an eval-mode BatchNorm in a training graph needs "
+                           "an input of known rank to export")
+    shape = g.op("Constant", value_t=torch.tensor([1, -1] + [1] * (rank - 2),
+                                                  dtype=torch.int64))
+    eps_c = g.op("Constant", value_t=torch.tensor(eps, dtype=torch.float32))
+    invstd = g.op("Reciprocal", g.op("Sqrt", g.op("Add", running_var, eps_c)))
+    scale = g.op("Mul", weight, invstd)
+    shift = g.op("Sub", bias, g.op("Mul", running_mean, scale))
+    return g.op("Add", g.op("Mul", input, g.op("Reshape", scale, shape)),
+                g.op("Reshape", shift, shape))
 
 
 def register(opset: int) -> None:
