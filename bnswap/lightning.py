@@ -84,6 +84,25 @@ class _BNSwapBase:
         # layers the plan skips (excluded, SyncBatchNorm...): not planned again each step
         self._left_alone: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
+    # ------------------------------------------------------------------ pickling
+    #: Per-run state: the model being set up, the registration hook, layers by id (ids
+    #: mean nothing in another process), a WeakSet (its callback does not pickle:
+    #: "Can't pickle local object 'WeakSet.__init__.<locals>._remove'"). ``setup``
+    #: rebuilds all of it, so a copy carries the arguments and the last ``plan`` only.
+    _RUN_STATE = ("_root", "_handle", "_busy", "_pending", "_swapped", "_left_alone")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` / ``copy.deepcopy`` keep: everything but the per-run state
+        (launchers that pickle callbacks: ``ddp_spawn``, ``ddp_notebook``)."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._RUN_STATE}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._root = self._handle = None
+        self._busy = self._pending = False
+        self._swapped = {}
+        self._left_alone = weakref.WeakSet()
+
     def __repr__(self) -> str:
         return (f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
                 f"exclude={self.exclude!r}, revert_on_teardown={self.revert_on_teardown})")

@@ -758,3 +758,82 @@ def test_ort_backend_wraps_a_child_with_a_lazy_layer_once_it_has_initialized():
     for k in s_state:
         torch.testing.assert_close(b_state[k].double(), s_state[k].double(), rtol=1e-4,
                                    atol=1e-5, msg=k)
+
+
+# --------------------------------------------------------------------------- pickling
+class SpawnClassifier(Classifier):
+    """A Classifier whose every rank records, for every training step, whether each
+    BatchNorm layer ran bnswap's forward, and the callback's plan (ddp_spawn's workers
+    return only the weights and the metrics to the main process)."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_train_end(self):
+        plan = next((cb.plan for cb in self.trainer.callbacks if isinstance(cb, BNSwap)), None)
+        torch.save({"train_swapped": self.seen["train_swapped"],
+                    "world_size": self.trainer.world_size,
+                    "plan": None if plan is None else [(r.name, r.action) for r in plan.rows]},
+                   os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
+
+
+def _fresh_and_used_callbacks() -> tuple[BNSwap, BNSwap]:
+    used = BNSwap(exclude="net.features.4")
+    model = Classifier()
+    trainer([used]).fit(model, data())
+    return BNSwap(include="net.*"), used
+
+
+def test_callback_pickles_fresh_and_after_a_fit():
+    """A launcher pickles the callback (ddp_spawn, ddp_notebook): a fresh one and one that
+    ran a fit (holding its per-run state: a WeakSet of skipped layers) both round-trip,
+    keep their arguments and plan, and the copy swaps like the original."""
+    import pickle
+
+    fresh, used = _fresh_and_used_callbacks()
+    assert len(used._left_alone) == 1  # the per-run state that did not pickle
+    for cb in (fresh, used):
+        copy = pickle.loads(pickle.dumps(cb))
+        assert type(copy) is BNSwap and repr(copy) == repr(cb)
+        if cb.plan is None:
+            assert copy.plan is None
+        else:
+            assert [(r.name, r.action, r.reason) for r in copy.plan.rows] == [
+                (r.name, r.action, r.reason) for r in cb.plan.rows]
+        model = Classifier()
+        trainer([copy]).fit(model, data())
+        assert [(n, bnswap.is_swapped(m)) for n, m in bn_layers(model).items()] == [
+            (n, cb is fresh or n != "net.features.4") for n in bn_layers(model)]
+        assert global_registration_hooks() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_spawn_fit_with_bnswap_like_stock(tmp_path):
+    """Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2): the launcher pickles
+    the callback into two real processes; every rank trains on swapped layers and the
+    weights returned to the main process equal stock BatchNorm's ddp_spawn run, bit for
+    bit."""
+    states = {}
+    for variant in ("stock", "bnswap"):
+        out = tmp_path / variant
+        out.mkdir()
+        pl.seed_everything(0)
+        model = SpawnClassifier(str(out))
+        cbs = [BNSwap()] if variant == "bnswap" else []
+        trainer(cbs, strategy="ddp_spawn", devices=2).fit(model, data())
+        states[variant] = state(model)
+        ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+        for r in ranks:
+            assert r["world_size"] == 2 and len(r["train_swapped"]) == 4
+            assert r["train_swapped"] == [[variant == "bnswap"] * 4] * 4
+        if variant == "bnswap":
+            assert ranks[0]["plan"] == [(f"net.features.{i}", "swap") for i in (1, 4, 8, 11)]
+    # the main process got the trained weights back (not its initial ones) ...
+    pl.seed_everything(0)
+    initial = state(SpawnClassifier(str(tmp_path)))
+    assert not torch.equal(states["stock"]["net.features.1.weight"],
+                           initial["net.features.1.weight"])
+    # ... identical to stock's
+    assert_states_equal(states["bnswap"], states["stock"])
