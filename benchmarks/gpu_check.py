@@ -10,6 +10,8 @@ bnswap layers and for stock ``nn.BatchNorm``:
 * ``compile``: a train step under ``torch.compile`` with the ``aot_eager`` backend (the
   aten graph as captured: bnswap should run cuDNN, stock the native kernel: pytorch
   issue 111384) and with ``inductor`` (which generates its own kernels for both);
+* ``fsdp2_bf16``: FSDP2 with ``param_dtype=torch.bfloat16`` on a one-rank process group:
+  stock raises, bnswap's step runs cuDNN, its output equals stock's on float32 weights;
 * ``exported``: graphs exported with ``torch.export`` / ``aot_export_module`` **on the
   CPU** and then moved to CUDA: the decomposed forward graph and the joint
   forward+backward train graph (bnswap: cuDNN; stock: native).
@@ -489,6 +491,62 @@ class Check:
                 "curves_every": every, "curves": {k2: v[::every] for k2, v in curves.items()},
                 "ok": all(s["finite"] for s in summary.values())}
 
+    def fsdp2_bf16(self) -> dict:
+        """FSDP2 mixed precision (``fully_shard(..., mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16))``) on a one-rank process group (nccl on CUDA, gloo on
+        the CPU): stock BatchNorm raises, bnswap trains a step (its batch-norm kernels
+        recorded: bfloat16 input with float32 parameters keeps cuDNN), and a bnswap layer's
+        output equals stock BatchNorm's with float32 weight and bias equal to the bfloat16
+        ones, on the same input (docs/lightning.md, "FSDP2 mixed precision")."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        own = not dist.is_initialized()
+        if own:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh(self.device, (1,))
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            res: dict = {"process_group": backend}
+            a, b = _pair(self.nets["convnet4"])
+            x, y = _batch(*self.compile_shape, self.device)
+            for name, m in (("bnswap", a), ("stock", b)):
+                fully_shard(m.to(self.device), mesh=mesh, mp_policy=policy)
+                step = _eager_step(m, x, y)
+                try:
+                    step()
+                except RuntimeError as e:
+                    res[name] = {"error": str(e)}
+                    continue
+                res[name] = profile_names(step, self.device)
+            torch.manual_seed(2)
+            bn = nn.BatchNorm2d(16).to(self.device)
+            with torch.no_grad():
+                bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-0.5, 0.5)
+            ref = copy.deepcopy(bn)
+            with torch.no_grad():  # float32 holding the bfloat16-cast values
+                ref.weight.copy_(ref.weight.bfloat16().float())
+                ref.bias.copy_(ref.bias.bfloat16().float())
+            fully_shard(bnswap.convert(bn), mesh=mesh, mp_policy=policy)
+            xb = torch.randn(8, 16, 8, 8, device=self.device).bfloat16()
+            with torch.no_grad():
+                out, want = bn(xb), ref(xb)
+            res["reference"] = {
+                "out_dtype": str(out.dtype), "running_var_dtype": str(bn.running_var.dtype),
+                "max_abs_diff": float((out.float() - want.float()).abs().max()),
+                "running_var_max_abs_diff": float((bn.running_var - ref.running_var).abs().max())}
+        finally:
+            if own:
+                dist.destroy_process_group()
+        r = res["reference"]
+        res["ok"] = ("error" in res["stock"] and "error" not in res["bnswap"]
+                     and r["out_dtype"] == "torch.bfloat16" and r["running_var_dtype"] == "torch.float32"
+                     and r["max_abs_diff"] == 0.0 and r["running_var_max_abs_diff"] == 0.0
+                     and (self.device != "cuda" or res["bnswap"]["kinds"] == ["cudnn"]))
+        return res
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -505,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                          "mobilenetv2 on the GPU, convnet4 in dry mode)")
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
-                         "compile_inductor,exported,training")
+                         "compile_inductor,exported,training,fsdp2_bf16")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dry = args.dry or args.rehearse or not cuda
@@ -529,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         ("compile_aot_eager", chk.compile_aot_eager, True),
         ("exported", chk.exported, True),
         ("training", chk.training, True),
+        ("fsdp2_bf16", chk.fsdp2_bf16, True),
         ("compile_inductor", chk.compile_inductor, not dry or args.rehearse),
     ]
     wanted = set(args.sections.split(",")) if args.sections else None
@@ -617,6 +676,11 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
         detail = f"{s['steps']} steps: " + "; ".join(
             f"{k} final {v['final_loss_mean_last']:.4f} (max |d| vs eager {v['max_abs_diff_vs_eager']:.2e})"
             for k, v in sm.items())
+    elif name == "fsdp2_bf16":
+        r = s["reference"]
+        detail = (f"{s['process_group']}: bnswap {_kinds(s['bnswap']) if 'error' not in s['bnswap'] else s['bnswap']['error']}; "
+                  f"stock {s['stock'].get('error', _kinds(s['stock']))}; out {r['out_dtype']}, running_var "
+                  f"{r['running_var_dtype']}, max |d| vs float32-weight stock {r['max_abs_diff']:.1e}")
     else:
         detail = ""
     if dry and s.get("note"):
