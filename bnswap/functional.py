@@ -119,6 +119,8 @@ def check_batch_norm_input(
     running_var: Tensor | None,
     use_batch_stats: bool,
     eps: float,
+    *,
+    synchronized: bool = False,
 ) -> None:
     """Raise what stock ``F.batch_norm`` raises for ``input``, before any kernel runs.
 
@@ -129,6 +131,10 @@ def check_batch_norm_input(
         use_batch_stats: True when the batch statistics are used (``F.batch_norm``'s
             ``training`` argument).
         eps: the layer's eps.
+        synchronized: the checks of one rank of a synchronized layer
+            (:mod:`bnswap.sync`), made before its first collective: no value-per-channel
+            check (that one is on the global batch), and the channel and dtype checks
+            on empty input too (an empty rank joins the collectives).
 
     Raises:
         NotImplementedError: non-floating input: stock's own error for the dtype and
@@ -151,14 +157,14 @@ def check_batch_norm_input(
     # Order as in stock: F._verify_batch_size (Python) first, then aten::batch_norm's
     # early return for empty input, its channel checks, and finally the kernel's dtype
     # dispatch.
-    if use_batch_stats:
+    if use_batch_stats and not synchronized:
         torch.nn.functional._verify_batch_size(input.size())
     if _CHECK_EPS:
         if use_batch_stats and eps <= 0.0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
         if eps < 0.0:
             raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
-    if input.numel() == 0:
+    if input.numel() == 0 and not synchronized:
         return  # stock returns early for empty input (see module_batch_norm)
     num_features = input.shape[1]
     for label, t in (
@@ -182,8 +188,10 @@ def check_batch_norm_input(
         # Stock's own call raises stock's dispatch error for this dtype and device (e.g.
         # '"batch_norm" not implemented for 'Long'', or the QuantizedCPU backend's) before
         # any kernel runs; on copies of the statistics, in case a dtype ever runs.
+        probe = input if input.numel() else torch.zeros(
+            (2, num_features), dtype=input.dtype, device=input.device)
         torch.batch_norm(
-            input, weight, bias,
+            probe, weight, bias,
             None if running_mean is None else running_mean.clone(),
             None if running_var is None else running_var.clone(),
             use_batch_stats, 0.0, eps, torch.backends.cudnn.enabled)

@@ -200,7 +200,7 @@ class _BNSwapBase:
         self._swap(pl_module, "swapped at stage start")
         self.plan = self._current_plan(pl_module)
         rank_zero_info(str(self.plan))
-        n_sync = sum(1 for r in self.plan.rows if r.cls == "SyncBatchNorm")
+        n_sync = sum(1 for r in self.plan.rows if r.cls == "SyncBatchNorm" and r.action == "skip")
         if n_sync:
             rank_zero_warn(
                 f"BNSwap: {n_sync} layer(s) are torch.nn.SyncBatchNorm "

@@ -477,11 +477,11 @@ class _FakeTrainer:
     is_global_zero = True
 
 
-def test_sync_batchnorm_is_left_alone_and_reported():
+def test_sync_batchnorm_layers_are_swapped_at_stage_start():
     """Trainer(sync_batchnorm=True): Lightning's TorchSyncBatchNorm converts every
-    _BatchNorm, bnswap layers included, in strategy.setup (after the callback's setup).
-    SyncBatchNorm refuses CPU input in a process group, so this runs the conversion
-    steps of a fit by hand: setup -> layer sync -> stage start."""
+    _BatchNorm, bnswap layers included, in strategy.setup (after the callback's setup);
+    the callback swaps the new SyncBatchNorm layers at stage start. The conversion steps
+    of a fit by hand: setup -> layer sync -> stage start."""
     from lightning.pytorch.plugins import TorchSyncBatchNorm
 
     model = Classifier()
@@ -499,12 +499,9 @@ def test_sync_batchnorm_is_left_alone_and_reported():
     layers = bn_layers(model)
     assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
     assert [m.weight for m in layers.values()] == weights  # same Parameter objects
-    assert [r.action for r in cb.plan.rows] == ["skip"] * 4
-    assert {r.reason for r in cb.plan.rows} == {
-        "SyncBatchNorm runs its own cross-process kernel; left as is"}
-    warned = [str(w.message) for w in caught if "BNSwap" in str(w.message)]
-    assert len(warned) == 1 and "4 layer(s) are torch.nn.SyncBatchNorm" in warned[0]
-    assert "sync_batchnorm=False" in warned[0]
+    assert [(r.action, r.adapter_name) for r in cb.plan.rows] == [
+        ("swap", "bnswap.sync.sync_batch_norm_forward")] * 4
+    assert [str(w.message) for w in caught if "BNSwap" in str(w.message)] == []
     assert global_registration_hooks() == 0
 
 
