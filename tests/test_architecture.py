@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "ort": {"functional", "_swap"},
     "plan": {"_swap", "_warn", "registry", "sync", "ort"},
     "convert": {"_swap", "_warn", "plan", "sync"},
-    "lightning": {"convert", "layers", "plan", "ort"},
+    "lightning": {"convert", "layers", "plan", "sync", "ort"},
     "__init__": {"functional", "_swap", "_graph", "layers", "_compat", "registry", "plan",
                  "convert", "lightning", "ort"},
     "app": {"__init__", "lightning"},

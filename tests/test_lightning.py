@@ -505,6 +505,93 @@ def test_sync_batchnorm_layers_are_swapped_at_stage_start():
     assert global_registration_hooks() == 0
 
 
+@pytest.mark.parametrize("exclude", [None, "net.features.4"])
+def test_sync_batchnorm_layer_sync_is_deferred_past_the_ddp_wrap_and_reverts_exactly(exclude):
+    """A real Trainer(strategy="ddp", sync_batchnorm=True), its strategy's steps of a fit
+    by hand (no processes): BNSwap stands in for Lightning's TorchSyncBatchNorm from
+    setup("fit"). Its apply (before the DDP wrap, which refuses SyncBatchNorm on the CPU)
+    leaves the model alone; the stage start converts every layer to a swapped, synchronized
+    SyncBatchNorm sharing the Parameters; the revert gives the original (still swapped)
+    layer objects back, and teardown gives Lightning its plugin back. With a layer
+    excluded, Lightning's own conversion runs (stock behaviour)."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    t = trainer(strategy="ddp", devices=2, sync_batchnorm=True)
+    lightning_plugin = t.strategy._layer_sync
+    assert type(lightning_plugin) is TorchSyncBatchNorm
+    model = Classifier()
+    originals = bn_layers(model)
+    cb = BNSwap(exclude=exclude)
+    try:
+        cb.setup(t, model, "fit")
+        applied = t.strategy._layer_sync.apply(model)  # DDPStrategy.setup, before the wrap
+        assert applied is model
+        layers = bn_layers(model)
+        if exclude is None:  # deferred: nothing for DDP's constructor to refuse
+            assert layers == originals
+        else:
+            assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
+        cb.on_fit_start(t, model)
+        layers = bn_layers(model)
+        assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
+        assert [m.weight for m in layers.values()] == [m.weight for m in originals.values()]
+        assert [(r.name, r.action, r.synchronized) for r in cb.plan.rows] == [
+            (n, "skip", False) if n == exclude else (n, "swap", True) for n in originals]
+        reverted = t.strategy._layer_sync.revert(model)  # DDPStrategy.teardown
+    finally:
+        cb.teardown(t, model, "fit")
+    assert t.strategy._layer_sync is lightning_plugin
+    layers = bn_layers(reverted)
+    if exclude is None:  # the very objects, swapped as BNSwap left them at setup
+        assert layers == originals
+        assert all(bnswap.is_swapped(m) for m in layers.values())
+    else:  # Lightning's revert: new _BatchNormXd layers
+        assert {type(m).__name__ for m in layers.values()} == {"_BatchNormXd"}
+    assert global_registration_hooks() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch(
+        strategy, tmp_path):
+    """Trainer(sync_batchnorm=True, strategy=ddp / ddp_spawn, accelerator="cpu",
+    devices=2) + BNSwap(), real gloo processes (tests/lightning_sync_fit.py; stock
+    Lightning raises "SyncBatchNorm layers only work with GPU modules" here): every
+    training step runs a swapped SyncBatchNorm sharing the original Parameters and
+    buffers; the plan logged on rank zero says it synchronizes over WORLD, 2 ranks; both
+    ranks end identical and equal to one process training stock BatchNorm on the global
+    batches (float64) within float32 rounding; teardown puts the original layer back."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        import lightning_sync_fit as script
+    finally:
+        sys.path.pop(0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, script.__file__, strategy, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"{strategy}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in ranks:
+        assert r["world_size"] == 2
+        assert [s[:4] for s in r["seen"]] == [("SyncBatchNorm", True, True, True)] * script.STEPS
+        assert r["plan"] == [("net.1", "SyncBatchNorm", "swap", "WORLD, 2 ranks")]
+        assert "synchronized at fit start, after the DDP wrap" in r["plan_text"]
+        assert r["original_back"] and r["original_swapped"]
+    assert (proc.stdout + proc.stderr).count("net.1  SyncBatchNorm  swap") == 1  # rank zero only
+    s0, s1 = ranks[0]["state"], ranks[1]["state"]
+    assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
+    ref = script.reference()
+    for k, want in ref.items():
+        if not want.is_floating_point():  # num_batches_tracked
+            assert torch.equal(s0["net." + k], want), k
+            continue
+        torch.testing.assert_close(s0["net." + k].double(), want, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
 # --------------------------------------------------------------------------- packaging
 def test_import_bnswap_does_not_import_lightning():
     code = ("import sys, bnswap\n"
