@@ -75,7 +75,8 @@ class Module(pl.LightningModule):
         super().__init__()
         self.out_dir, self.strategy = out_dir, strategy
         self.net = make_net()
-        self.original = self.net[1]
+        # the layer object, not a registered submodule (which the conversion would replace)
+        object.__setattr__(self, "original", self.net[1])
         self.seen = []
 
     def training_step(self, batch, batch_idx):
