@@ -27,7 +27,8 @@ from bnswap._swap import (
 )
 from bnswap._warn import warn
 from bnswap.registry import qualified_name
-from bnswap.sync import SYNC_KERNEL, describe_group, sync_class, to_sync_batch_norm
+from bnswap.sync import SYNC_KERNEL, allow_ddp_on_cpu, describe_group, sync_class, \
+    to_sync_batch_norm
 
 __all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "UnmatchedPatternWarning",
            "check_backend", "check_module", "check_patterns", "plan", "select_kernel"]
@@ -377,6 +378,8 @@ class Plan(Sequence[PlanRow]):
                     # two (a KeyboardInterrupt) cannot leave a layer swapped
                     undos.append(undo_of(r.module))
                     swap(r.module, r.adapter)
+            if any(r.synchronized for r in self.rows):
+                allow_ddp_on_cpu()  # DDP refuses CPU modules holding SyncBatchNorm layers
             if self.backend == "ort" and self.rows and wrapped_model(self.model) is None:
                 from bnswap import ort  # imported only when used (ONNX Runtime)
 

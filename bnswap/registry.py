@@ -15,7 +15,8 @@ class's ``forward`` does, with the batch norm on bnswap's kernel
   swapping would drop its behaviour, pytorch issue 187298).
 
 Built in: timm's ``timm.layers.norm_act.BatchNormAct2d`` ->
-:func:`bnswap.adapters.timm.batch_norm_act_2d`, registered by name so that timm is
+:func:`bnswap.adapters.timm.batch_norm_act_2d` and ``SyncBatchNormAct`` ->
+:func:`bnswap.adapters.timm.sync_batch_norm_act_2d`, registered by name so that timm is
 imported only when a timm model is converted.
 """
 
@@ -41,6 +42,7 @@ _FOUND: dict[type, Adapter | None] = {}
 # use (the source's package is already imported when a model holds it).
 _LAZY: dict[str, str] = {
     "timm.layers.norm_act.BatchNormAct2d": "bnswap.adapters.timm:batch_norm_act_2d",
+    "timm.layers.norm_act.SyncBatchNormAct": "bnswap.adapters.timm:sync_batch_norm_act_2d",
 }
 
 

@@ -47,10 +47,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from bnswap._swap import is_swapped
 from bnswap.functional import check_batch_norm_input, exponential_average_factor, \
     module_batch_norm
 
-__all__ = ["ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES", "SYNC_KERNEL", "describe_group", "original_of", "sync_batch_norm_forward",
+__all__ = ["allow_ddp_on_cpu", "ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES", "SYNC_KERNEL", "describe_group", "original_of", "sync_batch_norm_forward",
            "sync_class", "sync_group", "synchronized_batch_norm", "to_sync_batch_norm"]
 
 #: The instance attribute (in ``__dict__``, never a submodule: not in the state_dict) of a
@@ -159,6 +160,8 @@ class _SyncBatchNorm(torch.autograd.Function):
     def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None,
                 eps: float, group: Any, size: torch.Size) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         funcol = _funcol()
+        # all_gather_single (torch 2.13+; all_gather_tensor, its older name, warns there)
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
         acc = torch.float64 if input.dtype == torch.float64 else torch.float32
         c = input.shape[1]
         x = input.to(acc)
@@ -169,7 +172,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         else:  # an empty rank: n_i = 0 adds nothing to the global sums
             mean = m2 = torch.zeros(c, dtype=acc, device=input.device)
         packed = torch.cat([mean.new_full((1,), count), mean, m2])
-        gathered = _wait(funcol.all_gather_tensor(packed, 0, group)).view(-1, 2 * c + 1)
+        gathered = _wait(gather(packed, 0, group)).view(-1, 2 * c + 1)
         counts, means, m2s = gathered[:, :1], gathered[:, 1:c + 1], gathered[:, c + 1:]
         total = counts.sum()
         if torch.compiler.is_compiling():
@@ -313,6 +316,41 @@ def sync_batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
     if group is None:
         return module_batch_norm(layer, input)  # type: ignore[arg-type]
     return synchronized_batch_norm(layer, input, group)
+
+
+_DDP_PATCHED: list[bool] = []
+
+
+def allow_ddp_on_cpu() -> None:
+    """Let ``DistributedDataParallel`` wrap a CPU module whose ``SyncBatchNorm`` layers are
+    all bnswap-swapped (idempotent; :meth:`bnswap.Plan.apply` calls it when it swaps a
+    synchronized layer).
+
+    ``DistributedDataParallel.__init__`` refuses any CPU module holding an
+    ``nn.SyncBatchNorm`` (``ValueError: SyncBatchNorm layers only work with GPU modules``,
+    its ``_passing_sync_batchnorm_handle``) because stock's synchronized kernels are
+    CUDA-only; a swapped layer runs on every device. The check still refuses a module
+    with any unswapped ``SyncBatchNorm``, with torch's message. Version gate: none needed
+    (the method exists in every torch bnswap supports; if a torch drops it, nothing is
+    patched).
+    """
+    if _DDP_PATCHED:
+        return
+    from torch.nn.parallel import distributed
+
+    ddp = distributed.DistributedDataParallel
+    stock = getattr(ddp, "_passing_sync_batchnorm_handle", None)
+    if stock is None:
+        return
+
+    def _passing_sync_batchnorm_handle(self: Any, module: nn.Module) -> None:
+        if all(is_swapped(m) for m in module.modules() if isinstance(m, nn.SyncBatchNorm)):
+            return
+        stock(self, module)
+
+    _passing_sync_batchnorm_handle.__wrapped__ = stock  # type: ignore[attr-defined]
+    ddp._passing_sync_batchnorm_handle = _passing_sync_batchnorm_handle
+    _DDP_PATCHED.append(True)
 
 
 def to_sync_batch_norm(layer: nn.Module, process_group: Any = None,

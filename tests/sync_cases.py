@@ -158,6 +158,16 @@ def errors_case(rank: int, world: int) -> dict:
     except ValueError as e:
         out["not_member"] = str(e)
     out["plan_sync"] = [r.sync for r in bnswap.plan(nn.Sequential(only0, nn.SyncBatchNorm(2)))]
+    # DDP wraps a CPU module whose SyncBatchNorm layers are swapped, and still refuses a
+    # stock one (torch's check: stock's kernels are CUDA-only)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    DDP(bnswap.convert(nn.Sequential(nn.Linear(2, 3), nn.SyncBatchNorm(3))))
+    try:
+        DDP(nn.Sequential(nn.Linear(2, 3), nn.SyncBatchNorm(3)))
+        out["ddp_stock"] = None
+    except ValueError as e:
+        out["ddp_stock"] = str(e)
     return out
 
 

@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "_swap": {"functional"},
     "_graph": {"functional"},
     "layers": {"functional", "_swap"},
-    "sync": {"functional"},
+    "sync": {"functional", "_swap"},
     "adapters": {"functional", "sync"},
     "_compat": {"functional", "_swap", "_graph"},
     "registry": {"_swap", "layers", "adapters", "sync"},

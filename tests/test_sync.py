@@ -129,6 +129,7 @@ def test_errors_on_many_ranks(ranks):
     assert "is not in the layer's process_group" in results[1]["errors"]["not_member"]
     assert results[0]["errors"]["plan_sync"] == ["group of 1 rank", "WORLD, 2 ranks"]
     assert results[1]["errors"]["plan_sync"] == ["group without this rank", "WORLD, 2 ranks"]
+    assert results[0]["errors"]["ddp_stock"] == "SyncBatchNorm layers only work with GPU modules"
 
 
 def test_bad_input_on_one_rank_leaves_no_rank_waiting(ranks):
@@ -220,3 +221,70 @@ def test_ort_backend_refuses_syncbatchnorm():
     with pytest.raises(UnsupportedLayerError, match="sync_batchnorm=True with backend='ort'"):
         bnswap.convert(nn.Sequential(nn.BatchNorm2d(2)), backend="ort", sync_batchnorm=True)
     assert not bnswap.is_swapped(model[0])  # refused before anything changed
+
+
+@pytest.mark.zoo
+def test_timm_batchnormact2d_becomes_timms_syncbatchnormact():
+    """timm's BatchNormAct2d gets timm's own synchronized class (what
+    timm.layers.convert_sync_batchnorm makes), with drop and act kept; without a process
+    group it runs as the stock layer, bitwise; revert gives the original back."""
+    timm = pytest.importorskip("timm")
+    from timm.layers.norm_act import SyncBatchNormAct
+
+    layer = timm.layers.BatchNormAct2d(4, act_layer=nn.ReLU)
+    stock = copy.deepcopy(layer)
+    model = nn.Sequential(layer)
+    row = bnswap.plan(model, sync_batchnorm=True)[0]
+    assert row.sync_class is SyncBatchNormAct and "timm's SyncBatchNormAct" in row.reason
+    bnswap.convert(model, sync_batchnorm=True)
+    sync = model[0]
+    assert type(sync) is SyncBatchNormAct and sync.act is layer.act
+    assert bnswap.plan(model)[0].adapter_name == "bnswap.adapters.timm.sync_batch_norm_act_2d"
+    x = torch.randn(3, 4, 5, 5)
+    assert torch.equal(model(x), stock(x)) and torch.equal(sync.running_var, stock.running_var)
+    assert (model(x) >= 0).all()  # its act still applies
+    assert bnswap.revert(model)[0] is layer and type(layer) is timm.layers.BatchNormAct2d
+
+
+def test_ddp_syncbn_example_under_torchrun_matches_one_process(tmp_path):
+    """examples/ddp_syncbn.py with ``torchrun --nproc_per_node=2`` (gloo, CPU): convert with
+    sync_batchnorm=True, DDP, train, revert. Both ranks end with the same state, equal to
+    ONE process training stock BatchNorm2d on the concatenated global batches."""
+    import importlib.util
+
+    root = SCRIPT.parents[1]
+    example = root / "examples" / "ddp_syncbn.py"
+    steps, batch, lr = 3, 32, 0.05
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={sync_cases.free_port()}", str(example),
+         f"--steps={steps}", f"--batch_size={batch}", f"--lr={lr}", f"--out={tmp_path}", "--float64=true"],
+        env=env, capture_output=True, text=True, timeout=400, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "synchronized over: WORLD, 2 ranks | kernel: Sync (portable); eval Native" \
+        in proc.stdout
+    assert "stock BatchNorm2d layers again" in proc.stdout
+    s0, s1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []  # no buffer broadcast
+    spec = importlib.util.spec_from_file_location("ddp_syncbn", example)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (xt, yt), _ = mod.digits_split(16, seed=0)
+    ref = mod.build(0.5, 0).double()  # stock BatchNorm2d, one process, the global batch
+    opt = mod.optimizer(ref, lr)
+    for idx in mod.global_batches(len(yt), batch, steps, 0):
+        loss = torch.nn.functional.cross_entropy(ref(xt[idx].double()), yt[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    theirs = ref.state_dict()
+    assert s0.keys() == theirs.keys()
+    for k in s0:
+        # (float64; the net amplifies rounding to ~1e-8 in 3 steps, for stock as well)
+        torch.testing.assert_close(s0[k], theirs[k], rtol=1e-7, atol=1e-7)
+    moved = [k for k in s0 if "running_var" in k and not torch.equal(s0[k], torch.ones_like(s0[k]))]
+    assert len(moved) == len([k for k in s0 if "running_var" in k])  # statistics trained
