@@ -3,7 +3,10 @@
 ``Trainer(callbacks=[BNSwap()])`` runs every BatchNorm layer of the LightningModule on
 PyTorch's consolidated batch-norm ops for fit, validate, test and predict. It uses
 bnswap's public API only (:func:`bnswap.plan` / :meth:`bnswap.Plan.apply`,
-:func:`bnswap.revert`, :func:`bnswap.ort.wrap`). When it swaps what, and why then:
+:func:`bnswap.convert`, :func:`bnswap.revert`, :func:`bnswap.sync.original_of`,
+:func:`bnswap.ort.wrap`), and one Lightning attribute: the strategy's layer-sync plugin
+(``strategy._layer_sync``, Lightning 2.x), which it stands in for during a fit with
+``Trainer(sync_batchnorm=True)``. When it swaps what, and why then:
 ``docs/lightning.md``. Works with ``lightning`` (``lightning.pytorch``) and, when that is
 not installed, ``pytorch_lightning``; with both installed, ``BNSwapPL`` is the callback
 for ``pytorch_lightning.Trainer``.
@@ -382,9 +385,12 @@ class BNSwap(_BNSwapBase, pl.Callback):
     Shapes, dtypes and numerics are those of stock ``nn.BatchNorm1d/2d/3d``: input
     (N, C, *) float16 / bfloat16 / float32 / float64, output the same. Layers built
     during fit (a finetuning step that rebuilds them, a new head) are swapped before
-    their first training step. The callback never calls ``train()`` / ``eval()`` and
-    never touches ``track_running_stats``. When it swaps, and what
-    ``Trainer(sync_batchnorm=True)`` does: ``docs/lightning.md``.
+    their first training step. With ``Trainer(sync_batchnorm=True)`` every BatchNorm
+    becomes a swapped, synchronized ``nn.SyncBatchNorm`` (global batch statistics, any
+    device) right after the DDP wrap, and the original layers come back at teardown. The
+    callback never calls ``train()`` / ``eval()`` and never touches
+    ``track_running_stats``; it pickles (``ddp_spawn``). When it swaps, and how it stands
+    in for Lightning's ``TorchSyncBatchNorm``: ``docs/lightning.md``.
 
     Args:
         backend: ``"aten"``: PyTorch's consolidated ops (``aten._batch_norm_with_update``
