@@ -198,8 +198,9 @@ def check_batch_norm_input(
 
 
 #: Reduced-precision inputs torch's batch-norm kernels take with float32 parameters and
-#: statistics (their mixed-dtype path).
-_REDUCED = (torch.float16, torch.bfloat16)
+#: statistics (their mixed-dtype path). A frozenset: a float32 input is a hash miss, where
+#: a tuple compares it with both (dtype ``__eq__`` calls on every forward).
+_REDUCED = frozenset((torch.float16, torch.bfloat16))
 
 
 def mixed_precision_params(input: Tensor, weight: Tensor | None, bias: Tensor | None,

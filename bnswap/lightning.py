@@ -240,12 +240,12 @@ class _BNSwapBase:
     def _synchronizes_all(self, model: nn.Module) -> bool:
         """Whether ``convert(model, sync_batchnorm=True)`` with this callback's filters makes
         every BatchNorm layer a synchronized bnswap layer (what Lightning's plugin would
-        make a SyncBatchNorm)."""
+        make a SyncBatchNorm); False for a model without BatchNorm (nothing to defer)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnmatchedPatternWarning)
             rows = plan(model, "aten", include=self.include, exclude=self.exclude,
                         sync_batchnorm=True).rows
-        return all(r.action == "swap" and r.synchronized for r in rows)
+        return bool(rows) and all(r.action == "swap" and r.synchronized for r in rows)
 
     def _take_over_layer_sync(self, trainer: Any) -> None:
         """setup("fit"): stand in for Lightning's ``TorchSyncBatchNorm`` plugin
