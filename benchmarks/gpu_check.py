@@ -16,6 +16,13 @@ bnswap layers and for stock ``nn.BatchNorm``:
   CPU** and then moved to CUDA: the decomposed forward graph and the joint
   forward+backward train graph (bnswap: cuDNN; stock: native).
 
+* ``sync`` (issue 18): one synchronized layer forward + backward in a one-process NCCL
+  group: bnswap's portable formulation (``bnswap.sync``) against torch's synchronized
+  CUDA kernels (``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
+  ``batch_norm_elemt``, ...): every GPU kernel name of both, time per call, and the
+  difference of outputs and input gradients (dry: the same layer over a one-process gloo
+  group on the CPU, against stock BatchNorm).
+
 It then times the inductor-compiled train step bnswap vs stock (interleaved pairs,
 median of ratios), and trains the MobileNetV2-style net a few hundred steps with the
 exported-on-CPU joint graph, bnswap vs stock, comparing both loss curves with eager
@@ -91,8 +98,9 @@ def classify_kernel(name: str) -> str | None:
     return None
 
 
-def profile_names(fn: Callable[[], object], device: str) -> dict:
-    """Run ``fn`` once under the profiler; the batch-norm aten ops and GPU kernels seen."""
+def profile_names(fn: Callable[[], object], device: str, all_kernels: bool = False) -> dict:
+    """Run ``fn`` once under the profiler; the batch-norm aten ops and GPU kernels seen
+    (``all_kernels``: also every GPU kernel name, as ``gpu_kernels``)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU]
@@ -104,12 +112,14 @@ def profile_names(fn: Callable[[], object], device: str) -> dict:
             torch.cuda.synchronize()
     ops: set[str] = set()
     kernels: dict[str, set[str]] = {"cudnn": set(), "native": set(), "triton": set()}
+    every: set[str] = set()
     n_gpu = 0
     for e in prof.events():
         name = e.name
         on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
         if on_gpu:
             n_gpu += 1
+            every.add(name[:120])
             kind = classify_kernel(name)
             if kind:
                 kernels[kind].add(name)
@@ -120,8 +130,11 @@ def profile_names(fn: Callable[[], object], device: str) -> dict:
         if ops & _ATEN_CUDNN:
             kernels["cudnn"].add("(from aten ops) " + ", ".join(sorted(ops & _ATEN_CUDNN)))
     kinds = sorted(k for k, v in kernels.items() if v)
-    return {"aten_ops": sorted(ops), "bn_kernels": {k: sorted(v)[:6] for k, v in kernels.items() if v},
-            "kinds": kinds, "gpu_events": n_gpu}
+    out = {"aten_ops": sorted(ops), "bn_kernels": {k: sorted(v)[:6] for k, v in kernels.items() if v},
+           "kinds": kinds, "gpu_events": n_gpu}
+    if all_kernels:
+        out["gpu_kernels"] = sorted(every)[:40]
+    return out
 
 
 # ------------------------------------------------------------------------ helpers
@@ -434,6 +447,74 @@ class Check:
                 out[name] = f"error: {type(e).__name__}: {e}"[:300]
         return out
 
+    def sync(self) -> dict:
+        """Synchronized BatchNorm on the device (issue 18): bnswap's one portable
+        formulation (``bnswap.sync``: two-pass statistics, one all_gather, the
+        normalization on ``aten._batch_norm_no_update``) against torch's synchronized CUDA
+        kernels (``torch.nn.modules._functions.SyncBatchNorm``: ``batch_norm_stats``,
+        ``batch_norm_gather_stats_with_counts``, ``batch_norm_elemt``, ...), forward +
+        backward of one layer on (32, 64, 32, 32), in a process group of this one process
+        (NCCL on CUDA, gloo on the CPU; the collectives run, over one rank): kernel names,
+        time per call (interleaved pairs), and the difference of their outputs and input
+        gradients. Decides whether the plan's "Sync (portable)" should become torch's
+        kernels on CUDA (docs/design.md, "Synchronized BatchNorm")."""
+        import torch.distributed as dist
+        from torch.nn.modules._functions import SyncBatchNorm as TorchSync
+
+        from bnswap.sync import synchronized_batch_norm
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        made = not dist.is_initialized()
+        if made:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            n, c, hw = (4, 8, 8) if self.dry else (32, 64, 32)
+            g = torch.Generator().manual_seed(5)
+            x0 = torch.randn(n, c, hw, hw, generator=g).to(self.device)
+            dy = torch.randn(n, c, hw, hw, generator=g).to(self.device)
+            layer = nn.BatchNorm2d(c).to(self.device)
+            stock = copy.deepcopy(layer)
+
+            def ours():
+                x = x0.detach().requires_grad_(True)
+                out = synchronized_batch_norm(layer, x, group)
+                out.backward(dy)
+                return out, x.grad
+
+            def torchs():
+                x = x0.detach().requires_grad_(True)
+                out = TorchSync.apply(x, stock.weight, stock.bias, stock.running_mean,
+                                      stock.running_var, stock.eps, 0.1, group, 1)
+                out.backward(dy)
+                return out, x.grad
+
+            res: dict = {"backend": backend, "shape": [n, c, hw, hw],
+                         "bnswap": profile_names(ours, self.device, all_kernels=True)}
+            if self.device == "cuda":
+                res["torch_sync"] = profile_names(torchs, self.device, all_kernels=True)
+                (oa, ga), (ob, gb) = ours(), torchs()
+                res["max_abs_diff_out"] = float((oa - ob).abs().max())
+                res["max_abs_diff_grad"] = float((ga - gb).abs().max())
+                res["timing"] = _time_pairs(ours, torchs, 10 if self.quick else 30, 20,
+                                            self.device)
+                res["ok"] = res["max_abs_diff_out"] < 1e-4 and res["max_abs_diff_grad"] < 1e-4
+            else:
+                res["note"] = "torch's synchronized kernels need CUDA; kernel names need CUDA"
+                # over one rank the global batch is the local one: stock BatchNorm's result
+                out, grad = ours()
+                xr = x0.detach().requires_grad_(True)
+                ref = nn.BatchNorm2d(c)(xr)
+                ref.backward(dy)
+                res["max_abs_diff_vs_batchnorm"] = max(float((out - ref).abs().max()),
+                                                       float((grad - xr.grad).abs().max()))
+                res["ok"] = res["max_abs_diff_vs_batchnorm"] < 1e-5
+            return res
+        finally:
+            if made:
+                dist.destroy_process_group()
+
     def training(self) -> dict:
         """The net (MobileNetV2-style on the GPU) trained with the exported-on-CPU joint
         graph, bnswap and stock, against eager stock training (cuDNN on the GPU) from the
@@ -563,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                          "mobilenetv2 on the GPU, convnet4 in dry mode)")
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
-                         "compile_inductor,exported,training,fsdp2_bf16")
+                         "compile_inductor,exported,training,sync,fsdp2_bf16")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dry = args.dry or args.rehearse or not cuda
@@ -587,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         ("compile_aot_eager", chk.compile_aot_eager, True),
         ("exported", chk.exported, True),
         ("training", chk.training, True),
+        ("sync", chk.sync, True),
         ("fsdp2_bf16", chk.fsdp2_bf16, True),
         ("compile_inductor", chk.compile_inductor, not dry or args.rehearse),
     ]
@@ -671,6 +753,14 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
                   f"{_kinds(j['bnswap'])}, stock {_kinds(j['stock'])}")
         if "moved_to_meta" in s:
             detail += f"; moved to meta: {s['moved_to_meta']}"
+    elif name == "sync":
+        detail = f"{s['backend']}: bnswap {_kinds(s['bnswap'])}"
+        if "torch_sync" in s:
+            t = s["timing"]
+            detail += (f"; torch's sync kernels {_kinds(s['torch_sync'])}; fwd+bwd "
+                       f"{t['bnswap_ms']:.3f} / {t['stock_ms']:.3f} ms, ratio "
+                       f"{t['ratio_median']:.3f}; max |d| out {s['max_abs_diff_out']:.1e} "
+                       f"grad {s['max_abs_diff_grad']:.1e}")
     elif name == "training":
         sm = s["summary"]
         detail = f"{s['steps']} steps: " + "; ".join(

@@ -73,6 +73,9 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     t = s["training"]["summary"]
     assert t["exported_bnswap"]["max_abs_diff_vs_eager"] == 0.0
     assert t["exported_stock"]["max_abs_diff_vs_eager"] == 0.0
+    # the synchronized layer over a one-rank gloo group: stock BatchNorm's result
+    assert s["sync"]["backend"] == "gloo" and s["sync"]["ok"] is True
+    assert s["sync"]["bnswap"]["aten_ops"] == ["aten::_batch_norm_no_update"]
     assert gpu_dry["all_ok"] is True
 
 
