@@ -10,6 +10,8 @@ bnswap layers and for stock ``nn.BatchNorm``:
 * ``compile``: a train step under ``torch.compile`` with the ``aot_eager`` backend (the
   aten graph as captured: bnswap should run cuDNN, stock the native kernel: pytorch
   issue 111384) and with ``inductor`` (which generates its own kernels for both);
+* ``fsdp2_bf16``: FSDP2 with ``param_dtype=torch.bfloat16`` on a one-rank process group:
+  stock raises, bnswap's step runs cuDNN, its output equals stock's on float32 weights;
 * ``exported``: graphs exported with ``torch.export`` / ``aot_export_module`` **on the
   CPU** and then moved to CUDA: the decomposed forward graph (``run_decompositions({})``,
   which keeps bnswap's ops; the default table gives core ATen, stock's ops) and the joint
@@ -18,6 +20,13 @@ bnswap layers and for stock ``nn.BatchNorm``:
   ``bnswap.convert``, both moved to CUDA (``torch.export.passes.move_to_device_pass``):
   the converted program runs cuDNN where the original runs the native kernel (dry mode:
   the two agree bitwise on the CPU and run on the meta device).
+
+* ``sync`` (issue 18): one synchronized layer forward + backward in a one-process NCCL
+  group: bnswap's portable formulation (``bnswap.sync``) against torch's synchronized
+  CUDA kernels (``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
+  ``batch_norm_elemt``, ...): every GPU kernel name of both, time per call, and the
+  difference of outputs and input gradients (dry: the same layer over a one-process gloo
+  group on the CPU, against stock BatchNorm).
 
 It then times the inductor-compiled train step bnswap vs stock (interleaved pairs,
 median of ratios), and trains the MobileNetV2-style net a few hundred steps with the
@@ -94,8 +103,9 @@ def classify_kernel(name: str) -> str | None:
     return None
 
 
-def profile_names(fn: Callable[[], object], device: str) -> dict:
-    """Run ``fn`` once under the profiler; the batch-norm aten ops and GPU kernels seen."""
+def profile_names(fn: Callable[[], object], device: str, all_kernels: bool = False) -> dict:
+    """Run ``fn`` once under the profiler; the batch-norm aten ops and GPU kernels seen
+    (``all_kernels``: also every GPU kernel name, as ``gpu_kernels``)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU]
@@ -107,12 +117,14 @@ def profile_names(fn: Callable[[], object], device: str) -> dict:
             torch.cuda.synchronize()
     ops: set[str] = set()
     kernels: dict[str, set[str]] = {"cudnn": set(), "native": set(), "triton": set()}
+    every: set[str] = set()
     n_gpu = 0
     for e in prof.events():
         name = e.name
         on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
         if on_gpu:
             n_gpu += 1
+            every.add(name[:120])
             kind = classify_kernel(name)
             if kind:
                 kernels[kind].add(name)
@@ -123,8 +135,11 @@ def profile_names(fn: Callable[[], object], device: str) -> dict:
         if ops & _ATEN_CUDNN:
             kernels["cudnn"].add("(from aten ops) " + ", ".join(sorted(ops & _ATEN_CUDNN)))
     kinds = sorted(k for k, v in kernels.items() if v)
-    return {"aten_ops": sorted(ops), "bn_kernels": {k: sorted(v)[:6] for k, v in kernels.items() if v},
-            "kinds": kinds, "gpu_events": n_gpu}
+    out = {"aten_ops": sorted(ops), "bn_kernels": {k: sorted(v)[:6] for k, v in kernels.items() if v},
+           "kinds": kinds, "gpu_events": n_gpu}
+    if all_kernels:
+        out["gpu_kernels"] = sorted(every)[:40]
+    return out
 
 
 # ------------------------------------------------------------------------ helpers
@@ -477,6 +492,74 @@ class Check:
                 out[name] = f"error: {type(e).__name__}: {e}"[:300]
         return out
 
+    def sync(self) -> dict:
+        """Synchronized BatchNorm on the device (issue 18): bnswap's one portable
+        formulation (``bnswap.sync``: two-pass statistics, one all_gather, the
+        normalization on ``aten._batch_norm_no_update``) against torch's synchronized CUDA
+        kernels (``torch.nn.modules._functions.SyncBatchNorm``: ``batch_norm_stats``,
+        ``batch_norm_gather_stats_with_counts``, ``batch_norm_elemt``, ...), forward +
+        backward of one layer on (32, 64, 32, 32), in a process group of this one process
+        (NCCL on CUDA, gloo on the CPU; the collectives run, over one rank): kernel names,
+        time per call (interleaved pairs), and the difference of their outputs and input
+        gradients. Decides whether the plan's "Sync (portable)" should become torch's
+        kernels on CUDA (docs/design.md, "Synchronized BatchNorm")."""
+        import torch.distributed as dist
+        from torch.nn.modules._functions import SyncBatchNorm as TorchSync
+
+        from bnswap.sync import synchronized_batch_norm
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        made = not dist.is_initialized()
+        if made:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            n, c, hw = (4, 8, 8) if self.dry else (32, 64, 32)
+            g = torch.Generator().manual_seed(5)
+            x0 = torch.randn(n, c, hw, hw, generator=g).to(self.device)
+            dy = torch.randn(n, c, hw, hw, generator=g).to(self.device)
+            layer = nn.BatchNorm2d(c).to(self.device)
+            stock = copy.deepcopy(layer)
+
+            def ours():
+                x = x0.detach().requires_grad_(True)
+                out = synchronized_batch_norm(layer, x, group)
+                out.backward(dy)
+                return out, x.grad
+
+            def torchs():
+                x = x0.detach().requires_grad_(True)
+                out = TorchSync.apply(x, stock.weight, stock.bias, stock.running_mean,
+                                      stock.running_var, stock.eps, 0.1, group, 1)
+                out.backward(dy)
+                return out, x.grad
+
+            res: dict = {"backend": backend, "shape": [n, c, hw, hw],
+                         "bnswap": profile_names(ours, self.device, all_kernels=True)}
+            if self.device == "cuda":
+                res["torch_sync"] = profile_names(torchs, self.device, all_kernels=True)
+                (oa, ga), (ob, gb) = ours(), torchs()
+                res["max_abs_diff_out"] = float((oa - ob).abs().max())
+                res["max_abs_diff_grad"] = float((ga - gb).abs().max())
+                res["timing"] = _time_pairs(ours, torchs, 10 if self.quick else 30, 20,
+                                            self.device)
+                res["ok"] = res["max_abs_diff_out"] < 1e-4 and res["max_abs_diff_grad"] < 1e-4
+            else:
+                res["note"] = "torch's synchronized kernels need CUDA; kernel names need CUDA"
+                # over one rank the global batch is the local one: stock BatchNorm's result
+                out, grad = ours()
+                xr = x0.detach().requires_grad_(True)
+                ref = nn.BatchNorm2d(c)(xr)
+                ref.backward(dy)
+                res["max_abs_diff_vs_batchnorm"] = max(float((out - ref).abs().max()),
+                                                       float((grad - xr.grad).abs().max()))
+                res["ok"] = res["max_abs_diff_vs_batchnorm"] < 1e-5
+            return res
+        finally:
+            if made:
+                dist.destroy_process_group()
+
     def training(self) -> dict:
         """The net (MobileNetV2-style on the GPU) trained with the exported-on-CPU joint
         graph, bnswap and stock, against eager stock training (cuDNN on the GPU) from the
@@ -534,6 +617,62 @@ class Check:
                 "curves_every": every, "curves": {k2: v[::every] for k2, v in curves.items()},
                 "ok": all(s["finite"] for s in summary.values())}
 
+    def fsdp2_bf16(self) -> dict:
+        """FSDP2 mixed precision (``fully_shard(..., mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16))``) on a one-rank process group (nccl on CUDA, gloo on
+        the CPU): stock BatchNorm raises, bnswap trains a step (its batch-norm kernels
+        recorded: bfloat16 input with float32 parameters keeps cuDNN), and a bnswap layer's
+        output equals stock BatchNorm's with float32 weight and bias equal to the bfloat16
+        ones, on the same input (docs/lightning.md, "FSDP2 mixed precision")."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        own = not dist.is_initialized()
+        if own:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh(self.device, (1,))
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            res: dict = {"process_group": backend}
+            a, b = _pair(self.nets["convnet4"])
+            x, y = _batch(*self.compile_shape, self.device)
+            for name, m in (("bnswap", a), ("stock", b)):
+                fully_shard(m.to(self.device), mesh=mesh, mp_policy=policy)
+                step = _eager_step(m, x, y)
+                try:
+                    step()
+                except RuntimeError as e:
+                    res[name] = {"error": str(e)}
+                    continue
+                res[name] = profile_names(step, self.device)
+            torch.manual_seed(2)
+            bn = nn.BatchNorm2d(16).to(self.device)
+            with torch.no_grad():
+                bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-0.5, 0.5)
+            ref = copy.deepcopy(bn)
+            with torch.no_grad():  # float32 holding the bfloat16-cast values
+                ref.weight.copy_(ref.weight.bfloat16().float())
+                ref.bias.copy_(ref.bias.bfloat16().float())
+            fully_shard(bnswap.convert(bn), mesh=mesh, mp_policy=policy)
+            xb = torch.randn(8, 16, 8, 8, device=self.device).bfloat16()
+            with torch.no_grad():
+                out, want = bn(xb), ref(xb)
+            res["reference"] = {
+                "out_dtype": str(out.dtype), "running_var_dtype": str(bn.running_var.dtype),
+                "max_abs_diff": float((out.float() - want.float()).abs().max()),
+                "running_var_max_abs_diff": float((bn.running_var - ref.running_var).abs().max())}
+        finally:
+            if own:
+                dist.destroy_process_group()
+        r = res["reference"]
+        res["ok"] = ("error" in res["stock"] and "error" not in res["bnswap"]
+                     and r["out_dtype"] == "torch.bfloat16" and r["running_var_dtype"] == "torch.float32"
+                     and r["max_abs_diff"] == 0.0 and r["running_var_max_abs_diff"] == 0.0
+                     and (self.device != "cuda" or res["bnswap"]["kinds"] == ["cudnn"]))
+        return res
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -550,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
                          "mobilenetv2 on the GPU, convnet4 in dry mode)")
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
-                         "compile_inductor,exported,training")
+                         "compile_inductor,exported,training,sync,fsdp2_bf16")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dry = args.dry or args.rehearse or not cuda
@@ -575,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
         ("exported", chk.exported, True),
         ("converted_program", chk.converted_program, True),
         ("training", chk.training, True),
+        ("sync", chk.sync, True),
+        ("fsdp2_bf16", chk.fsdp2_bf16, True),
         ("compile_inductor", chk.compile_inductor, not dry or args.rehearse),
     ]
     wanted = set(args.sections.split(",")) if args.sections else None
@@ -665,11 +806,24 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
             detail = (f"ops {s['graph_ops']}; bitwise on cpu {s['bitwise_equal_on_cpu']}; "
                       f"moved to meta: {s['moved_to_meta']}")
         detail = detail.replace("aten.", "").replace(".default", "").replace("'", "")
+    elif name == "sync":
+        detail = f"{s['backend']}: bnswap {_kinds(s['bnswap'])}"
+        if "torch_sync" in s:
+            t = s["timing"]
+            detail += (f"; torch's sync kernels {_kinds(s['torch_sync'])}; fwd+bwd "
+                       f"{t['bnswap_ms']:.3f} / {t['stock_ms']:.3f} ms, ratio "
+                       f"{t['ratio_median']:.3f}; max |d| out {s['max_abs_diff_out']:.1e} "
+                       f"grad {s['max_abs_diff_grad']:.1e}")
     elif name == "training":
         sm = s["summary"]
         detail = f"{s['steps']} steps: " + "; ".join(
             f"{k} final {v['final_loss_mean_last']:.4f} (max |d| vs eager {v['max_abs_diff_vs_eager']:.2e})"
             for k, v in sm.items())
+    elif name == "fsdp2_bf16":
+        r = s["reference"]
+        detail = (f"{s['process_group']}: bnswap {_kinds(s['bnswap']) if 'error' not in s['bnswap'] else s['bnswap']['error']}; "
+                  f"stock {s['stock'].get('error', _kinds(s['stock']))}; out {r['out_dtype']}, running_var "
+                  f"{r['running_var_dtype']}, max |d| vs float32-weight stock {r['max_abs_diff']:.1e}")
     else:
         detail = ""
     if dry and s.get("note"):

@@ -35,6 +35,9 @@ training").
   refused there with a clear error (stock's graph cannot hold it: ``torch.export`` of a
   stock one raises; torchao would drop bnswap's cumulative update). Gate: torchao >= 0.18
   (tested 0.18.0) and the helpers called by name.
+* **DDP on the CPU**: ``DistributedDataParallel``'s check that refuses CPU modules
+  holding a ``SyncBatchNorm`` lets modules through whose SyncBatchNorm layers are all
+  swapped (:func:`_patch_ddp_syncbn_check`).
 * **core ATen** (``ExportedProgram.run_decompositions()`` with the default table):
   ``torch._decomp._core_aten_decompositions_post_autograd`` (the list the default table
   starts from) also decomposes the consolidated ops into stock's core ATen batch-norm
@@ -63,7 +66,7 @@ import torch
 from torch import nn
 
 from bnswap._graph import to_stock_ops
-from bnswap._swap import INTERNAL_HOOK, SwappedForward, on_first_swap, wrapped_model
+from bnswap._swap import INTERNAL_HOOK, SwappedForward, is_swapped, on_first_swap, wrapped_model
 from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT
 
 __all__ = ["CORE_ATEN_DECOMPOSITIONS", "DISABLE_ENV", "MIN_TORCHAO", "PATCHES", "Patch",
@@ -341,6 +344,35 @@ def patch_core_aten_decompositions() -> bool:
     return True
 
 
+# ------------------------------------------------------------------- DDP on the CPU
+def _patch_ddp_syncbn_check() -> bool:
+    """Let ``DistributedDataParallel`` wrap a CPU module whose ``SyncBatchNorm`` layers are
+    all swapped (:mod:`bnswap.sync` runs them on every device).
+
+    ``DistributedDataParallel.__init__`` refuses any CPU module holding an
+    ``nn.SyncBatchNorm`` (``ValueError: SyncBatchNorm layers only work with GPU modules``,
+    its ``_passing_sync_batchnorm_handle``) because stock's synchronized kernels are
+    CUDA-only. The check still refuses a module with any unswapped ``SyncBatchNorm``, with
+    torch's message. Gate: the method exists (torch 2.4 to 2.15)."""
+    from torch.nn.parallel import distributed
+
+    ddp = distributed.DistributedDataParallel
+    stock = getattr(ddp, "_passing_sync_batchnorm_handle", None)
+    if stock is None:
+        return False
+    if _patched(stock):
+        return True
+
+    @functools.wraps(stock)
+    def _passing_sync_batchnorm_handle(self: Any, module: nn.Module) -> None:
+        if all(is_swapped(m) for m in module.modules() if isinstance(m, nn.SyncBatchNorm)):
+            return
+        stock(self, module)
+
+    ddp._passing_sync_batchnorm_handle = _mark(_passing_sync_batchnorm_handle)
+    return True
+
+
 # ---------------------------------------------------------------------- the table
 class Patch(NamedTuple):
     """One patch: its ``name`` (for ``BNSWAP_DISABLE_PATCHES``), the ``module`` it
@@ -377,6 +409,11 @@ PATCHES: tuple[Patch, ...] = (
           "torchao.quantization.pt2e.export_utils._replace_batchnorm",
           "move_exported_model_to_eval / _train switch the swapped layers' nodes",
           f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name"),
+    Patch("ddp", None, _patch_ddp_syncbn_check,
+          "torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle",
+          "DistributedDataParallel wraps a CPU module whose SyncBatchNorm layers are all "
+          "swapped (stock refuses any SyncBatchNorm on the CPU: its kernels are CUDA-only)",
+          "the method exists; tested on torch 2.13 / 2.14"),
     Patch("core_aten", None, patch_core_aten_decompositions,
           "torch._decomp._core_aten_decompositions_post_autograd",
           "ExportedProgram.run_decompositions() (the default, core ATen table) turns the "
@@ -386,7 +423,7 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 #: Environment variable: ``all``, or patch names (``torchscript``, ``onnx``,
-#: ``torchao``, ``core_aten``), comma-separated, that :func:`install` leaves out.
+#: ``torchao``, ``ddp``, ``core_aten``), comma-separated, that :func:`install` leaves out.
 DISABLE_ENV = "BNSWAP_DISABLE_PATCHES"
 _NAMES = {p.name for p in PATCHES}
 _applied: set[str] = set()

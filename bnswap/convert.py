@@ -18,6 +18,7 @@ from bnswap import programs
 from bnswap._swap import unswap, wrapped_model
 from bnswap._warn import warn
 from bnswap.plan import Patterns, check_backend, check_module, plan
+from bnswap.sync import original_of
 
 __all__ = ["convert", "revert"]
 
@@ -30,6 +31,8 @@ def convert(
     *,
     include: Patterns = None,
     exclude: Patterns = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
 ) -> nn.Module:
     """Swap every BatchNorm layer of ``module`` onto bnswap's kernel, in place.
 
@@ -38,8 +41,11 @@ def convert(
     finetuning step rebuilt) are swapped. Atomic: if any layer cannot be converted, the
     model is left exactly as it was and the error is raised. What is not swapped is
     reported (``bnswap.plan``; the same table is logged by the ``bnswap`` logger at INFO):
-    ``SyncBatchNorm`` (its own kernel), subclasses that override ``forward`` with no
-    registered adapter (pytorch issue 187298), and anything excluded.
+    subclasses that override ``forward`` with no registered adapter (pytorch issue
+    187298), and anything excluded. ``nn.SyncBatchNorm`` layers are swapped onto bnswap's
+    synchronized forward (:mod:`bnswap.sync`: global batch statistics over their
+    ``process_group`` in training, on any device and backend; the unsynchronized path
+    otherwise).
 
     A swapped layer keeps its class (``type(layer) is nn.BatchNorm2d``) and runs
     ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` (pytorch PR 116092) in
@@ -62,11 +68,19 @@ def convert(
             is not wrapped.
         include, exclude: glob pattern(s) on qualified names (as in ``named_modules()``)
             and/or classes. A pattern that matches no BatchNorm layer warns.
+        sync_batchnorm: also turn every ``nn.BatchNorm1d/2d/3d`` (exact class, not
+            parametrized) into a swapped ``nn.SyncBatchNorm`` (timm's ``BatchNormAct2d``
+            into timm's ``SyncBatchNormAct``) that shares its Parameter, buffer and hook
+            objects (an optimizer built before stays valid); :func:`revert` puts the
+            original module objects back. The layers synchronize in training once a
+            process group is initialized (before or after this call).
+        process_group: the converted layers' ``process_group`` (None: WORLD).
 
     Returns:
         ``module`` itself; with ``backend="ort"``, the ``ORTModule`` wrapping it. Given a
         wrapper that ``backend="ort"`` returned, with ``backend="ort"``: that wrapper
-        (layers added inside since are swapped).
+        (layers added inside since are swapped). With ``sync_batchnorm=True`` and a
+        BatchNorm layer as ``module``: the new ``SyncBatchNorm``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
@@ -74,6 +88,9 @@ def convert(
             keep running ONNX Runtime: convert ``wrapper.module`` instead).
         bnswap.ort.ORTNotAvailableError: (an ImportError) ``backend="ort"`` without ONNX
             Runtime training installed.
+        bnswap.ort.errors.UnsupportedLayerError: (a TypeError) ``backend="ort"`` with
+            ``sync_batchnorm=True`` or a model holding a ``SyncBatchNorm`` (ONNX Runtime
+            cannot synchronize statistics across processes).
 
     Warns:
         UserWarning: the model has no BatchNorm layer, or (with no include / exclude)
@@ -90,12 +107,24 @@ def convert(
         (True, 'BatchNorm2d')
         >>> bnswap.revert(model) is model and not bnswap.is_swapped(model[1])
         True
+        >>> bn = model[1]
+        >>> bnswap.convert(model, sync_batchnorm=True)[1]
+        SyncBatchNorm(8, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True)
+        >>> model[1].weight is bn.weight, bnswap.is_swapped(model[1])
+        (True, True)
+        >>> bnswap.revert(model)[1] is bn
+        True
     """
     if programs.is_program(module):  # a torch.export program: bnswap.programs.convert
+        if sync_batchnorm:
+            raise ValueError("bnswap.convert: sync_batchnorm=True converts modules; a program's "
+                             "batch-norm nodes have no process group (convert the model, "
+                             "then export it)")
         return programs.convert(module, backend, include=include, exclude=exclude)
     check_module(module, "convert")
     check_backend(backend)
-    todo = plan(module, backend, include=include, exclude=exclude)
+    todo = plan(module, backend, include=include, exclude=exclude,
+                sync_batchnorm=sync_batchnorm, process_group=process_group)
     graph = isinstance(module, GraphModule) and programs.stock_nodes(module) > 0
     if not todo.rows and not graph:
         warn("bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
@@ -123,11 +152,14 @@ def revert(module: nn.Module) -> nn.Module:
     """Undo :func:`convert`: every swapped layer runs its class's own forward again.
 
     Same module objects, same Parameter and buffer objects, same flags and hooks; only
-    the instance attribute bnswap added (and the ORT backend's trace buffers) go. On an
-    ORT wrapper, reverts the model inside and returns the wrapper (use ``wrapper.module``).
+    the instance attribute bnswap added (and the ORT backend's trace buffers) go. A
+    ``SyncBatchNorm`` that ``convert(..., sync_batchnorm=True)`` made is replaced by the
+    original layer object it shares its state with (its class, hooks and flags; the
+    ``training`` flag taken from the SyncBatchNorm). On an ORT wrapper, reverts the model
+    inside and returns the wrapper (use ``wrapper.module``).
 
     Returns:
-        ``module``.
+        ``module`` (the original layer when ``module`` is itself such a SyncBatchNorm).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -141,6 +173,14 @@ def revert(module: nn.Module) -> nn.Module:
         (True, False, False)
     """
     check_module(module, "revert")
-    for m in module.modules():  # an ORT wrapper's modules() include the model's
+    modules = list(module.modules())  # an ORT wrapper's modules() include the model's
+    for parent in modules:
+        for key, child in parent._modules.items():
+            original = original_of(child) if child is not None else None
+            if original is not None:
+                parent._modules[key] = original
+                modules.append(original)
+    for m in modules:
         unswap(m)
-    return module
+    root = original_of(module)
+    return module if root is None else root

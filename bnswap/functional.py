@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["module_batch_norm", "check_batch_norm_input", "exponential_average_factor", "TRACE_WEIGHT", "TRACE_BIAS",
+           "mixed_precision_params",
            "drop_trace_buffers", "consolidated_ops_while_tracing", "records_consolidated_ops"]
 
 #: Names of optional per-layer buffers holding an affine=False layer's constant ones /
@@ -118,6 +119,8 @@ def check_batch_norm_input(
     running_var: Tensor | None,
     use_batch_stats: bool,
     eps: float,
+    *,
+    synchronized: bool = False,
 ) -> None:
     """Raise what stock ``F.batch_norm`` raises for ``input``, before any kernel runs.
 
@@ -128,6 +131,10 @@ def check_batch_norm_input(
         use_batch_stats: True when the batch statistics are used (``F.batch_norm``'s
             ``training`` argument).
         eps: the layer's eps.
+        synchronized: the checks of one rank of a synchronized layer
+            (:mod:`bnswap.sync`), made before its first collective: no value-per-channel
+            check (that one is on the global batch), and the channel and dtype checks
+            on empty input too (an empty rank joins the collectives).
 
     Raises:
         NotImplementedError: non-floating input: stock's own error for the dtype and
@@ -150,14 +157,14 @@ def check_batch_norm_input(
     # Order as in stock: F._verify_batch_size (Python) first, then aten::batch_norm's
     # early return for empty input, its channel checks, and finally the kernel's dtype
     # dispatch.
-    if use_batch_stats:
+    if use_batch_stats and not synchronized:
         torch.nn.functional._verify_batch_size(input.size())
     if _CHECK_EPS:
         if use_batch_stats and eps <= 0.0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
         if eps < 0.0:
             raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
-    if input.numel() == 0:
+    if input.numel() == 0 and not synchronized:
         return  # stock returns early for empty input (see module_batch_norm)
     num_features = input.shape[1]
     for label, t in (
@@ -181,11 +188,71 @@ def check_batch_norm_input(
         # Stock's own call raises stock's dispatch error for this dtype and device (e.g.
         # '"batch_norm" not implemented for 'Long'', or the QuantizedCPU backend's) before
         # any kernel runs; on copies of the statistics, in case a dtype ever runs.
+        probe = input if input.numel() else torch.zeros(
+            (2, num_features), dtype=input.dtype, device=input.device)
         torch.batch_norm(
-            input, weight, bias,
+            probe, weight, bias,
             None if running_mean is None else running_mean.clone(),
             None if running_var is None else running_var.clone(),
             use_batch_stats, 0.0, eps, torch.backends.cudnn.enabled)
+
+
+#: Reduced-precision inputs torch's batch-norm kernels take with float32 parameters and
+#: statistics (their mixed-dtype path). A frozenset: a float32 input is a hash miss, where
+#: a tuple compares it with both (dtype ``__eq__`` calls on every forward).
+_REDUCED = frozenset((torch.float16, torch.bfloat16))
+
+
+def mixed_precision_params(input: Tensor, weight: Tensor | None, bias: Tensor | None,
+                           running_mean: Tensor | None, running_var: Tensor | None
+                           ) -> tuple[Tensor | None, Tensor | None]:
+    """``weight`` / ``bias`` as float32 when a mixed-precision wrapper cast them to the
+    half input's dtype but left the statistics float32; unchanged otherwise.
+
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (and FSDP1's
+    ``MixedPrecision(param_dtype=...)``) casts Parameters and inputs, never buffers: a
+    BatchNorm then gets bfloat16 input, bfloat16 weight and bias, float32 running
+    statistics, a combination every batch-norm kernel refuses (``RuntimeError: expected
+    scalar type BFloat16 but found Float``; pytorch/torchtitan#674,
+    Lightning-AI/pytorch-lightning#18802). torch's mixed-dtype path takes half input
+    with float32 weight, bias and statistics (ATen ``is_mixed_type`` /
+    ``check_mixed_data_type``, ``aten/src/ATen/native/mixed_dtype.h``; cuDNN wants float32
+    parameters for half input too): the normalization runs in float32 and returns the
+    input's dtype. So the parameters run upcast: exactly stock ``nn.BatchNorm`` with
+    float32 weight and bias equal to the cast ones, on the same input; their gradients
+    are that run's, cast back to the parameters' dtype by autograd.
+
+    Args:
+        input: (N, C, *) tensor.
+        weight, bias: (C,) tensors or None, as the layer holds them.
+        running_mean, running_var: (C,) tensors, or None when not used.
+
+    Returns:
+        ``(weight, bias)``: upcast to float32 when ``input`` is float16 / bfloat16, both
+        statistics are float32 and the parameter has the input's dtype; otherwise the
+        arguments. Any other mismatch (float64 statistics, float16 weight with bfloat16
+        input) keeps stock's error.
+
+    Examples::
+
+        >>> import torch
+        >>> from bnswap.functional import mixed_precision_params
+        >>> x, w = torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)
+        >>> stats = torch.zeros(3), torch.ones(3)
+        >>> [t.dtype for t in mixed_precision_params(x, w, w, *stats)]
+        [torch.float32, torch.float32]
+        >>> mixed_precision_params(x, w, w, None, None)[0].dtype  # no statistics: all bf16
+        torch.bfloat16
+    """
+    if (running_mean is None or running_var is None or running_mean.dtype != torch.float32
+            or running_var.dtype != torch.float32):
+        return weight, bias
+    dtype = input.dtype
+    if weight is not None and weight.dtype == dtype:
+        weight = weight.float()
+    if bias is not None and bias.dtype == dtype:
+        bias = bias.float()
+    return weight, bias
 
 
 def _param_dtype(input: Tensor, *refs: Tensor | None) -> torch.dtype:
@@ -318,6 +385,8 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     check_batch_norm_input(
         input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
     )
+    if input.dtype in _REDUCED:  # half parameters with float32 statistics (FSDP2)
+        weight, bias = mixed_precision_params(input, weight, bias, running_mean, running_var)
     momentum = bn.momentum
     # (a float first: the ABC check of numbers.Real costs ~0.2 us on every forward)
     if momentum is not None and type(momentum) is not float \

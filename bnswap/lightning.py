@@ -3,7 +3,10 @@
 ``Trainer(callbacks=[BNSwap()])`` runs every BatchNorm layer of the LightningModule on
 PyTorch's consolidated batch-norm ops for fit, validate, test and predict. It uses
 bnswap's public API only (:func:`bnswap.plan` / :meth:`bnswap.Plan.apply`,
-:func:`bnswap.revert`, :func:`bnswap.ort.wrap`). When it swaps what, and why then:
+:func:`bnswap.convert`, :func:`bnswap.revert`, :func:`bnswap.sync.original_of`,
+:func:`bnswap.ort.wrap`), and one Lightning attribute: the strategy's layer-sync plugin
+(``strategy._layer_sync``, Lightning 2.x), which it stands in for during a fit with
+``Trainer(sync_batchnorm=True)``. When it swaps what, and why then:
 ``docs/lightning.md``. Works with ``lightning`` (``lightning.pytorch``) and, when that is
 not installed, ``pytorch_lightning``; with both installed, ``BNSwapPL`` is the callback
 for ``pytorch_lightning.Trainer``.
@@ -23,7 +26,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.hooks import RemovableHandle
 
-from bnswap.convert import revert
+from bnswap.convert import convert, revert
 from bnswap.layers import is_swapped
 from bnswap.plan import (
     Patterns,
@@ -33,6 +36,7 @@ from bnswap.plan import (
     check_patterns,
     plan,
 )
+from bnswap.sync import original_of
 
 try:  # the unified package first, the standalone one otherwise
     import lightning.pytorch as pl
@@ -62,6 +66,44 @@ def _ort() -> Any:
     return ort
 
 
+class _LayerSyncAfterWrap:
+    """Lightning's layer-sync plugin (``Trainer(sync_batchnorm=True)``) while a BNSwap fit
+    runs: BatchNorm becomes bnswap's synchronized ``SyncBatchNorm`` after the DDP wrap.
+
+    Lightning's ``TorchSyncBatchNorm.apply`` runs in ``strategy.setup`` before the DDP wrap
+    and makes new ``SyncBatchNorm`` objects; DDP's constructor refuses those on the CPU
+    (``ValueError: SyncBatchNorm layers only work with GPU modules``, torch's
+    ``_passing_sync_batchnorm_handle``), and its ``revert`` gives ``_BatchNormXd`` layers
+    back, not the originals. Here ``apply`` leaves the model as it is when bnswap will
+    synchronize every BatchNorm layer of it (then BNSwap converts at the stage start, right
+    after the wrap and the optimizers: ``bnswap.convert(..., sync_batchnorm=True)`` keeps
+    the Parameter and buffer objects, so DDP's and the optimizers' references stay valid),
+    and otherwise (a layer excluded or without a synchronized class) does exactly what
+    Lightning's plugin does. ``revert`` puts the original layer objects back (the swap
+    they had included), or calls Lightning's.
+    """
+
+    def __init__(self, lightning: Any, callback: _BNSwapBase) -> None:
+        self.lightning = lightning  # the plugin it stands in for (TorchSyncBatchNorm)
+        self.callback = callback
+        self.deferred = False  # apply left the conversion to the stage start
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        self.deferred = self.callback._synchronizes_all(model)
+        return model if self.deferred else self.lightning.apply(model)
+
+    def revert(self, model: nn.Module) -> nn.Module:
+        if not self.deferred:
+            return self.lightning.revert(model)
+        self.deferred = False
+        for parent in list(model.modules()):
+            for key, child in list(parent._modules.items()):
+                original = None if child is None else original_of(child)
+                if original is not None:
+                    parent._modules[key] = original
+        return model
+
+
 class _BNSwapBase:
     """The callback's logic, independent of which Lightning package provides the base
     (the arguments are documented on :class:`BNSwap`)."""
@@ -87,9 +129,31 @@ class _BNSwapBase:
         self._busy = False
         self._pending = False
         self._swapped: dict[int, str] = {}  # id(layer) -> when this callback swapped it
+        self._layer_sync: _LayerSyncAfterWrap | None = None  # installed for this fit
         # layers the plan skips (excluded, SyncBatchNorm...): not planned again each step
         self._left_alone: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._logged: list[dict[str, str]] | None = None  # the plan table last logged
+
+    # ------------------------------------------------------------------ pickling
+    #: Per-run state: the model being set up, the registration hook, layers by id (ids
+    #: mean nothing in another process), a WeakSet (its callback does not pickle:
+    #: "Can't pickle local object 'WeakSet.__init__.<locals>._remove'"). ``setup``
+    #: rebuilds all of it, so a copy carries the arguments and the last ``plan`` only.
+    _RUN_STATE = ("_root", "_handle", "_busy", "_pending", "_swapped", "_left_alone",
+                  "_layer_sync")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` / ``copy.deepcopy`` keep: everything but the per-run state
+        (launchers that pickle callbacks: ``ddp_spawn``, ``ddp_notebook``)."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._RUN_STATE}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._root = self._handle = None
+        self._busy = self._pending = False
+        self._swapped = {}
+        self._left_alone = weakref.WeakSet()
+        self._layer_sync = None
 
     def __repr__(self) -> str:
         return (f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
@@ -179,12 +243,57 @@ class _BNSwapBase:
             rows.append(r)
         return Plan(rows, pl_module, self.backend)
 
+    # ------------------------------------------------------------ sync_batchnorm
+    def _synchronizes_all(self, model: nn.Module) -> bool:
+        """Whether ``convert(model, sync_batchnorm=True)`` with this callback's filters makes
+        every BatchNorm layer a synchronized bnswap layer (what Lightning's plugin would
+        make a SyncBatchNorm); False for a model without BatchNorm (nothing to defer)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnmatchedPatternWarning)
+            rows = plan(model, "aten", include=self.include, exclude=self.exclude,
+                        sync_batchnorm=True).rows
+        return bool(rows) and all(r.action == "swap" and r.synchronized for r in rows)
+
+    def _take_over_layer_sync(self, trainer: Any) -> None:
+        """setup("fit"): stand in for Lightning's ``TorchSyncBatchNorm`` plugin
+        (``Trainer(sync_batchnorm=True)``) until teardown. A plugin of the user's own
+        (another ``LayerSync``) and the ORT backend (which cannot synchronize) keep
+        Lightning's behaviour."""
+        strategy = getattr(trainer, "strategy", None)
+        sync = getattr(strategy, "_layer_sync", None)  # Lightning 2.x ParallelStrategy
+        if isinstance(sync, _LayerSyncAfterWrap):  # left by a fit that raised
+            sync = sync.lightning
+            strategy._layer_sync = sync
+        if sync is None or self.backend != "aten" or type(sync).__name__ != "TorchSyncBatchNorm":
+            return
+        self._layer_sync = _LayerSyncAfterWrap(sync, self)
+        strategy._layer_sync = self._layer_sync
+
+    def _give_back_layer_sync(self, trainer: Any) -> None:
+        strategy = getattr(trainer, "strategy", None)
+        if self._layer_sync is not None and getattr(strategy, "_layer_sync", None) is self._layer_sync:
+            strategy._layer_sync = self._layer_sync.lightning
+        self._layer_sync = None
+
+    def _sync_after_wrap(self, pl_module: nn.Module) -> None:
+        """The stage start of a fit whose layer sync was deferred: every BatchNorm layer
+        becomes a swapped, synchronized SyncBatchNorm now, after the DDP wrap."""
+        if self._layer_sync is None or not self._layer_sync.deferred:
+            return
+        before = {id(m) for m in pl_module.modules()}
+        convert(pl_module, include=self.include, exclude=self.exclude, sync_batchnorm=True)
+        for m in pl_module.modules():
+            if isinstance(m, nn.SyncBatchNorm) and id(m) not in before:
+                self._swapped[id(m)] = ("synchronized at fit start, after the DDP wrap "
+                                        "(Trainer(sync_batchnorm=True))")
+
     def _start(self, trainer: Any, pl_module: nn.Module) -> None:
         """The stage starts: strategy.setup is done. Finish, record and log the plan."""
         if not self._pending:
             return
         self._pending = False
         self._remove_hook()
+        self._sync_after_wrap(pl_module)
         self._swap(pl_module, "swapped at stage start")
         self.plan = self._current_plan(pl_module)
         # what each layer runs (the reason says when it was swapped: not a change)
@@ -194,14 +303,12 @@ class _BNSwapBase:
             self._logged = table
         else:
             rank_zero_info(f"{self.plan.summary()} (unchanged since the last stage)")
-        n_sync = sum(1 for r in self.plan.rows if r.cls == "SyncBatchNorm")
+        n_sync = sum(1 for r in self.plan.rows if r.cls == "SyncBatchNorm" and r.action == "skip")
         if n_sync:
             rank_zero_warn(
-                f"BNSwap: {n_sync} layer(s) are torch.nn.SyncBatchNorm "
-                "(Trainer(sync_batchnorm=True) converts every BatchNorm, swapped ones "
-                "included, in strategy.setup). SyncBatchNorm runs its own cross-process "
-                "kernel; bnswap leaves it alone. Use sync_batchnorm=False to train on bnswap "
-                "layers.")
+                f"BNSwap: {n_sync} torch.nn.SyncBatchNorm layer(s) are not swapped (the "
+                "plan's reason column says why): they run torch's SyncBatchNorm, which needs "
+                "a GPU once a process group is initialized (on the CPU, DDP refuses them).")
         if not self.plan.rows:
             rank_zero_warn("BNSwap: the model has no BatchNorm layer; nothing was swapped"
                            + (" and nothing is wrapped in ONNX Runtime"
@@ -246,6 +353,8 @@ class _BNSwapBase:
         self._left_alone = weakref.WeakSet()
         self._swap(pl_module, "swapped at setup")
         self._handle = register_module_module_registration_hook(self._on_register)
+        if stage == "fit":
+            self._take_over_layer_sync(trainer)
 
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
         self._start(trainer, pl_module)
@@ -272,6 +381,7 @@ class _BNSwapBase:
 
     def teardown(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         self._remove_hook()
+        self._give_back_layer_sync(trainer)  # strategy.teardown has reverted the layer sync
         self._pending = False
         self._root = None
         if self.revert_on_teardown:
@@ -288,9 +398,12 @@ class BNSwap(_BNSwapBase, pl.Callback):
     Shapes, dtypes and numerics are those of stock ``nn.BatchNorm1d/2d/3d``: input
     (N, C, *) float16 / bfloat16 / float32 / float64, output the same. Layers built
     during fit (a finetuning step that rebuilds them, a new head) are swapped before
-    their first training step. The callback never calls ``train()`` / ``eval()`` and
-    never touches ``track_running_stats``. When it swaps, and what
-    ``Trainer(sync_batchnorm=True)`` does: ``docs/lightning.md``.
+    their first training step. With ``Trainer(sync_batchnorm=True)`` every BatchNorm
+    becomes a swapped, synchronized ``nn.SyncBatchNorm`` (global batch statistics, any
+    device) right after the DDP wrap, and the original layers come back at teardown. The
+    callback never calls ``train()`` / ``eval()`` and never touches
+    ``track_running_stats``; it pickles (``ddp_spawn``). When it swaps, and how it stands
+    in for Lightning's ``TorchSyncBatchNorm``: ``docs/lightning.md``.
 
     Args:
         backend: ``"aten"``: PyTorch's consolidated ops (``aten._batch_norm_with_update``

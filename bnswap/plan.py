@@ -28,6 +28,8 @@ from bnswap._swap import (
 )
 from bnswap._warn import warn
 from bnswap.registry import qualified_name
+from bnswap.sync import SYNC_KERNEL, describe_group, sync_class, \
+    to_sync_batch_norm
 
 __all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "UnmatchedPatternWarning",
            "check_backend", "check_module", "check_patterns", "plan", "select_kernel"]
@@ -200,6 +202,9 @@ class PlanRow:
             initializes).
         already: swapped before this plan was made (apply leaves it as it is).
         device: where :attr:`kernel` is evaluated (None: where the layer's tensors are).
+        sync_class: the synchronized class the layer becomes (``nn.SyncBatchNorm``)
+            with ``sync_batchnorm=True``, else None.
+        process_group: the ``process_group`` it gets then (None: WORLD).
 
     Examples::
 
@@ -220,6 +225,29 @@ class PlanRow:
     lazy: bool = False
     already: bool = False
     device: torch.device | str | None = field(default=None, repr=False, compare=False)
+    sync_class: type | None = None
+    process_group: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def synchronized(self) -> bool:
+        """Whether the swapped layer synchronizes its training statistics (a
+        ``SyncBatchNorm``, or becoming one)."""
+        return self.action == "swap" and (
+            self.sync_class is not None or isinstance(self.module, nn.SyncBatchNorm))
+
+    @property
+    def sync(self) -> str:
+        """Over what the layer synchronizes in training: ``"WORLD, 2 ranks"``, ``"group
+        of 4 ranks"``, ``"WORLD, not initialized"`` (unsynchronized until a process group
+        is initialized); ``"-"`` for a layer that does not synchronize."""
+        if not self.synchronized:
+            return "-"
+        group = self.process_group if self.sync_class is not None else getattr(
+            self.module, "process_group", None)
+        return describe_group(group)
+
+    def _synchronizes_now(self) -> bool:
+        return self.synchronized and self.sync.endswith("ranks")
 
     @property
     def adapter_name(self) -> str:
@@ -229,7 +257,9 @@ class PlanRow:
     @property
     def kernel(self) -> str:
         """The kernel this layer runs with: ``torch._C._select_batch_norm_backend``'s
-        choice (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs) for ``aten``,
+        choice (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs) for ``aten``;
+        ``"Sync (portable); eval Native"`` for a layer that synchronizes over more than
+        one rank (bnswap's one formulation on every device, :mod:`bnswap.sync`);
         ``"BatchNormInternal (ORT)"`` for ``ort``, ``"-"`` when skipped. Computed when
         read (a probe per layer: it cost more than convert itself on large models,
         benchmarks P5)."""
@@ -237,13 +267,16 @@ class PlanRow:
             return "-"
         if self.backend == "ort":
             return _ORT_KERNEL
-        return select_kernel(self.module, self.device)
+        kernel = select_kernel(self.module, self.device)
+        if self._synchronizes_now():
+            return f"{SYNC_KERNEL}; eval {kernel}"
+        return kernel
 
     def to_dict(self) -> dict[str, str]:
         """The table's columns as plain strings (for logging or JSON)."""
         return {"name": self.name, "cls": self.cls, "action": self.action,
                 "reason": self.reason, "backend": self.backend, "kernel": self.kernel,
-                "adapter": self.adapter_name}
+                "adapter": self.adapter_name, "sync": self.sync}
 
 
 class Plan(Sequence[PlanRow]):
@@ -270,10 +303,14 @@ class Plan(Sequence[PlanRow]):
     """
 
     def __init__(self, rows: Sequence[PlanRow], model: nn.Module | None = None,
-                 backend: str = "aten"):
+                 backend: str = "aten",
+                 parents: dict[int, list[tuple[nn.Module, str]]] | None = None):
         self.rows: tuple[PlanRow, ...] = tuple(rows)
         self.model = model
         self.backend = backend
+        # id(layer) -> (parent, key) of every place it sits: where apply() puts the
+        # SyncBatchNorm a sync_batchnorm=True row makes
+        self._parents = parents or {}
 
     def __getitem__(self, i):  # type: ignore[override]
         return self.rows[i]
@@ -330,10 +367,22 @@ class Plan(Sequence[PlanRow]):
         """
         if self.model is None:
             raise ValueError("this Plan has no model to apply to (build it with bnswap.plan)")
+        if self.backend == "ort":
+            _refuse_sync_on_ort(self.rows)
         undos: list[Callable[[], None]] = []
+        model = self.model
         try:
             for r in self.rows:
-                if r.action == "swap" and not r.already:
+                if r.action == "swap" and r.sync_class is not None:
+                    assert r.adapter is not None and r.module is not None
+                    layer = to_sync_batch_norm(r.module, r.process_group, r.sync_class)
+                    swap(layer, r.adapter)
+                    for parent, key in self._parents.get(id(r.module), ()):
+                        undos.append(_put_back(parent, key, r.module))
+                        parent._modules[key] = layer
+                    if r.module is model:
+                        model = layer
+                elif r.action == "swap" and not r.already:
                     assert r.adapter is not None and r.module is not None
                     # the undo is taken before the swap, so an interrupt between the
                     # two (a KeyboardInterrupt) cannot leave a layer swapped
@@ -343,16 +392,20 @@ class Plan(Sequence[PlanRow]):
                 from bnswap import ort  # imported only when used (ONNX Runtime)
 
                 return ort.wrap(self.model)
-            return self.model  # (an ORT wrapper exports again on its next call)
+            return model  # (an ORT wrapper exports again on its next call)
         except BaseException:
             for undo in reversed(undos):
                 undo()
             raise
 
     def __str__(self) -> str:
-        header = ("layer", "class", "action", "backend", "kernel", "adapter", "reason")
+        header: tuple[str, ...] = ("layer", "class", "action", "backend", "kernel", "adapter",
+                                   "reason")
         body = [(r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.reason)
                 for r in self.rows]
+        if any(r.synchronized for r in self.rows):  # the sync column only when it says something
+            header = header[:-1] + ("sync", header[-1])
+            body = [b[:-1] + (r.sync, b[-1]) for b, r in zip(body, self.rows)]
         if not body:
             return self.summary() + " (the model has no BatchNorm layers)"
         # Every column but the last (the reason, not padded) as wide as its widest cell.
@@ -380,13 +433,38 @@ def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:
         isinstance(m, _BatchNorm) for m in gm.modules())
 
 
+def _put_back(parent: nn.Module, key: str, layer: nn.Module) -> Callable[[], None]:
+    def undo() -> None:
+        parent._modules[key] = layer
+
+    return undo
+
+
+def _refuse_sync_on_ort(rows: Sequence[PlanRow]) -> None:
+    """Raise ``bnswap.ort.errors.UnsupportedLayerError`` for a SyncBatchNorm on the ORT
+    backend: ONNX Runtime's BatchNormInternal computes each process's own statistics."""
+    for r in rows:
+        if isinstance(r.module, nn.SyncBatchNorm) and not r.reason.startswith(
+                ("excluded", "not matched")):
+            from bnswap.ort.errors import UnsupportedLayerError  # imports no ONNX Runtime
+
+            raise UnsupportedLayerError(_ORT_SYNC_MESSAGE.format(name=r.name))
+
+
+_ORT_CANNOT_SYNC = "ONNX Runtime cannot synchronize batch statistics across processes"
+_ORT_SYNC_MESSAGE = (
+    "bnswap: layer {name!r} is a SyncBatchNorm; the ONNX Runtime backend cannot synchronize "
+    "batch statistics across processes (its BatchNormInternal kernel sees one process's "
+    "batch). Use backend='aten' (synchronized on every device), or exclude the layer.")
+
+
 def _display(name: str) -> str:
     return name or "(root)"
 
 
 def _row(name: str, m: nn.Module, cls: type, backend: str, device, action: str,
-         reason: str, adapter: Adapter | None = None, **kw: bool) -> PlanRow:
-    if action == "skip" and backend == "ort":
+         reason: str, adapter: Adapter | None = None, **kw: object) -> PlanRow:
+    if action == "skip" and backend == "ort" and not reason.startswith(_ORT_CANNOT_SYNC):
         reason += ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
                    "backend='ort') refuses the model, BNSwap keeps its child eager")
     return PlanRow(_display(name), cls.__name__, action, reason or "-",
@@ -400,12 +478,16 @@ def plan(
     include: Patterns = None,
     exclude: Patterns = None,
     device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
 ) -> Plan:
     """What :func:`bnswap.convert` would do to ``module``, without changing it.
 
-    A layer is swapped unless it is excluded, is a ``SyncBatchNorm`` (its own
-    cross-process kernel), or overrides ``forward`` with no registered adapter
-    (pytorch issue 187298; :func:`bnswap.register`).
+    A layer is swapped unless it is excluded or overrides ``forward`` with no registered
+    adapter (pytorch issue 187298; :func:`bnswap.register`). A ``SyncBatchNorm`` is
+    swapped onto bnswap's synchronized forward (:mod:`bnswap.sync`); with
+    ``sync_batchnorm=True``, every ``BatchNorm1d/2d/3d`` (and timm's ``BatchNormAct2d``)
+    becomes one.
 
     Given a ``torch.export.ExportedProgram`` (or a GraphModule holding batch-norm
     nodes and no BatchNorm layer, such as ``ep.module()``), returns one row per
@@ -421,6 +503,12 @@ def plan(
         device: where to evaluate the kernel column
             (``torch._C._select_batch_norm_backend``); default: where each layer's
             parameters live.
+        sync_batchnorm: convert ``nn.BatchNorm1d/2d/3d`` layers (exact classes, not
+            parametrized) to swapped ``nn.SyncBatchNorm`` layers sharing their Parameter
+            and buffer objects, and timm's ``BatchNormAct2d`` to timm's
+            ``SyncBatchNormAct``; other BatchNorm classes are swapped unsynchronized
+            (the reason says so).
+        process_group: the converted layers' ``process_group`` (None: WORLD).
 
     Returns:
         A :class:`Plan` (``plan.apply()`` carries it out).
@@ -432,6 +520,8 @@ def plan(
         TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
         ValueError: unknown ``backend``; ``backend="aten"`` for an ORT wrapper.
         RuntimeError: ``device`` is not a device torch knows (``"gpu"``).
+        bnswap.ort.errors.UnsupportedLayerError: ``sync_batchnorm=True`` with
+            ``backend="ort"`` (ONNX Runtime cannot synchronize statistics).
 
     Warns:
         UnmatchedPatternWarning: (a UserWarning) for each include / exclude pattern that
@@ -444,11 +534,15 @@ def plan(
         >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SyncBatchNorm(8))
         >>> p = bnswap.plan(model)
         >>> print(p.summary())
-        bnswap plan: 1 of 2 BatchNorm layers swapped, 1 skipped
-        >>> [(r.name, r.action, r.adapter_name) for r in p]
-        [('1', 'swap', 'bnswap.layers.batch_norm_forward'), ('2', 'skip', '-')]
+        bnswap plan: 2 of 2 BatchNorm layers swapped, 0 skipped
+        >>> [(r.name, r.adapter_name, r.sync) for r in p]  # doctest: +NORMALIZE_WHITESPACE
+        [('1', 'bnswap.layers.batch_norm_forward', '-'),
+         ('2', 'bnswap.sync.sync_batch_norm_forward', 'WORLD, not initialized')]
         >>> bnswap.is_swapped(model[1])  # a plan changes nothing
         False
+        >>> [r.cls + (" -> " + r.sync_class.__name__ if r.sync_class else "")
+        ...  for r in bnswap.plan(model, sync_batchnorm=True)]
+        ['BatchNorm2d -> SyncBatchNorm', 'SyncBatchNorm']
     """
     if isinstance(module, torch.export.ExportedProgram) or (
             isinstance(module, torch.fx.GraphModule) and _has_stock_nodes(module)):
@@ -458,6 +552,13 @@ def plan(
                              exclude=exclude, device=device)  # type: ignore[arg-type]
     check_module(module, "plan")
     check_backend(backend)
+    if sync_batchnorm and backend == "ort":
+        from bnswap.ort.errors import UnsupportedLayerError  # imports no ONNX Runtime
+
+        raise UnsupportedLayerError(
+            "bnswap: sync_batchnorm=True with backend='ort': the ONNX Runtime backend "
+            "cannot synchronize batch statistics across processes (its BatchNormInternal "
+            "kernel sees one process's batch). Use backend='aten'.")
     if device is not None:
         torch.device(device)  # an unknown device type fails here, not in the table
     wrapper, inner = module, wrapped_model(module)
@@ -490,7 +591,13 @@ def plan(
         uninit = (f"uninitialized {cls.__name__}: keeps the swap when it initializes"
                   if lazy else "")
         current = adapter_of(m)
-        if current is not None and bound_elsewhere(m):
+        to_sync = (sync_class(cls) if sync_batchnorm and type(m) is cls and not hit_exc
+                   and (not inc or hit_inc) else None)
+        if to_sync is not None and (current is not None or "forward" not in vars(m)):
+            rows.append(_row(name, m, cls, backend, device, "swap",
+                             _sync_reason(to_sync), registry.lookup(to_sync),
+                             sync_class=to_sync, process_group=process_group))
+        elif current is not None and bound_elsewhere(m):
             rows.append(_row(name, m, cls, backend, device, "swap",
                              "a shallow copy of a swapped layer: bound to this copy now "
                              "(it ran the original's flags and statistics)", current,
@@ -504,17 +611,19 @@ def plan(
                              f"excluded by {_pattern_str(exc[hit_exc[0]])}"))
         elif inc and not hit_inc:
             rows.append(_row(name, m, cls, backend, device, "skip", "not matched by include"))
-        elif isinstance(m, nn.SyncBatchNorm):
+        elif isinstance(m, nn.SyncBatchNorm) and backend == "ort":
             rows.append(_row(name, m, cls, backend, device, "skip",
-                             "SyncBatchNorm runs its own cross-process kernel; left as is"))
+                             _ORT_CANNOT_SYNC + " (convert refuses the model: "
+                             "UnsupportedLayerError)"))
         elif "forward" in vars(m):
             rows.append(_row(name, m, cls, backend, device, "skip",
                              "its forward is set on the instance (by a library's hook, e.g. "
                              "accelerate's, or by hand); swapping would drop it"))
         elif (adapter := registry.lookup(cls)) is not None:
-            rows.append(_row(name, m, cls, backend, device, "swap",
-                             uninit.replace("keeps", "swapped now, keeps"), adapter,
-                             lazy=lazy))
+            note = uninit.replace("keeps", "swapped now, keeps")
+            if sync_batchnorm and not isinstance(m, nn.SyncBatchNorm):
+                note = "; ".join(filter(None, [note, _NOT_SYNCED]))
+            rows.append(_row(name, m, cls, backend, device, "swap", note, adapter, lazy=lazy))
         else:
             rows.append(_row(
                 name, m, cls, backend, device, "skip",
@@ -526,4 +635,23 @@ def plan(
             if i not in used[kind]:
                 warn(f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
                      UnmatchedPatternWarning)
-    return Plan(rows, wrapper, backend)
+    parents: dict[int, list[tuple[nn.Module, str]]] = {}
+    if any(r.sync_class is not None for r in rows):
+        for parent in module.modules():
+            for key, child in parent._modules.items():
+                if child is not None:
+                    parents.setdefault(id(child), []).append((parent, key))
+    return Plan(rows, wrapper, backend, parents)
+
+
+_NOT_SYNCED = ("not synchronized: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact "
+               "class, not parametrized) and timm's BatchNormAct2d")
+
+
+def _sync_reason(to: type) -> str:
+    if to.__name__ == "SyncBatchNormAct":
+        return ("sync_batchnorm=True: becomes timm's SyncBatchNormAct (timm's own synchronized "
+                "class, as timm.layers.convert_sync_batchnorm makes; drop and act kept), same "
+                "Parameter and buffer objects; bnswap.revert puts the original back")
+    return (f"sync_batchnorm=True: becomes {to.__name__}, same Parameter and buffer objects; "
+            "bnswap.revert puts the original back")

@@ -9,12 +9,14 @@ class's ``forward`` does, with the batch norm on bnswap's kernel
 * any other ``_BatchNorm`` class that keeps torch's ``forward`` (``nn.BatchNorm1d/2d/3d``,
   the lazy classes, a subclass that overrides no ``forward``):
   :func:`bnswap.layers.batch_norm_forward`;
+* ``nn.SyncBatchNorm`` (and subclasses that keep its ``forward``):
+  :func:`bnswap.sync.sync_batch_norm_forward`, synchronized over its ``process_group``;
 * a class that overrides ``forward`` and is not registered: none (the layer is skipped;
-  swapping would drop its behaviour, pytorch issue 187298), and ``SyncBatchNorm`` (its
-  own cross-process kernel): none.
+  swapping would drop its behaviour, pytorch issue 187298).
 
 Built in: timm's ``timm.layers.norm_act.BatchNormAct2d`` ->
-:func:`bnswap.adapters.timm.batch_norm_act_2d`, registered by name so that timm is
+:func:`bnswap.adapters.timm.batch_norm_act_2d` and ``SyncBatchNormAct`` ->
+:func:`bnswap.adapters.timm.sync_batch_norm_act_2d`, registered by name so that timm is
 imported only when a timm model is converted.
 """
 
@@ -27,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from bnswap._swap import Adapter, SwappedForward
 from bnswap.layers import batch_norm_forward
+from bnswap.sync import sync_batch_norm_forward
 
 __all__ = ["register", "unregister", "lookup", "registered", "overrides_forward",
            "qualified_name", "safe_globals"]
@@ -39,6 +42,7 @@ _FOUND: dict[type, Adapter | None] = {}
 # use (the source's package is already imported when a model holds it).
 _LAZY: dict[str, str] = {
     "timm.layers.norm_act.BatchNormAct2d": "bnswap.adapters.timm:batch_norm_act_2d",
+    "timm.layers.norm_act.SyncBatchNormAct": "bnswap.adapters.timm:sync_batch_norm_act_2d",
 }
 
 
@@ -69,8 +73,10 @@ def register(source_cls: type, adapter: Adapter) -> None:
     were swapped with).
 
     Args:
-        source_cls: a subclass of ``torch.nn.modules.batchnorm._BatchNorm`` other than
-            ``SyncBatchNorm``, matched by exact class.
+        source_cls: a subclass of ``torch.nn.modules.batchnorm._BatchNorm``, matched by
+            exact class (for a ``SyncBatchNorm`` subclass, the adapter synchronizes:
+            call :func:`bnswap.sync.sync_batch_norm_forward` where it calls
+            ``SyncBatchNorm.forward``).
         adapter: a function with ``source_cls.forward``'s signature (the layer first)
             that does what it does, calling :func:`bnswap.module_batch_norm` where it calls
             ``F.batch_norm`` / ``super().forward``. Define it at module level: pickling
@@ -99,8 +105,6 @@ def register(source_cls: type, adapter: Adapter) -> None:
     """
     if not isinstance(source_cls, type) or not issubclass(source_cls, _BatchNorm):
         raise TypeError(f"source_cls must be a _BatchNorm subclass, got {source_cls!r}")
-    if issubclass(source_cls, nn.SyncBatchNorm):
-        raise TypeError("SyncBatchNorm has its own cross-process kernel and cannot be swapped")
     if isinstance(adapter, type) or not callable(adapter):
         raise TypeError(
             "adapter must be a function adapter(layer, input) that does what "
@@ -144,8 +148,9 @@ def _resolve_lazy(cls: type) -> None:
 def lookup(cls: type) -> Adapter | None:
     """The adapter for layers of class ``cls`` (seen through parametrizations), or None.
 
-    Registered classes first; then :func:`bnswap.layers.batch_norm_forward` for any
-    ``_BatchNorm`` that keeps torch's ``forward`` (not ``SyncBatchNorm``)."""
+    Registered classes first; then :func:`bnswap.sync.sync_batch_norm_forward` for a
+    ``SyncBatchNorm`` and :func:`bnswap.layers.batch_norm_forward` for any other
+    ``_BatchNorm`` that keeps torch's ``forward``."""
     found = _ADAPTERS.get(cls)
     if found is not None:
         return found
@@ -154,9 +159,9 @@ def lookup(cls: type) -> Adapter | None:
     _resolve_lazy(cls)
     found = _ADAPTERS.get(cls)
     if found is None and (isinstance(cls, type) and issubclass(cls, _BatchNorm)
-                          and not issubclass(cls, nn.SyncBatchNorm)
                           and not overrides_forward(cls)):
-        found = batch_norm_forward
+        found = (sync_batch_norm_forward if issubclass(cls, nn.SyncBatchNorm)
+                 else batch_norm_forward)
     _FOUND[cls] = found
     return found
 

@@ -13,8 +13,11 @@ class BatchNormTimesTwo(nn.BatchNorm2d):
 
 
 def mixed_net(width: int = 4) -> nn.Module:
-    """A SyncBatchNorm and a custom-forward subclass (both skipped) beside plain layers."""
-    return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.SyncBatchNorm(width),
+    """A layer with an instance forward and a custom-forward subclass (both skipped)
+    beside plain layers."""
+    hooked = nn.BatchNorm2d(width)
+    hooked.forward = hooked.forward  # set on the instance (as a library's hook does)
+    return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), hooked,
                          BatchNormTimesTwo(width), nn.Flatten(), nn.LazyLinear(5),
                          nn.BatchNorm1d(5))
 

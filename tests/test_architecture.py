@@ -23,14 +23,15 @@ ALLOWED: dict[str, set[str]] = {
     "_swap": {"functional"},
     "_graph": {"functional"},
     "layers": {"functional", "_swap"},
-    "adapters": {"functional"},
+    "sync": {"functional", "_swap"},
+    "adapters": {"functional", "sync"},
     "_compat": {"functional", "_swap", "_graph"},
     "programs": {"_graph", "_warn", "_compat"},
-    "registry": {"_swap", "layers", "adapters"},
+    "registry": {"_swap", "layers", "adapters", "sync"},
     "ort": {"functional", "_swap"},
-    "plan": {"_swap", "_warn", "registry", "ort", "programs", "_compat"},
-    "convert": {"_swap", "_warn", "plan", "programs"},
-    "lightning": {"convert", "layers", "plan", "ort"},
+    "plan": {"_swap", "_warn", "registry", "sync", "ort", "programs"},
+    "convert": {"_swap", "_warn", "plan", "sync", "programs"},
+    "lightning": {"convert", "layers", "plan", "sync", "ort"},
     "__init__": {"functional", "_swap", "_graph", "layers", "_compat", "registry", "plan",
                  "convert", "lightning", "ort", "programs"},
     "app": {"__init__", "lightning"},
@@ -131,6 +132,18 @@ def test_imports_only_what_its_room_may(name):
             private = [p for p in target.split(".")[1:] if p.startswith("_")]
             assert not private and not (imported or "").startswith("_"), (
                 f"{name} imports a private name: {target} {imported or ''}")
+
+
+def test_only_the_synchronized_room_imports_torch_distributed():
+    """docs/architecture.md: torch.distributed is imported in bnswap/sync.py only."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                found.append(name)
+    assert sorted(set(found)) == ["bnswap.sync"]
 
 
 def test_no_import_cycle():

@@ -570,15 +570,14 @@ def test_subclass_with_its_own_forward_is_left_as_is():
     assert (model[1](torch.randn(4, 4, 3, 3)) >= 0).all()  # its ReLU still applies
 
 
-def test_sync_batchnorm_in_the_model_is_left_as_is():
+def test_sync_batchnorm_without_a_process_group_runs_as_stock():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4), nn.BatchNorm2d(4))
     ref = copy.deepcopy(model)
     plan = bnswap.plan(model)
-    assert [r.action for r in plan] == ["skip", "swap"]
-    assert "SyncBatchNorm" in plan[0].reason
+    assert [r.action for r in plan] == ["swap", "swap"]
     bnswap.convert(model)
-    assert type(model[1]) is nn.SyncBatchNorm and not bnswap.is_swapped(model[1])
+    assert type(model[1]) is nn.SyncBatchNorm and bnswap.is_swapped(model[1])
     assert type(model[2]) is nn.BatchNorm2d and bnswap.is_swapped(model[2])
     for train in (True, False):  # no process group: SyncBatchNorm runs F.batch_norm
         model.train(train), ref.train(train)

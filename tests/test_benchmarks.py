@@ -82,7 +82,21 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     t = s["training"]["summary"]
     assert t["exported_bnswap"]["max_abs_diff_vs_eager"] == 0.0
     assert t["exported_stock"]["max_abs_diff_vs_eager"] == 0.0
+    # the synchronized layer over a one-rank gloo group: stock BatchNorm's result
+    assert s["sync"]["backend"] == "gloo" and s["sync"]["ok"] is True
+    assert s["sync"]["bnswap"]["aten_ops"] == ["aten::_batch_norm_no_update"]
     assert gpu_dry["all_ok"] is True
+
+
+def test_gpu_check_dry_fsdp2_bfloat16_step(gpu_dry):
+    """FSDP2 param_dtype=bfloat16 on a one-rank gloo group: stock raises, bnswap trains,
+    its output equals stock BatchNorm's on the float32-held bfloat16 weights."""
+    f = gpu_dry["sections"]["fsdp2_bf16"]
+    assert f["status"] == "ok" and f["ok"] is True
+    assert f["stock"]["error"] == "expected scalar type BFloat16 but found Float"
+    assert "aten::batch_norm_backward" in f["bnswap"]["aten_ops"]
+    assert f["reference"]["max_abs_diff"] == 0.0
+    assert f["reference"]["running_var_dtype"] == "torch.float32"
 
 
 def test_kernel_name_classification():

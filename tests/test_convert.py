@@ -182,13 +182,13 @@ def test_bad_arguments():
         bnswap.convert(net(), include=[3])
 
 
-def test_syncbatchnorm_is_reported_and_left_alone():
+def test_syncbatchnorm_is_swapped_onto_the_synchronized_forward():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     p = bnswap.plan(model)
-    assert p[0].action == "skip" and "SyncBatchNorm" in p[0].reason
+    assert p[0].action == "swap" and p[0].adapter_name == "bnswap.sync.sync_batch_norm_forward"
     bnswap.convert(model)
-    assert type(model[1]) is nn.SyncBatchNorm
+    assert type(model[1]) is nn.SyncBatchNorm and bnswap.is_swapped(model[1])
 
 
 def test_lazy_batchnorm_becomes_bnswap_on_initialization():
@@ -215,9 +215,9 @@ def test_plan_table_and_logging(caplog):
     p = bnswap.plan(model)
     text = str(p)
     lines = text.splitlines()
-    assert lines[0] == "bnswap plan: 1 of 2 BatchNorm layers swapped, 1 skipped"
+    assert lines[0] == "bnswap plan: 2 of 2 BatchNorm layers swapped, 0 skipped"
     header, rule, row1, row2 = lines[1:]
-    for col in ("layer", "class", "action", "backend", "kernel", "adapter", "reason"):
+    for col in ("layer", "class", "action", "backend", "kernel", "adapter", "sync", "reason"):
         assert col in header
     # aligned: every column starts at the same offset in header, rule and rows
     starts = [header.index(c) for c in ("class", "action", "backend", "kernel")]
@@ -228,12 +228,15 @@ def test_plan_table_and_logging(caplog):
     assert p[0].adapter_name == "bnswap.layers.batch_norm_forward" and p[0].kernel == "Native"
     # (the kernel for another device: tests/test_kernel_selection.py)
     assert text == (
-        "bnswap plan: 1 of 2 BatchNorm layers swapped, 1 skipped\n"
-        "layer  class          action  backend  kernel  adapter                           reason\n"
-        "-----  -------------  ------  -------  ------  --------------------------------  ------\n"
-        "1      BatchNorm2d    swap    aten     Native  bnswap.layers.batch_norm_forward  -\n"
-        "2      SyncBatchNorm  skip    -        -       -                                 "
-        "SyncBatchNorm runs its own cross-process kernel; left as is")
+        "bnswap plan: 2 of 2 BatchNorm layers swapped, 0 skipped\n"
+        "layer  class          action  backend  kernel  adapter                              "
+        "sync                    reason\n"
+        "-----  -------------  ------  -------  ------  -----------------------------------  "
+        "----------------------  ------\n"
+        "1      BatchNorm2d    swap    aten     Native  bnswap.layers.batch_norm_forward     "
+        "-                       -\n"
+        "2      SyncBatchNorm  swap    aten     Native  bnswap.sync.sync_batch_norm_forward  "
+        "WORLD, not initialized  -")
     assert str(bnswap.plan(nn.Sequential(nn.Linear(2, 2)))) == (
         "bnswap plan: 0 of 0 BatchNorm layers swapped, 0 skipped "
         "(the model has no BatchNorm layers)")
@@ -301,14 +304,18 @@ def test_an_unknown_device_fails_when_planned_not_when_shown():
 def test_plan_rows_as_dicts_and_the_swapped_forwards_repr():
     """Guards the keys of ``PlanRow.to_dict`` (what ``bnswap plan --format json`` and the
     log carry) and what a swapped layer's forward shows when printed."""
-    model = nn.Sequential(nn.BatchNorm2d(2), nn.SyncBatchNorm(2))
-    swapped, skipped = bnswap.plan(model).to_dicts()
+    model = nn.Sequential(nn.BatchNorm2d(2), nn.SyncBatchNorm(2), nn.BatchNorm2d(2))
+    swapped, sync, skipped = bnswap.plan(model, exclude="2").to_dicts()
     assert swapped == {"name": "0", "cls": "BatchNorm2d", "action": "swap", "reason": "-",
                        "backend": "aten", "kernel": "Native",
-                       "adapter": "bnswap.layers.batch_norm_forward"}
-    assert skipped == {"name": "1", "cls": "SyncBatchNorm", "action": "skip",
-                       "reason": "SyncBatchNorm runs its own cross-process kernel; left as is",
-                       "backend": "-", "kernel": "-", "adapter": "-"}
+                       "adapter": "bnswap.layers.batch_norm_forward", "sync": "-"}
+    assert sync == {"name": "1", "cls": "SyncBatchNorm", "action": "swap", "reason": "-",
+                    "backend": "aten", "kernel": "Native",
+                    "adapter": "bnswap.sync.sync_batch_norm_forward",
+                    "sync": "WORLD, not initialized"}
+    assert skipped == {"name": "2", "cls": "BatchNorm2d", "action": "skip",
+                       "reason": "excluded by '2'", "backend": "-", "kernel": "-",
+                       "adapter": "-", "sync": "-"}
     bnswap.convert(model)
     assert repr(model[0].forward) == "<bnswap forward of BatchNorm2d (batch_norm_forward)>"
 
@@ -350,7 +357,9 @@ def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
     assert _warnings_of(bnswap.convert, nn.Sequential(nn.Linear(2, 2))) == [
         (UserWarning, "bnswap.convert: the model has no BatchNorm layer; nothing was swapped",
          True)]
-    only_sync = nn.Sequential(nn.SyncBatchNorm(3), nn.SyncBatchNorm(3))
+    from tests.plan_models import BatchNormTimesTwo
+
+    only_sync = nn.Sequential(*[BatchNormTimesTwo(3) for _ in range(2)])  # (no adapter)
     assert _warnings_of(bnswap.convert, only_sync) == [
         (UserWarning, "bnswap.convert: none of the model's 2 BatchNorm layers can be swapped; "
          "see bnswap.plan(model) for why", True)]
@@ -418,11 +427,13 @@ def test_apply_of_a_plan_without_a_model_says_how_to_get_one():
 
 def test_a_layer_skipped_under_ort_says_what_that_means():
     """Guards the ORT part of a skipped row's reason (plan needs no ONNX Runtime)."""
-    rows = bnswap.plan(nn.Sequential(nn.SyncBatchNorm(3)), backend="ort").rows
+    rows = bnswap.plan(nn.Sequential(nn.BatchNorm2d(3)), backend="ort", exclude="0").rows
     assert [(r.action, r.backend, r.reason) for r in rows] == [(
-        "skip", "-", "SyncBatchNorm runs its own cross-process kernel; left as is; ORT cannot "
+        "skip", "-", "excluded by '0'; ORT cannot "
         "run an unswapped BatchNorm: bnswap.convert(..., backend='ort') refuses the model, "
         "BNSwap keeps its child eager")]
+    rows = bnswap.plan(nn.Sequential(nn.SyncBatchNorm(3)), backend="ort").rows
+    assert [(r.action, r.backend, r.reason) for r in rows] == [("skip", "-", "ONNX Runtime cannot synchronize batch statistics across processes (convert refuses the model: UnsupportedLayerError)")]
 
 
 def test_objects_without_a_dict_are_not_swapped_and_not_wrappers():
@@ -488,8 +499,7 @@ def test_plan_rows_of_every_kind_hold_every_field():
     subclass = ("BatchNormTimesTwo overrides forward; swapping would drop it (pytorch issue "
                 "187298); register an adapter: bnswap.register(BatchNormTimesTwo, "
                 "<function>), see docs/adapters.md")
-    reasons = ["-", "not matched by include",
-               "SyncBatchNorm runs its own cross-process kernel; left as is",
+    reasons = ["-", "not matched by include", "-",
                "its forward is set on the instance (by a library's hook, e.g. accelerate's, "
                "or by hand); swapping would drop it",
                "uninitialized LazyBatchNorm2d: swapped now, keeps the swap when it initializes",
@@ -503,12 +513,14 @@ def test_plan_rows_of_every_kind_hold_every_field():
         assert [(w.category, str(w.message)) for w in caught] == [
             (UnmatchedPatternWarning,
              "bnswap: include pattern 'nothing' matches no BatchNorm layer")]
-        swap = [True, False, False, False, True, False]
+        swap = [True, False, backend == "aten", False, True, False]
         assert [r.name for r in rows] == [str(i) for i in range(6)]
         assert [r.action for r in rows] == ["swap" if s else "skip" for s in swap]
+        if backend == "ort":
+            reasons[2] = "ONNX Runtime cannot synchronize batch statistics across processes (convert refuses the model: UnsupportedLayerError)"
         assert [r.reason for r in rows] == [
-            reason + (ort if backend == "ort" and not s else "")
-            for reason, s in zip(reasons, swap)]
+            reason + (ort if backend == "ort" and not s and i != 2 else "")
+            for i, (reason, s) in enumerate(zip(reasons, swap))]
         assert [r.backend for r in rows] == [backend if s else "-" for s in swap]
         assert [r.lazy for r in rows] == [False, False, False, False, True, False]
         assert all(r.module is m for r, m in zip(rows, model))

@@ -198,9 +198,9 @@ def test_convert_sync_batchnorm_gives_stock_sync_layers():
     x = torch.randn(4, 3, 5, 5)  # no process group: SyncBatchNorm runs F.batch_norm
     assert torch.equal(ss(x), sb(x))
     assert state_diff(ss, sb) == []
-    plan = bnswap.plan(sb)
-    assert [r.action for r in plan] == ["skip"] * 3
-    assert all("SyncBatchNorm" in r.reason for r in plan)
+    plan = bnswap.plan(sb)  # bnswap swaps them onto its synchronized forward
+    assert [(r.action, r.adapter_name) for r in plan] == [
+        ("swap", "bnswap.sync.sync_batch_norm_forward")] * 3
 
 
 # --- conv-BN fusion --------------------------------------------------------------------

@@ -501,11 +501,11 @@ class _FakeTrainer:
     is_global_zero = True
 
 
-def test_sync_batchnorm_is_left_alone_and_reported():
+def test_sync_batchnorm_layers_are_swapped_at_stage_start():
     """Trainer(sync_batchnorm=True): Lightning's TorchSyncBatchNorm converts every
-    _BatchNorm, bnswap layers included, in strategy.setup (after the callback's setup).
-    SyncBatchNorm refuses CPU input in a process group, so this runs the conversion
-    steps of a fit by hand: setup -> layer sync -> stage start."""
+    _BatchNorm, bnswap layers included, in strategy.setup (after the callback's setup);
+    the callback swaps the new SyncBatchNorm layers at stage start. The conversion steps
+    of a fit by hand: setup -> layer sync -> stage start."""
     from lightning.pytorch.plugins import TorchSyncBatchNorm
 
     model = Classifier()
@@ -523,13 +523,97 @@ def test_sync_batchnorm_is_left_alone_and_reported():
     layers = bn_layers(model)
     assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
     assert [m.weight for m in layers.values()] == weights  # same Parameter objects
-    assert [r.action for r in cb.plan.rows] == ["skip"] * 4
-    assert {r.reason for r in cb.plan.rows} == {
-        "SyncBatchNorm runs its own cross-process kernel; left as is"}
-    warned = [str(w.message) for w in caught if "BNSwap" in str(w.message)]
-    assert len(warned) == 1 and "4 layer(s) are torch.nn.SyncBatchNorm" in warned[0]
-    assert "sync_batchnorm=False" in warned[0]
+    assert [(r.action, r.adapter_name) for r in cb.plan.rows] == [
+        ("swap", "bnswap.sync.sync_batch_norm_forward")] * 4
+    assert [str(w.message) for w in caught if "BNSwap" in str(w.message)] == []
     assert global_registration_hooks() == 0
+
+
+@pytest.mark.parametrize("exclude", [None, "net.features.4"])
+def test_sync_batchnorm_layer_sync_is_deferred_past_the_ddp_wrap_and_reverts_exactly(exclude):
+    """A real Trainer(strategy="ddp", sync_batchnorm=True), its strategy's steps of a fit
+    by hand (no processes): BNSwap stands in for Lightning's TorchSyncBatchNorm from
+    setup("fit"). Its apply (before the DDP wrap, which refuses SyncBatchNorm on the CPU)
+    leaves the model alone; the stage start converts every layer to a swapped, synchronized
+    SyncBatchNorm sharing the Parameters; the revert gives the original (still swapped)
+    layer objects back, and teardown gives Lightning its plugin back. With a layer
+    excluded, Lightning's own conversion runs (stock behaviour)."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    t = trainer(strategy="ddp", devices=2, sync_batchnorm=True)
+    lightning_plugin = t.strategy._layer_sync
+    assert type(lightning_plugin) is TorchSyncBatchNorm
+    model = Classifier()
+    originals = bn_layers(model)
+    cb = BNSwap(exclude=exclude)
+    try:
+        cb.setup(t, model, "fit")
+        applied = t.strategy._layer_sync.apply(model)  # DDPStrategy.setup, before the wrap
+        assert applied is model
+        layers = bn_layers(model)
+        if exclude is None:  # deferred: nothing for DDP's constructor to refuse
+            assert layers == originals
+        else:
+            assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
+        cb.on_fit_start(t, model)
+        layers = bn_layers(model)
+        assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
+        assert [m.weight for m in layers.values()] == [m.weight for m in originals.values()]
+        assert [(r.name, r.action, r.synchronized) for r in cb.plan.rows] == [
+            (n, "skip", False) if n == exclude else (n, "swap", True) for n in originals]
+        reverted = t.strategy._layer_sync.revert(model)  # DDPStrategy.teardown
+    finally:
+        cb.teardown(t, model, "fit")
+    assert t.strategy._layer_sync is lightning_plugin
+    layers = bn_layers(reverted)
+    if exclude is None:  # the very objects, swapped as BNSwap left them at setup
+        assert layers == originals
+        assert all(bnswap.is_swapped(m) for m in layers.values())
+    else:  # Lightning's revert: new _BatchNormXd layers
+        assert {type(m).__name__ for m in layers.values()} == {"_BatchNormXd"}
+    assert global_registration_hooks() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch(
+        strategy, tmp_path):
+    """Trainer(sync_batchnorm=True, strategy=ddp / ddp_spawn, accelerator="cpu",
+    devices=2) + BNSwap(), real gloo processes (tests/lightning_sync_fit.py; stock
+    Lightning raises "SyncBatchNorm layers only work with GPU modules" here): every
+    training step runs a swapped SyncBatchNorm sharing the original Parameters and
+    buffers; the plan logged on rank zero says it synchronizes over WORLD, 2 ranks; both
+    ranks end identical and equal to one process training stock BatchNorm on the global
+    batches (float64) within float32 rounding; teardown puts the original layer back."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        import lightning_sync_fit as script
+    finally:
+        sys.path.pop(0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, script.__file__, strategy, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"{strategy}_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in ranks:
+        assert r["world_size"] == 2
+        assert [s[:4] for s in r["seen"]] == [("SyncBatchNorm", True, True, True)] * script.STEPS
+        assert r["plan"] == [("net.1", "SyncBatchNorm", "swap", "WORLD, 2 ranks")]
+        assert "synchronized at fit start, after the DDP wrap" in r["plan_text"]
+        assert r["original_back"] and r["original_swapped"]
+    assert (proc.stdout + proc.stderr).count("net.1  SyncBatchNorm  swap") == 1  # rank zero only
+    s0, s1 = ranks[0]["state"], ranks[1]["state"]
+    assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
+    ref = script.reference()
+    for k, want in ref.items():
+        if not want.is_floating_point():  # num_batches_tracked
+            assert torch.equal(s0["net." + k], want), k
+            continue
+        torch.testing.assert_close(s0["net." + k].double(), want, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")
 
 
 # --------------------------------------------------------------------------- packaging
@@ -904,3 +988,82 @@ def test_ort_backend_feature_head_split_of_a_wrapped_sequential_matches_stock():
             assert model.net[-1] is net[-1] and list(model.net) == list(net)
     assert int(runs["ort"]["1.num_batches_tracked"]) == 3
     _assert_close_states(runs["stock"], runs["ort"], atol=1e-4)
+
+
+# --------------------------------------------------------------------------- pickling
+class SpawnClassifier(Classifier):
+    """A Classifier whose every rank records, for every training step, whether each
+    BatchNorm layer ran bnswap's forward, and the callback's plan (ddp_spawn's workers
+    return only the weights and the metrics to the main process)."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_train_end(self):
+        plan = next((cb.plan for cb in self.trainer.callbacks if isinstance(cb, BNSwap)), None)
+        torch.save({"train_swapped": self.seen["train_swapped"],
+                    "world_size": self.trainer.world_size,
+                    "plan": None if plan is None else [(r.name, r.action) for r in plan.rows]},
+                   os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
+
+
+def _fresh_and_used_callbacks() -> tuple[BNSwap, BNSwap]:
+    used = BNSwap(exclude="net.features.4")
+    model = Classifier()
+    trainer([used]).fit(model, data())
+    return BNSwap(include="net.*"), used
+
+
+def test_callback_pickles_fresh_and_after_a_fit():
+    """A launcher pickles the callback (ddp_spawn, ddp_notebook): a fresh one and one that
+    ran a fit (holding its per-run state: a WeakSet of skipped layers) both round-trip,
+    keep their arguments and plan, and the copy swaps like the original."""
+    import pickle
+
+    fresh, used = _fresh_and_used_callbacks()
+    assert len(used._left_alone) == 1  # the per-run state that did not pickle
+    for cb in (fresh, used):
+        copy = pickle.loads(pickle.dumps(cb))
+        assert type(copy) is BNSwap and repr(copy) == repr(cb)
+        if cb.plan is None:
+            assert copy.plan is None
+        else:
+            assert [(r.name, r.action, r.reason) for r in copy.plan.rows] == [
+                (r.name, r.action, r.reason) for r in cb.plan.rows]
+        model = Classifier()
+        trainer([copy]).fit(model, data())
+        assert [(n, bnswap.is_swapped(m)) for n, m in bn_layers(model).items()] == [
+            (n, cb is fresh or n != "net.features.4") for n in bn_layers(model)]
+        assert global_registration_hooks() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_spawn_fit_with_bnswap_like_stock(tmp_path):
+    """Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2): the launcher pickles
+    the callback into two real processes; every rank trains on swapped layers and the
+    weights returned to the main process equal stock BatchNorm's ddp_spawn run, bit for
+    bit."""
+    states = {}
+    for variant in ("stock", "bnswap"):
+        out = tmp_path / variant
+        out.mkdir()
+        pl.seed_everything(0)
+        model = SpawnClassifier(str(out))
+        cbs = [BNSwap()] if variant == "bnswap" else []
+        trainer(cbs, strategy="ddp_spawn", devices=2).fit(model, data())
+        states[variant] = state(model)
+        ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+        for r in ranks:
+            assert r["world_size"] == 2 and len(r["train_swapped"]) == 4
+            assert r["train_swapped"] == [[variant == "bnswap"] * 4] * 4
+        if variant == "bnswap":
+            assert ranks[0]["plan"] == [(f"net.features.{i}", "swap") for i in (1, 4, 8, 11)]
+    # the main process got the trained weights back (not its initial ones) ...
+    pl.seed_everything(0)
+    initial = state(SpawnClassifier(str(tmp_path)))
+    assert not torch.equal(states["stock"]["net.features.1.weight"],
+                           initial["net.features.1.weight"])
+    # ... identical to stock's
+    assert_states_equal(states["bnswap"], states["stock"])

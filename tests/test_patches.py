@@ -55,8 +55,10 @@ def test_import_patches_nothing_and_first_swap_applies():
                                     "onnx_imported": False, "torchao_imported": False,
                                     "applied": []}
     assert after["script_patched"] and after["hooks"] == ["_ImportHook"]
-    assert after["applied"] == ["torch._decomp._core_aten_decompositions_post_autograd",
-                                "torch.jit._recursive.create_script_module"]
+    assert after["applied"] == [
+        "torch._decomp._core_aten_decompositions_post_autograd",
+        "torch.jit._recursive.create_script_module",
+        "torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle"]
     assert not after["onnx_imported"] and not after["torchao_imported"]
 
 
@@ -86,7 +88,7 @@ def test_unpickled_model_applies_the_patches(tmp_path):
     assert err == 0.0
 
 
-@pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx,core_aten"])
+@pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx,core_aten,ddp"])
 def test_disable_all(value):
     out = _run("""
         import bnswap
@@ -120,7 +122,7 @@ def test_disable_some_and_unknown_name_warns():
     assert "torch.onnx._internal.exporter._fx_passes.decompose_with_registry" in st["applied"]
     assert "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope" in st["applied"]
     assert warned == ["bnswap: BNSWAP_DISABLE_PATCHES names unknown patches ['cuda']; known: "
-                      "'all', 'core_aten', 'onnx', 'torchao', 'torchscript'"]
+                      "'all', 'core_aten', 'ddp', 'onnx', 'torchao', 'torchscript'"]
 
 
 def test_docs_list_every_patch():

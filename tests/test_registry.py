@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 
 import bnswap
 from bnswap import registry
+from bnswap.sync import sync_batch_norm_forward
 
 # --- the worked example (docs/adapters.md) -------------------------------------------
 
@@ -270,7 +271,6 @@ class _NotBN(nn.Module):
     [
         (_NotBN, batch_norm_silu_2d, TypeError, "source_cls must be a _BatchNorm subclass"),
         ("BatchNormSiLU2d", batch_norm_silu_2d, TypeError, "source_cls must be a _Batch"),
-        (nn.SyncBatchNorm, batch_norm_silu_2d, TypeError, "SyncBatchNorm has its own"),
         (BatchNormSiLU2d, BatchNormSiLU2d, TypeError, "adapter must be a function"),
         (BatchNormSiLU2d, bnswap.BatchNorm2d, TypeError, "adapter must be a function"),
         (BatchNormSiLU2d, "batch_norm_silu_2d", TypeError, "adapter must be a function"),
@@ -290,7 +290,7 @@ def test_torchs_classes_and_their_plain_subclasses_use_torchs_adapter():
     for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm2d,
                 PlainSubclass):
         assert registry.lookup(cls) is batch_norm_forward
-    assert registry.lookup(nn.SyncBatchNorm) is None
+    assert registry.lookup(nn.SyncBatchNorm) is sync_batch_norm_forward
     assert registry.lookup(BatchNormSiLU2d) is None
 
 

@@ -18,8 +18,9 @@ from timm.layers.trace_utils import _assert
 from torch import Tensor
 
 from bnswap.functional import module_batch_norm
+from bnswap.sync import sync_batch_norm_forward
 
-__all__ = ["batch_norm_act_2d"]
+__all__ = ["batch_norm_act_2d", "sync_batch_norm_act_2d"]
 
 
 def batch_norm_act_2d(layer: _timm_norm_act.BatchNormAct2d, x: Tensor) -> Tensor:
@@ -45,4 +46,28 @@ def batch_norm_act_2d(layer: _timm_norm_act.BatchNormAct2d, x: Tensor) -> Tensor
     x = module_batch_norm(layer, x)  # type: ignore[arg-type]
     x = layer.drop(x)
     x = layer.act(x)
+    return x
+
+
+def sync_batch_norm_act_2d(layer: _timm_norm_act.SyncBatchNormAct, x: Tensor) -> Tensor:
+    """timm's ``SyncBatchNormAct.forward`` on bnswap's synchronized path: the batch norm
+    of ``nn.SyncBatchNorm`` (:func:`bnswap.sync.sync_batch_norm_forward`: global batch
+    statistics over ``layer.process_group`` in training; the unsynchronized consolidated
+    ops otherwise), then ``layer.drop`` and ``layer.act`` where the layer has them (as
+    timm's). ``bnswap.convert(model, sync_batchnorm=True)`` turns a ``BatchNormAct2d``
+    into this class, as ``timm.layers.convert_sync_batchnorm`` does. Shape: (N, C, *) in
+    and out.
+
+    Examples::
+
+        >>> import torch, timm, bnswap
+        >>> layer = bnswap.convert(timm.layers.BatchNormAct2d(4), sync_batchnorm=True)
+        >>> type(layer).__name__, bnswap.plan(layer)[0].adapter_name
+        ('SyncBatchNormAct', 'bnswap.adapters.timm.sync_batch_norm_act_2d')
+    """
+    x = sync_batch_norm_forward(layer, x)
+    if hasattr(layer, "drop"):
+        x = layer.drop(x)
+    if hasattr(layer, "act"):
+        x = layer.act(x)
     return x
