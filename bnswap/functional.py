@@ -77,6 +77,10 @@ _aten = torch.ops.aten
 # (benchmarks P3). The graphs record the same ``.default`` overloads either way.
 _with_update = _aten._batch_norm_with_update.default
 _no_update = _aten._batch_norm_no_update.default
+# Eager calls skip the OpOverload's Python ``__call__`` (it only calls ``_op``: one frame
+# per forward, benchmarks P3); traced code keeps the OpOverloads dynamo knows.
+_with_update_eager = _with_update._op
+_no_update_eager = _no_update._op
 
 #: The message of the runtime assertion an exported program raises when a bnswap layer
 #: gets an empty batch (see :func:`module_batch_norm`).
@@ -336,6 +340,23 @@ def exponential_average_factor(momentum: float | None, num_batches_tracked: Tens
     return 1.0 / float(num_batches_tracked)
 
 
+def _tensors(bn: _BatchNorm) -> tuple[Tensor | None, ...]:
+    """``bn``'s weight, bias, running_mean, running_var, num_batches_tracked.
+
+    Read from its ``_parameters`` / ``_buffers`` dicts: ``nn.Module.__getattr__`` is a
+    Python call per name (five per forward, ~1.5 us at small sizes: benchmarks P3), and
+    the dicts are where it finds them. A parametrized layer (``torch.nn.utils.parametrize``
+    puts its tensors behind properties) is read by attribute, as torch does."""
+    if "parametrizations" in bn._modules:
+        return bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked
+    p, b = bn._parameters, bn._buffers
+    try:
+        return (p["weight"], p["bias"], b["running_mean"], b["running_var"],
+                b["num_batches_tracked"])
+    except KeyError:  # a layer that unregistered one (stock's attribute lookup decides)
+        return bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked
+
+
 def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     """Normalize ``input`` the way ``bn`` (a ``_BatchNorm``) would, on the consolidated ops.
 
@@ -372,8 +393,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         (True, 1)
     """
     training = bn.training
-    running_mean = bn.running_mean
-    running_var = bn.running_var
+    weight, bias, running_mean, running_var, nbt = _tensors(bn)
     # _BatchNorm.forward: batch statistics in training, or when there are no buffers.
     use_batch_stats = training or (running_mean is None and running_var is None)
     # _BatchNorm.forward passes the buffers only when not training or when tracking.
@@ -381,7 +401,6 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         running_mean = running_var = None
     # Statistics are updated exactly when batch statistics are used and passed.
     update = use_batch_stats and running_mean is not None
-    weight, bias = bn.weight, bn.bias
     check_batch_norm_input(
         input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
     )
@@ -402,14 +421,14 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         # num_batches_tracked update, so no state changes) says so clearly.
         # bnswap.to_stock_ops removes it again with the op it guards.
         torch.ops.aten._assert_scalar.default(input.numel() != 0, EMPTY_BATCH_MESSAGE)
-    nbt = bn.num_batches_tracked
     counts = training and bn.track_running_stats and nbt is not None  # as _BatchNorm.forward
     if counts:
         nbt.add_(1)
     cumulative = counts and momentum is None
     # Compiled code keeps the cumulative factor in the graph (a tensor): reading the
-    # counter as a float breaks it (pytorch issue 194504).
-    factor = exponential_average_factor(
+    # counter as a float breaks it (pytorch issue 194504). (A momentum is its own factor:
+    # no call on every forward for it.)
+    factor = momentum if momentum is not None else exponential_average_factor(
         momentum, nbt if counts else None, traced=compiling,
         dtype=None if running_mean is None else running_mean.dtype)
     if not compiling and torch._C._are_functorch_transforms_active():
@@ -440,7 +459,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
             bias = _constant(bn, TRACE_BIAS, 0.0, n, pdtype, device)
 
     if not use_batch_stats:
-        return _no_update(
+        return (_no_update if compiling else _no_update_eager)(
             input, weight, bias, running_mean, running_var, factor, bn.eps
         )[0]
     if scratch:
@@ -467,6 +486,6 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         running_mean.lerp_(batch_mean, w)
         running_var.lerp_(batch_var, w)
         return out
-    return _with_update(
+    return (_with_update if compiling else _with_update_eager)(
         input, weight, bias, running_mean, running_var, factor, bn.eps
     )[0]
