@@ -32,7 +32,8 @@ def test_every_layer_swapped_exits_0_in_each_format(capsys):
                                               "note": None}
     assert data["layers"] == [{"name": "1", "class": "BatchNorm2d", "action": "swap",
                                "backend": "aten", "kernel": "Native",
-                               "adapter": "bnswap.layers.batch_norm_forward", "reason": None}]
+                               "adapter": "bnswap.layers.batch_norm_forward", "sync": None,
+                               "reason": None}]
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--format", "markdown")
     rows = [ln for ln in out.splitlines() if ln.startswith("| ")]
     assert code == 0 and rows[0].split(" | ")[0] == "| layer" and len(rows) == 2

@@ -214,18 +214,20 @@ def render(plan: bnswap.Plan | bnswap.ProgramPlan, fmt: str, note: str = "") -> 
         return json.dumps({
             "layers": [{"name": r.name, "class": r.cls, "action": r.action,
                         "backend": _null(r.backend), "kernel": _null(r.kernel),
-                        "adapter": _null(r.adapter_name), "reason": _null(r.reason)}
+                        "adapter": _null(r.adapter_name), "sync": _null(r.sync),
+                        "reason": _null(r.reason)}
                        for r in plan],
             "summary": {"layers": len(plan), "swapped": len(plan.swapped),
                         "skipped": len(plan.skipped), "backend": plan.backend,
                         "text": plan.summary(), "note": note or None},
         }, indent=1)
     if fmt == "markdown":
-        head = ["layer", "class", "action", "backend", "kernel", "adapter", "reason"]
+        head = ["layer", "class", "action", "backend", "kernel", "adapter", "sync", "reason"]
         lines = [f"**{plan.summary()}**", "", "| " + " | ".join(head) + " |",
                  "|" + "---|" * len(head)]
         for r in plan:
-            cells = [r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.reason]
+            cells = [r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.sync,
+                     r.reason]
             lines.append("| " + " | ".join(f"`{c}`" if i in (0, 1, 5) else str(c).replace(
                 "|", "\\|") for i, c in enumerate(cells)) + " |")
         return "\n".join(lines + ([f"\n{note}"] if note else []))
