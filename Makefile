@@ -3,6 +3,8 @@
 # resolves a newer (multi-GB CUDA) build.
 #   make demo   - set up .venv and train the MobileNetV2-style net on the digits data
 #   make test   - set up .venv and .venv-zoo and run the whole suite in both
+#   make compat - the core suite on each torch release of COMPAT_TORCH, one venv each
+#                 (.venv-compat-<release>); slow (3-4 GB per release), not part of test
 PYTHON ?= python3
 VENV ?= .venv
 ZOO ?= .venv-zoo
@@ -17,7 +19,7 @@ PIP := -m pip install -q --disable-pip-version-check
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 export MPLBACKEND ?= Agg
 
-.PHONY: setup setup-zoo demo test test-main test-zoo bench mutation clean
+.PHONY: setup setup-zoo demo test test-main test-zoo compat bench mutation clean
 
 # After torch, every install runs with a constraints file pinning it, so no package's
 # own torch requirement can make pip fetch another build.
@@ -53,6 +55,36 @@ test-zoo: setup-zoo
 	$(ZOO)/bin/python -m pytest -q -p no:cacheprovider tests
 
 test: test-main test-zoo
+
+# The oldest torch bnswap supports (pyproject.toml's floor), one between, the newest.
+# Each venv: torch from PyPI first, then bnswap's core dependencies and the test tools,
+# every pip call under a constraints file pinning that torch (PIP_CONSTRAINT, which also
+# takes the place of a machine-wide pip constraint). Results: benchmarks/results/compat.md.
+COMPAT_TORCH ?= 2.4.1 2.9.1 2.15.0
+COMPAT_DEPS ?= 'pytest>=8' 'hypothesis>=6.100' 'pytest-timeout>=2.3' numpy
+COMPAT_TESTS ?= tests/test_layers.py tests/test_convert.py tests/test_bad_inputs.py \
+	tests/test_atomic.py tests/test_registry.py tests/test_graphs.py tests/test_gradcheck.py \
+	tests/test_checkpoints.py tests/test_kernel_selection.py \
+	tests/test_isinstance_functions.py tests/test_patches.py tests/test_after_training.py
+
+.venv-compat-%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-compat-$*
+	echo 'torch==$*' > .venv-compat-$*/constraints.txt
+	export PIP_CONSTRAINT=$(CURDIR)/.venv-compat-$*/constraints.txt && \
+	.venv-compat-$*/bin/python $(PIP) --upgrade pip && \
+	.venv-compat-$*/bin/python $(PIP) torch==$* && \
+	.venv-compat-$*/bin/python $(PIP) -e . $(COMPAT_DEPS)
+	touch $@
+
+compat: $(foreach v,$(COMPAT_TORCH),.venv-compat-$(v)/.installed)
+	mkdir -p build/compat
+	for v in $(COMPAT_TORCH); do \
+		rm -f build/compat/$$v.xml; \
+		TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/compat/inductor-$$v PYTHONPATH=$(CURDIR) \
+		.venv-compat-$$v/bin/python -m pytest -q -p no:cacheprovider -rfEs \
+			--junitxml=build/compat/$$v.xml $(COMPAT_TESTS); \
+	done; \
+	$(PYTHON) benchmarks/compat.py $(foreach v,$(COMPAT_TORCH),build/compat/$(v).xml)
 
 bench: setup
 	$(VENV)/bin/python -m benchmarks

@@ -16,14 +16,15 @@ training").
   backend's trace buffers, and with each ORT wrapper replaced by the model it wraps. The
   class's ``forward`` (``aten::batch_norm``, whose kernel TorchScript's runtime picks) is
   compiled, and the user's model is never touched, not even briefly. Gate: the function
-  exists with torch's signature (tested on torch 2.13 / 2.14).
+  exists with torch's signature (tested on torch 2.4.1, 2.9.1, 2.13, 2.14, 2.15.0).
 * **torch.onnx, dynamo exporter**, given an exported program:
   ``torch.onnx._internal.exporter._fx_passes.decompose_with_registry`` decomposes it
   (into a new program, as before) keeping the consolidated ops, then rewrites them into
   stock's core ATen ops (:func:`bnswap.to_stock_ops` with ``core_aten=True``), so ONNX
   translates (and folds into Conv) what it translates for stock; without it they were
   decomposed into Sub / Mul / Add, and track_running_stats=False layers lost their batch
-  statistics. Gate: that function and its ``_decomp`` helpers exist (torch 2.13 / 2.14).
+  statistics. Gate: that function and its ``_decomp`` helpers exist (tested on torch
+  2.9.1, 2.13, 2.14, 2.15.0; torch 2.4 has no such module: nothing is patched there).
 * **torchao pt2e** (``prepare_pt2e`` / ``prepare_qat_pt2e``, and
   ``move_exported_model_to_eval`` / ``_train``): their conv-BN fold, the quantizers'
   conv-BN patterns and the train / eval switch look for stock's ``aten.batch_norm``; the
@@ -394,12 +395,13 @@ PATCHES: tuple[Patch, ...] = (
           "torch.jit.script / torch.jit.trace compile stock's forward on a stock view of the "
           "model (the user's modules untouched)",
           "the function exists with parameters (nn_module, stubs_fn, ...); tested on torch "
-          "2.13 / 2.14"),
+          "2.4.1, 2.9.1, 2.13, 2.14, 2.15.0"),
     Patch("onnx", "torch.onnx._internal.exporter._fx_passes", patch_onnx_exporter,
           "torch.onnx._internal.exporter._fx_passes.decompose_with_registry",
           "torch.onnx.export(dynamo=True) translates stock's core ATen batch norm (folded "
           "into Conv; track_running_stats=False keeps batch statistics)",
-          "the function and its _decomp helpers exist; tested on torch 2.13 / 2.14"),
+          "the function and its _decomp helpers exist (absent in torch 2.4); tested on "
+          "torch 2.9.1, 2.13, 2.14, 2.15.0"),
     Patch("torchao", "torchao.quantization.pt2e.quantize_pt2e", patch_torchao_pt2e,
           "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope",
           "prepare_pt2e / prepare_qat_pt2e see stock's aten.batch_norm (conv-BN fold, "

@@ -16,8 +16,9 @@ stock's layer records, node for node:
 
 * ``aten._batch_norm_with_update(x, w, b, running_mean, running_var, momentum, eps)``
   -> ``aten.batch_norm(x, w, b, running_mean, running_var, True, momentum, eps,
-  False)`` (``cudnn_enabled`` False, as ``torch.export`` records stock's call: it traces
-  with cuDNN off); ``aten._batch_norm_no_update(...)`` -> the same with ``training``
+  False)`` (``cudnn_enabled`` False, as ``torch.export`` records stock's call on torch
+  2.13 / 2.14 / 2.15: it traces with cuDNN off; on 2.9 the flag as it is, as stock's);
+  ``aten._batch_norm_no_update(...)`` -> the same with ``training``
   False. The
   ops' schemas (``native_functions.yaml``) take the same arguments, and both update
   the statistics they are given in place with ``momentum`` and the unbiased batch
@@ -49,9 +50,22 @@ _NO_UPDATE = _aten._batch_norm_no_update.default
 _TARGETS = (_WITH_UPDATE, _WITH_UPDATE_FUNCTIONAL, _NO_UPDATE)
 #: the consolidated ops' nodes (forward and backward)
 CONSOLIDATED_TARGETS = (*_TARGETS, _aten.batch_norm_backward.default)
-# aten.batch_norm's last argument as stock's layer records it under torch.export, which
-# traces with cuDNN off (torch/export/_trace.py, _ignore_backend_decomps).
-_CUDNN_ENABLED = False
+
+
+def _export_cudnn_enabled() -> bool:
+    """aten.batch_norm's last argument (``cudnn_enabled``) as ``torch.export`` records
+    stock's layer on this torch: ``F.batch_norm`` passes ``torch.backends.cudnn.enabled``,
+    read inside export's ``_ignore_backend_decomps`` (torch/export/_trace.py), which turns
+    cuDNN off on torch 2.13 / 2.14 / 2.15 and leaves it as it is on 2.9 (``make compat``).
+    The flags that context sets are restored on exit."""
+    try:
+        from torch.export._trace import _ignore_backend_decomps
+    except ImportError:  # a release without it: the newest known behaviour
+        return False
+    with _ignore_backend_decomps():
+        return bool(torch.backends.cudnn.enabled)
+
+
 _FILLS = {_aten.full.default: None, _aten.ones.default: 1.0, _aten.zeros.default: 0.0}
 
 
@@ -107,7 +121,7 @@ def _rewrite(graph: torch.fx.Graph, node: Node, core_aten: bool,
         index = {0: 0, 1: 1, 2: 2}
     else:  # the pre-dispatch graph torch.export.export returns: one tensor
         target = _aten.batch_norm.default
-        args = (x, w, b, mean, var, training, momentum, eps, _CUDNN_ENABLED)
+        args = (x, w, b, mean, var, training, momentum, eps, _export_cudnn_enabled())
         index = {0: None}
     if any(u.args[1] not in index and u.users for u in users):
         return False  # an output stock's op has no counterpart for is used

@@ -179,8 +179,9 @@ def safe_globals() -> list:
     them.
 
     Returns:
-        A list of classes and functions for ``torch.serialization.safe_globals`` /
-        ``add_safe_globals``.
+        A list of classes and functions for ``torch.serialization.safe_globals`` (torch
+        >= 2.5) / ``add_safe_globals``. On torch 2.4 a whole model, stock's or converted,
+        does not load with ``weights_only=True`` (its unpickler refuses ``builtins.set``).
 
     Examples::
 

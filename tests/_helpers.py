@@ -22,6 +22,10 @@ import bnswap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: This torch's (major, minor), for tests whose stock reference changed between releases
+#: (``make compat`` runs the core suite on the oldest supported release and newer ones).
+TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
 
 def swapped_copy(model: nn.Module) -> nn.Module:
     """A converted deepcopy of ``model`` (``model`` is left stock)."""

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
-from tests._helpers import state_diff
+from tests._helpers import TORCH, state_diff
 
 X = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
 
@@ -302,6 +302,9 @@ def test_torchao_pt2e_prepare_gives_stocks_graph(qat):
         assert not any("batch_norm" in k for k in ob)
 
 
+@pytest.mark.skipif(TORCH < (2, 5), reason="torch 2.4's torch.export.export returns a "
+                    "functional graph (other nodes, another order); to_stock_ops's node-for-"
+                    "node parity with stock's export is tested on torch 2.9 / 2.13 / 2.14 / 2.15")
 def test_to_stock_ops_gives_stocks_exported_graph_for_every_flag():
     """bnswap.to_stock_ops (what the torchao patch runs) turns a swapped model's export
     into stock's, node for node: affine=False, track_running_stats=False, eval."""
@@ -345,6 +348,9 @@ def test_ptflops_counts_batch_norm_like_stock():
 
 
 # ----------------------------------------------------------------------- exported
+@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"),
+                    reason="torch.compiler.is_exporting: torch >= 2.5 (on torch 2.4 the "
+                           "exported program's own shape guard refuses a batch of 0, stock's too)")
 def test_exported_program_with_an_empty_batch_raises_clearly_or_runs_as_stock():
     """Guards: torch.export's program called with batch 0 failed inside the kernel
     ("input tensor must have at least one element"). Now a runtime assertion says why,
@@ -458,6 +464,8 @@ def test_onnx_dynamo_export_of_an_exported_program_like_stock(train, kwargs):
     assert torch.equal(_run_onnx(pb, X), _run_onnx(ps, X))
 
 
+@pytest.mark.skipif(not hasattr(torch.export.ExportedProgram, "validate"),
+                    reason="ExportedProgram.validate: torch >= 2.5")
 def test_to_stock_ops_on_an_exported_program_keeps_it_valid_and_saveable(tmp_path):
     """Guards: the rewrite left the program's signature naming an erased node
     (SpecViolationError on validate / torch.export.save)."""

@@ -26,6 +26,7 @@ from torch import nn
 
 import bnswap
 from tests._helpers import (
+    TORCH,
     json_lines,
     outcome,
     pair,
@@ -379,11 +380,18 @@ def test_nan_and_inf_propagate_as_stock(results, key):
     assert r["stock_nan_stats"] == r["bnswap_nan_stats"]
 
 
+#: The exception stock's dtype dispatch raises for non-floating input (bnswap raises what
+#: stock raises): NotImplementedError on torch 2.9 / 2.13 / 2.14 / 2.15, RuntimeError on
+#: 2.4 (make compat); the release in between that changed it is not pinned down.
+DTYPE_ERRORS = (NotImplementedError,) if TORCH >= (2, 9) else (NotImplementedError, RuntimeError)
+
+
 @pytest.mark.parametrize("key", _cases("integer_input"))
 def test_integer_input(results, key):
     r = results[key]
     _check_common(r)
-    assert _err(r)[0] == "NotImplementedError" and "not implemented for" in _err(r)[1]
+    assert _err(r)[0] in {e.__name__ for e in DTYPE_ERRORS}
+    assert "not implemented for" in _err(r)[1]
 
 
 @pytest.mark.parametrize("key", _cases("dtype_mismatch"))
@@ -397,7 +405,9 @@ def test_input_dtype_different_from_the_layer(results, key):
 def test_state_dict_with_wrong_shape_or_dtype(results, key):
     r = results[key]
     _check_common(r)
-    if "shape" in key:
+    if key.endswith("counter_shape") and TORCH < (2, 13) and r["stock"] == ["ok"]:
+        pass  # torch 2.4 / 2.9 load a (2,) counter's first element; bnswap as stock
+    elif "shape" in key:
         assert _err(r)[0] == "RuntimeError" and "size mismatch" in _err(r)[1]
     # the class is stock's (bnswap swaps the forward only) and the swap survives
     assert r["bnswap_type"] == r["stock_type"] and r["bnswap_still_swapped"]
@@ -642,7 +652,18 @@ def test_statistics_set_to_none_behave_as_stock(train, missing, track, n):
         setattr(layer, name, None)
     stock, swapped = pair(layer.train(train))
     x = torch.randn(n, 3, 4, 4)
+    saved = copy.deepcopy(swapped.state_dict())
     a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
+    if a[0] != b[0] and TORCH < (2, 8):
+        # Only one of them None, with batch statistics: torch >= 2.8 raises this ValueError
+        # (pytorch PR 153233); older releases update the one that is left, which the
+        # consolidated ops cannot: bnswap raises the newer release's error (README,
+        # "torch releases"), before any kernel or counter update.
+        assert missing != "both" and train and a[0] == "ok", (a, b)
+        assert b[1] == (ValueError, "running_mean and running_var must either both be "
+                                    "None or neither be None")
+        assert all(torch.equal(v, saved[k]) for k, v in swapped.state_dict().items())
+        return
     assert a[0] == b[0], (a, b)
     if a[0] == "err":
         assert a[1] == b[1]
@@ -672,7 +693,7 @@ def test_non_floating_input_raises_stocks_exact_error(dtype, train, track):
     else:
         x = torch.ones(2, 3, 2, 2, dtype=dtype)
     a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
-    assert a[0] == b[0] == "err" and a[1][0] is b[1][0] is NotImplementedError
+    assert a[0] == b[0] == "err" and a[1][0] is b[1][0] and a[1][0] in DTYPE_ERRORS
     assert b[1][1] == a[1][1], (a, b)
     assert [k for k in state_diff(stock, swapped) if k != "num_batches_tracked"] == []
     if track:

@@ -215,6 +215,8 @@ def test_weights_only_load_of_a_whole_model_fails_as_stock():
     assert a[0] == b[0] == "err" and a[1][0] is b[1][0]
 
 
+@pytest.mark.skipif(not hasattr(torch.serialization, "safe_globals"),
+                    reason="torch.serialization.safe_globals: torch >= 2.5")
 def test_weights_only_load_of_a_whole_model_with_bnswap_safe_globals():
     """A whole converted model loads with weights_only=True once its classes are
     allowlisted as stock's must be, plus bnswap.safe_globals() (issue 21)."""

@@ -87,7 +87,9 @@ def test_keeps_flags_hooks_qconfig_and_state_dict_keys():
     calls = []
     bn.register_forward_hook(lambda m, i, o: calls.append("fwd"))
     bn.register_forward_pre_hook(lambda m, i: calls.append("pre"))
-    bn.register_state_dict_post_hook(lambda m, sd, prefix, local: calls.append("sd"))
+    # register_state_dict_post_hook: torch >= 2.5; torch 2.4 has it as a private method
+    register = getattr(bn, "register_state_dict_post_hook", None) or bn._register_state_dict_hook
+    register(lambda m, sd, prefix, local: calls.append("sd"))
     bnswap.convert(model)
     assert type(bn) is nn.BatchNorm2d and bnswap.is_swapped(bn)
     assert not bn.training and model.training and model[3][1].training

@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
 from tests._helpers import (
+    TORCH,
     outcome,
     pair,
     state_diff,
@@ -309,12 +310,17 @@ def test_fx_symbolic_trace_of_a_bare_layer_fails_as_stock():
 
 def test_fx_optimization_fuse_fuses_swapped_layers_as_stock():
     """torch.fx.experimental.optimization.fuse matches exact types (``type(m) is
-    nn.BatchNorm2d``): a swapped layer keeps its class, so it is fused as stock's is."""
+    nn.BatchNorm2d``): a swapped layer keeps its class, so it is fused as stock's is. Which
+    pairs stock fuses depends on the release: torch 2.4 fuses Conv-BN but not Linear-BN."""
     from torch.fx.experimental.optimization import fuse
 
     stock, swapped = pair(_net().eval())
     fs, fb = fuse(copy.deepcopy(stock)), fuse(copy.deepcopy(swapped))
-    assert not any(isinstance(m, _BatchNorm) for m in fb.modules())
+    left = [n for n, m in fs.named_modules() if isinstance(m, _BatchNorm)]
+    assert [n for n, m in fb.named_modules() if isinstance(m, _BatchNorm)] == left
+    assert len(left) < 3  # stock fused something (both Conv-BN pairs on every release)
+    if TORCH >= (2, 9):
+        assert left == []
     assert [type(m).__name__ for m in fs.modules()] == [type(m).__name__ for m in fb.modules()]
     x = torch.randn(4, 3, 5, 5)
     assert torch.equal(fb(x), fs(x))

@@ -5,6 +5,8 @@ TorchScript exporter moved to ``torch.onnx._internal.torchscript_exporter``) and
 ``dynamo=True`` default of ``torch.onnx.export``. This module makes it run on the torch
 versions bnswap is tested with, and only there: :func:`apply` refuses untested versions
 (:data:`TESTED_ORT`, torch >= :data:`MIN_TORCH`) unless ``BNSWAP_ORT_ALLOW_UNTESTED=1``.
+Tested with torch 2.13 and 2.14 (``make test``); ``make compat`` (torch 2.4.1, 2.9.1,
+2.15.0) runs no ORT test, so older releases stay refused and 2.15 is unverified here.
 
 It is applied only by :mod:`bnswap.ort` (never by ``import bnswap``), and it leaves
 torch's public behaviour as it was:
