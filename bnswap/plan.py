@@ -176,10 +176,14 @@ CUDNN_BN_MIN_EPSILON = 1e-5
 def _predicted_cuda_kernel(dtype: torch.dtype, eps: float) -> str:
     """What ``torch._C._select_batch_norm_backend`` picks on an NVIDIA GPU for what the
     core passes (defined weight, bias and statistics; rank >= 3), by its rule in
-    aten/src/ATen/native/Normalization.cpp: not bfloat16, eps >= cuDNN's minimum,
-    cuDNN enabled (``torch.backends.cudnn.enabled``), batch size at most 880,801 in
-    training (65,535 in eval; not known here). Marked "predicted": no CUDA device here."""
-    if dtype == torch.bfloat16 or eps < CUDNN_BN_MIN_EPSILON or not torch.backends.cudnn.enabled:
+    aten/src/ATen/native/Normalization.cpp: no bfloat16, half input only with float32
+    parameters (a float16 layer feeds float16 input to float16 parameters: native; a
+    float32 layer under autocast: cuDNN), eps >= cuDNN's minimum, cuDNN enabled
+    (``torch.backends.cudnn.enabled``), batch size at most 880,801 in training (65,535
+    in eval; not known here). ``dtype`` is the parameters' (the input is assumed to match
+    them). Marked "predicted": no CUDA device here."""
+    if (dtype in (torch.bfloat16, torch.float16) or eps < CUDNN_BN_MIN_EPSILON
+            or not torch.backends.cudnn.enabled):
         return "Native (predicted)"
     return "Cudnn (predicted)"
 
@@ -599,8 +603,9 @@ def plan(
                              sync_class=to_sync, process_group=process_group))
         elif current is not None and bound_elsewhere(m):
             rows.append(_row(name, m, cls, backend, device, "swap",
-                             "a shallow copy of a swapped layer: bound to this copy now "
-                             "(it ran the original's flags and statistics)", current,
+                             "a shallow copy of a swapped layer: apply binds it to this "
+                             "copy (until then it runs the original's flags and "
+                             "statistics)", current,
                              lazy=lazy))
         elif current is not None:
             reason = "already swapped" + ("; " + uninit if lazy else "")

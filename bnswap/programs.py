@@ -110,7 +110,9 @@ def _kernel(x: object, w: object, mean: object, eps: float,
     if dev.type == "meta":
         return "n/a (meta)"
     if dev.type == "cuda" and not torch.cuda.is_available():
-        if (ref.dtype == torch.bfloat16 or eps < _CUDNN_MIN_EPS
+        # torch's rule: no bfloat16; half input only with float32 parameters
+        if (torch.bfloat16 in (ref.dtype, xv.dtype) or eps < _CUDNN_MIN_EPS
+                or (xv.dtype == torch.float16 and ref.dtype != torch.float32)
                 or not torch.backends.cudnn.enabled):
             return "Native (predicted)"
         return "Cudnn (predicted)"

@@ -347,3 +347,24 @@ def test_predict_writes_its_predictions_and_says_where(tmp_path, capsys, monkeyp
                 break
             want.append(model(x).argmax(1))
     assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_ort_config_without_onnx_runtime_is_a_usage_error(capsys, monkeypatch, tmp_path):
+    """Guards (a fresh user's review): the ORT config where ONNX Runtime training is not
+    installed ended in a 41-line ORTNotAvailableError traceback (exit 1) once fit began."""
+    import importlib
+
+    from bnswap.app.cli import main
+
+    ort = importlib.import_module("bnswap.ort")
+    monkeypatch.setattr(ort, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", "digits_mobilenetv2_ort.yaml", *tiny(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr()
+    lines = [ln for ln in (err.out + err.err).strip().splitlines() if ln != "Seed set to 0"]
+    assert lines == [
+        "bnswap train: error: trainer.callbacks: BNSwap(backend='ort') needs ONNX Runtime "
+        f"training and torch-ort: {ort.INSTALL}", "(bnswap train --help lists every option)"]
+    assert not list(tmp_path.rglob("*.csv"))  # nothing trained

@@ -147,7 +147,11 @@ def test_cuda_prediction_follows_torchs_rule_at_its_edges():
     assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=1e-5), "cuda") == "Cudnn (predicted)"
     assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=9.9e-6), "cuda") == "Native (predicted)"
     assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda") == "Cudnn (predicted)"
-    assert plan_module.select_kernel(nn.BatchNorm2d(4).half(), "cuda") == "Cudnn (predicted)"
+    # half input takes cuDNN only with float32 parameters (torch's rule): a float16 layer
+    # runs native (it said Cudnn; a fresh user's review)
+    assert plan_module.select_kernel(nn.BatchNorm2d(4).half(), "cuda") == "Native (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False).half(), "cuda") == \
+        "Cudnn (predicted)"  # the core passes float32 constants with half input on CUDA
     assert plan_module.select_kernel(nn.BatchNorm2d(4).bfloat16(), "cuda") == "Native (predicted)"
     with torch.backends.cudnn.flags(enabled=False):
         assert plan_module.select_kernel(nn.BatchNorm2d(4), "cuda") == "Native (predicted)"

@@ -280,3 +280,35 @@ def test_a_file_that_is_no_program_is_a_one_line_usage_error(capsys, tmp_path, c
     assert code == 2 and not out and not (tmp_path / "o.pt2").exists()
     assert err.count("\n") == 1 and err.startswith(f"bnswap {cmd}: error: {bad}: not a "
                                                    "torch.export program"), err
+
+
+def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_path):
+    """Guards (a fresh user's review): -o into a folder that does not exist ended in
+    torch.export.save's RuntimeError traceback (exit 1)."""
+    import torch
+    from torch import nn
+
+    src = tmp_path / "m.pt2"
+    torch.export.save(torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(),
+                                          (torch.randn(2, 3, 4, 4),)), str(src))
+    out = tmp_path / "nothere" / "o.pt2"
+    code = plan_cli.convert_main([str(src), "-o", str(out)])
+    cap = capsys.readouterr()
+    assert (code, cap.out) == (2, "") and not out.parent.exists()
+    assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
+
+
+def test_plan_for_ort_says_when_onnx_runtime_is_missing(capsys, monkeypatch):
+    """Guards (a fresh user's review): --backend ort planned every row onto
+    BatchNormInternal with no word that ONNX Runtime training is not installed."""
+    import importlib
+
+    ort = importlib.import_module("bnswap.ort")
+    monkeypatch.setattr(ort, "is_available", lambda: False)
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--backend", "ort")
+    assert code == 0 and out.splitlines()[-1] == (
+        "note: ONNX Runtime training is not installed here: converting with backend='ort' "
+        f"raises ORTNotAvailableError ({ort.INSTALL})")
+    monkeypatch.setattr(ort, "is_available", lambda: True)
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--backend", "ort")
+    assert "note" not in out

@@ -145,6 +145,19 @@ def test_plan_of_a_program_one_row_per_node():
         bnswap.plan(ep, include=[nn.BatchNorm2d])
 
 
+def test_plan_of_a_float16_program_predicts_torchs_rule():
+    """Guards (a fresh user's review): a float16 model's program was predicted to run
+    cuDNN on CUDA; torch takes half input to cuDNN only with float32 parameters."""
+    if torch.cuda.is_available():
+        pytest.skip("predictions are made only without a CUDA device")
+    m = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).half().eval()
+    ep = torch.export.export(m, (torch.randn(2, 3, 5, 5).half(),))
+    assert [r.kernel for r in bnswap.plan(ep, device="cuda")] == ["Native (predicted)"]
+    mixed = nn.Sequential(nn.BatchNorm2d(4)).eval()  # float32 parameters, half input
+    ep = torch.export.export(mixed, (torch.randn(2, 4, 5, 5).half(),))
+    assert [r.kernel for r in bnswap.plan(ep, device="cuda")] == ["Cudnn (predicted)"]
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_bnswap_program_reaches_core_aten_like_stock(train):
     """run_decompositions() with the default table: only core ATen ops, stock's batch-norm

@@ -179,6 +179,17 @@ class BNSwapCLI(LightningCLI):
             super().instantiate_classes()
         except (MisconfigurationException, ValueError) as e:
             _usage_error(prog, short_error(str(e)))
+        if any(isinstance(cb, BNSwap) and cb.backend == "ort" for cb in self.trainer.callbacks):
+            import bnswap
+
+            try:  # (BNSwap.setup would raise it mid-run, with a traceback)
+                bnswap.ort.check_python()
+                if not bnswap.ort.is_available():
+                    raise bnswap.ort.ORTNotAvailableError(
+                        "BNSwap(backend='ort') needs ONNX Runtime training and torch-ort: "
+                        + bnswap.ort.INSTALL)
+            except bnswap.ort.ORTNotAvailableError as e:
+                _usage_error(prog, f"trainer.callbacks: {e}")
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

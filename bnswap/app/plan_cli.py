@@ -313,6 +313,10 @@ def main(argv: Sequence[str]) -> int:
     elif unprobed := sorted(k for k in kernels if k.startswith("n/a")):
         note = (f"note: the kernel for device {cfg.device or 'of the layers'!r} could not be "
                 f"probed here ({', '.join(unprobed)}): is the device present?")
+    if backend == "ort" and not bnswap.ort.is_available():
+        note = ((note + "\n") if note else "") + (
+            "note: ONNX Runtime training is not installed here: converting with "
+            f"backend='ort' raises ORTNotAvailableError ({bnswap.ort.INSTALL})")
     if no_callback:  # (a stock config): say what training it really does
         note = ((note + "\n") if note else "") + (
             f"note: {cfg.config} has no BNSwap callback: `bnswap train` with it keeps stock "
@@ -379,6 +383,10 @@ def convert_main(argv: Sequence[str]) -> int:
         ep = load_program(cfg.program)
     except ProgramFileError as e:
         return _usage_error(str(e), "convert")
+    parent = os.path.dirname(os.path.abspath(cfg.output))
+    if not os.path.isdir(parent):  # (torch.export.save raised a RuntimeError with traceback)
+        return _usage_error(f"{cfg.output}: no such folder: {os.path.dirname(cfg.output)}",
+                            "convert")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = bnswap.plan(ep, include=cfg.include, exclude=cfg.exclude)
