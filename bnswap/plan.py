@@ -26,6 +26,7 @@ from bnswap._swap import (
     undo_of,
     wrapped_model,
 )
+from bnswap._rows import Rows
 from bnswap._warn import warn
 from bnswap.registry import qualified_name
 from bnswap.sync import SYNC_KERNEL, describe_group, sync_class, \
@@ -283,7 +284,7 @@ class PlanRow:
                 "adapter": self.adapter_name, "sync": self.sync}
 
 
-class Plan(Sequence[PlanRow]):
+class Plan(Rows[PlanRow]):
     """The rows of a conversion, in ``named_modules()`` order.
 
     ``str(plan)`` is an aligned text table; ``plan.swapped`` / ``plan.skipped`` are the
@@ -316,33 +317,8 @@ class Plan(Sequence[PlanRow]):
         # SyncBatchNorm a sync_batchnorm=True row makes
         self._parents = parents or {}
 
-    def __getitem__(self, i):  # type: ignore[override]
-        return self.rows[i]
+    counted = "BatchNorm layers"
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self) -> Iterator[PlanRow]:
-        return iter(self.rows)
-
-    @property
-    def swapped(self) -> list[PlanRow]:
-        """The rows with action ``"swap"`` (swapped now by :meth:`apply`, or already)."""
-        return [r for r in self.rows if r.action == "swap"]
-
-    @property
-    def skipped(self) -> list[PlanRow]:
-        """The rows with action ``"skip"``, each with its reason."""
-        return [r for r in self.rows if r.action == "skip"]
-
-    def to_dicts(self) -> list[dict[str, str]]:
-        """One plain dict per row (:meth:`PlanRow.to_dict`; JSON-serializable)."""
-        return [r.to_dict() for r in self.rows]
-
-    def summary(self) -> str:
-        """``"bnswap plan: N of M BatchNorm layers swapped, K skipped"``."""
-        return (f"bnswap plan: {len(self.swapped)} of {len(self.rows)} BatchNorm layers "
-                f"swapped, {len(self.skipped)} skipped")
 
     def apply(self) -> nn.Module:
         """Swap every layer the plan swaps and is not swapped yet; with

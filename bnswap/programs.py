@@ -39,6 +39,7 @@ from bnswap._graph import (
     to_consolidated_ops,
     to_stock_ops,
 )
+from bnswap._rows import Rows
 from bnswap._warn import warn
 
 __all__ = ["NodeRow", "ProgramPlan", "convert", "is_program", "plan", "to_stock_ops"]
@@ -192,7 +193,7 @@ class NodeRow:
                 "kernel": self.kernel, "reason": self.reason}
 
 
-class ProgramPlan(Sequence[NodeRow]):
+class ProgramPlan(Rows[NodeRow]):
     """The rows of a program's conversion, in graph order: what :func:`plan` returns
     for a program (``bnswap.plan(ep)``), as :class:`bnswap.Plan` is for a module.
 
@@ -216,33 +217,8 @@ class ProgramPlan(Sequence[NodeRow]):
         self.program = program
         self._patterns = (include, exclude)
 
-    def __getitem__(self, i):  # type: ignore[override]
-        return self.rows[i]
+    counted = "batch-norm nodes"
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self) -> Iterator[NodeRow]:
-        return iter(self.rows)
-
-    @property
-    def swapped(self) -> list[NodeRow]:
-        """The rows with action ``"swap"``."""
-        return [r for r in self.rows if r.action == "swap"]
-
-    @property
-    def skipped(self) -> list[NodeRow]:
-        """The rows with action ``"skip"``, each with its reason."""
-        return [r for r in self.rows if r.action == "skip"]
-
-    def to_dicts(self) -> list[dict[str, str]]:
-        """One plain dict per row (:meth:`NodeRow.to_dict`; JSON-serializable)."""
-        return [r.to_dict() for r in self.rows]
-
-    def summary(self) -> str:
-        """``"bnswap plan: N of M batch-norm nodes swapped, K skipped"``."""
-        return (f"bnswap plan: {len(self.swapped)} of {len(self.rows)} batch-norm nodes "
-                f"swapped, {len(self.skipped)} skipped")
 
     def apply(self) -> Program:
         """:func:`convert` the program with the plan's patterns: a new ExportedProgram
