@@ -392,15 +392,17 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         >>> torch.equal(bn.running_var, stock.running_var), int(bn.num_batches_tracked)
         (True, 1)
     """
+    # The modes of _BatchNorm.forward, as named steps: which statistics normalize, which
+    # are updated, then the checks, the batch count, and one kernel call per mode.
     training = bn.training
     weight, bias, running_mean, running_var, nbt = _tensors(bn)
-    # _BatchNorm.forward: batch statistics in training, or when there are no buffers.
+    # batch statistics in training, or when the layer has no running statistics
     use_batch_stats = training or (running_mean is None and running_var is None)
-    # _BatchNorm.forward passes the buffers only when not training or when tracking.
-    if training and not bn.track_running_stats:
+    if training and not bn.track_running_stats:  # torch passes no buffers then
         running_mean = running_var = None
-    # Statistics are updated exactly when batch statistics are used and passed.
+    # the running statistics move exactly when batch statistics are used and passed
     update = use_batch_stats and running_mean is not None
+
     check_batch_norm_input(
         input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
     )
@@ -411,26 +413,20 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if momentum is not None and type(momentum) is not float \
             and not isinstance(momentum, (numbers.Real, Tensor)):
         _raise_stock_momentum_error(momentum)
-
     compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
     if compiling and _is_exporting() and isinstance(input.numel(), torch.SymInt):
-        # torch.export assumes a dynamic size is never 0 (its 0/1 specialization), so the
-        # empty-input branch below is traced away, and the consolidated ops reject an
-        # empty input at run time with a kernel error. Stock's exported aten.batch_norm
-        # returns early instead. A runtime assertion in the graph (checked before the
-        # num_batches_tracked update, so no state changes) says so clearly.
-        # bnswap.to_stock_ops removes it again with the op it guards.
-        torch.ops.aten._assert_scalar.default(input.numel() != 0, EMPTY_BATCH_MESSAGE)
+        _assert_batch_not_empty(input)
+
     counts = training and bn.track_running_stats and nbt is not None  # as _BatchNorm.forward
     if counts:
         nbt.add_(1)
-    cumulative = counts and momentum is None
     # Compiled code keeps the cumulative factor in the graph (a tensor): reading the
     # counter as a float breaks it (pytorch issue 194504). (A momentum is its own factor:
     # no call on every forward for it.)
     factor = momentum if momentum is not None else exponential_average_factor(
         momentum, nbt if counts else None, traced=compiling,
         dtype=None if running_mean is None else running_mean.dtype)
+
     if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
         # rules for aten::batch_norm but none for the consolidated ops, so run exactly
@@ -438,54 +434,103 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         return torch.nn.functional.batch_norm(
             input, running_mean, running_var, weight, bias, use_batch_stats, factor, bn.eps
         )
-
     if input.numel() == 0:
-        # aten::batch_norm's early return for empty input: no kernel, no statistics.
-        out = input.clone()
-        # select(), as ATen does: the same IndexError message when C == 0.
-        if weight is not None:
-            out = out * weight.select(0, 0)
-        if bias is not None:
-            out = out + bias.select(0, 0)
-        return out
-
-    scratch = use_batch_stats and not update
-    if weight is None or bias is None or scratch:  # constants are needed: in which dtype
-        n, pdtype, device = input.shape[1], _param_dtype(input, weight, bias, running_mean), \
-            input.device
-        if weight is None:
-            weight = _constant(bn, TRACE_WEIGHT, 1.0, n, pdtype, device)
-        if bias is None:
-            bias = _constant(bn, TRACE_BIAS, 0.0, n, pdtype, device)
+        return _empty_batch(input, weight, bias)
+    if weight is None or bias is None or (use_batch_stats and not update):
+        weight, bias = _stand_ins(bn, input, weight, bias, running_mean)
 
     if not use_batch_stats:
-        return (_no_update if compiling else _no_update_eager)(
-            input, weight, bias, running_mean, running_var, factor, bn.eps
-        )[0]
-    if scratch:
-        # Batch statistics only: the op needs statistics to write to; these are dropped.
-        scratch_mean = torch.zeros(n, dtype=pdtype, device=device)
-        scratch_var = torch.ones(n, dtype=pdtype, device=device)
-        # factor is stock's F.batch_norm momentum (it only moves the scratch statistics):
-        # bnswap.to_stock_ops maps the node back to stock's call argument for argument.
-        return _with_update(
-            input, weight, bias, scratch_mean, scratch_var, factor, bn.eps
-        )[0]
-    if cumulative and compiling:
-        # Graph-friendly cumulative average: batch statistics via momentum=1 on scratch
-        # buffers, then running += (batch - running) / num_batches_tracked.
-        batch_mean = torch.zeros_like(running_mean)
-        batch_var = torch.zeros_like(running_var)
-        out = _with_update(
-            input, weight, bias, batch_mean, batch_var, 1.0, bn.eps
-        )[0]
-        w = factor  # a 0-dim tensor in running_mean's dtype
-        # No torch.no_grad() needed (nothing here requires grad), and none wanted: under
-        # torch.export it became a wrap_with_set_grad_enabled node whose missing meta
-        # made torch.export.load refuse the saved program.
-        running_mean.lerp_(batch_mean, w)
-        running_var.lerp_(batch_var, w)
-        return out
+        return _normalize_with_running_stats(
+            input, weight, bias, running_mean, running_var, factor, bn.eps, compiling)
+    if not update:
+        return _normalize_with_batch_stats(input, weight, bias, factor, bn.eps)
+    if counts and momentum is None and compiling:
+        return _update_cumulative_traced(
+            input, weight, bias, running_mean, running_var, factor, bn.eps)
+    return _normalize_and_update(
+        input, weight, bias, running_mean, running_var, factor, bn.eps, compiling)
+
+
+def _assert_batch_not_empty(input: Tensor) -> None:
+    """torch.export assumes a dynamic size is never 0 (its 0/1 specialization), so the
+    empty-input branch of :func:`module_batch_norm` is traced away, and the consolidated
+    ops reject an empty input at run time with a kernel error. Stock's exported
+    aten.batch_norm returns early instead. A runtime assertion in the graph (checked
+    before the num_batches_tracked update, so no state changes) says so clearly;
+    bnswap.to_stock_ops removes it again with the op it guards."""
+    torch.ops.aten._assert_scalar.default(input.numel() != 0, EMPTY_BATCH_MESSAGE)
+
+
+def _empty_batch(input: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """aten::batch_norm's early return for empty input: no kernel, no statistics."""
+    out = input.clone()
+    # select(), as ATen does: the same IndexError message when C == 0.
+    if weight is not None:
+        out = out * weight.select(0, 0)
+    if bias is not None:
+        out = out + bias.select(0, 0)
+    return out
+
+
+def _stand_ins(bn: _BatchNorm, input: Tensor, weight: Tensor | None, bias: Tensor | None,
+               running_mean: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The weight and bias the ops need: the layer's own, or (n,) ones / zeros in the
+    dtype :func:`_param_dtype` picks (see the module docstring)."""
+    n, dtype, device = input.shape[1], _param_dtype(input, weight, bias, running_mean), \
+        input.device
+    if weight is None:
+        weight = _constant(bn, TRACE_WEIGHT, 1.0, n, dtype, device)
+    if bias is None:
+        bias = _constant(bn, TRACE_BIAS, 0.0, n, dtype, device)
+    return weight, bias
+
+
+def _normalize_with_running_stats(input: Tensor, weight: Tensor, bias: Tensor,
+                                  running_mean: Tensor, running_var: Tensor, factor: float,
+                                  eps: float, compiling: bool) -> Tensor:
+    """Eval (or a layer that tracks but is not training): the running statistics
+    normalize; nothing moves."""
+    return (_no_update if compiling else _no_update_eager)(
+        input, weight, bias, running_mean, running_var, factor, eps
+    )[0]
+
+
+def _normalize_with_batch_stats(input: Tensor, weight: Tensor, bias: Tensor,
+                                factor: float, eps: float) -> Tensor:
+    """Batch statistics only (``track_running_stats=False``): the op needs statistics to
+    write to; these throw-away ones are dropped. ``factor`` is stock's F.batch_norm
+    momentum (it only moves the scratch statistics): bnswap.to_stock_ops maps the node
+    back to stock's call argument for argument."""
+    n = input.shape[1]
+    scratch_mean = torch.zeros(n, dtype=weight.dtype, device=input.device)
+    scratch_var = torch.ones(n, dtype=weight.dtype, device=input.device)
+    return _with_update(input, weight, bias, scratch_mean, scratch_var, factor, eps)[0]
+
+
+def _update_cumulative_traced(input: Tensor, weight: Tensor, bias: Tensor,
+                              running_mean: Tensor, running_var: Tensor, factor: Tensor,
+                              eps: float) -> Tensor:
+    """``momentum=None`` in a graph: batch statistics via momentum 1 on scratch
+    statistics, then ``running += (batch - running) / num_batches_tracked`` (``factor``,
+    a 0-dim tensor in running_mean's dtype), with no graph break.
+
+    No ``torch.no_grad()`` (nothing here requires grad), and none wanted: under
+    torch.export it became a wrap_with_set_grad_enabled node whose missing meta made
+    torch.export.load refuse the saved program."""
+    batch_mean = torch.zeros_like(running_mean)
+    batch_var = torch.zeros_like(running_var)
+    out = _with_update(input, weight, bias, batch_mean, batch_var, 1.0, eps)[0]
+    running_mean.lerp_(batch_mean, factor)
+    running_var.lerp_(batch_var, factor)
+    return out
+
+
+def _normalize_and_update(input: Tensor, weight: Tensor, bias: Tensor,
+                          running_mean: Tensor, running_var: Tensor, factor: float | Tensor,
+                          eps: float, compiling: bool) -> Tensor:
+    """Training with running statistics: batch statistics normalize, and the op moves
+    running_mean / running_var by ``factor`` (the unbiased batch variance into
+    running_var)."""
     return (_with_update if compiling else _with_update_eager)(
-        input, weight, bias, running_mean, running_var, factor, bn.eps
+        input, weight, bias, running_mean, running_var, factor, eps
     )[0]
