@@ -250,6 +250,8 @@ def machine_info() -> dict:
         "load_average_start": load_average(),
         "python_loop_1m_ms_start": python_loop_ms(),
         "git_commit": _git_commit(),
-        "executable": sys.executable,
+        # the interpreter relative to the repository (a result file names no machine path)
+        "executable": os.path.relpath(sys.executable, os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))),
         **caps,
     }
