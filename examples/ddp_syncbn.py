@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,8 @@ def optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 def main(steps: int = 8, batch_size: int = 64, lr: float = 0.05, width_mult: float = 0.5,
          image_size: int = 16, seed: int = 0, out: str | None = None,
-         num_threads: int | None = 1, float64: bool = False) -> dict:
+         num_threads: int | None = 1, float64: bool = False,
+         timeout_s: float = 1800.0) -> dict:
     """Train ``steps`` steps of ``batch_size`` (the global batch, split evenly) on every
     process of the torchrun job; rank 0 prints the plan and the validation accuracy;
     ``out``: a folder where each rank saves its final state_dict (``rank{r}.pt``).
@@ -71,11 +73,14 @@ def main(steps: int = 8, batch_size: int = 64, lr: float = 0.05, width_mult: flo
         float64: weights and data in float64 (tests compare with one process to 1e-7;
             in float32 the deep layers' small batch variances amplify rounding to ~1e-3
             after a step, for stock as for bnswap).
+        timeout_s: seconds a rank waits in one collective (or for its peers) before
+            it fails; torch's default is 30 minutes.
     """
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # how long a rank waits in one collective before it fails (torch's default: 30 min)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     if batch_size % world:

@@ -147,3 +147,36 @@ def assert_state_equal(a: nn.Module, b: nn.Module, exact: bool = True, **tol) ->
             assert torch.equal(pa.grad, pb.grad), na
         else:
             torch.testing.assert_close(pa.grad, pb.grad, **tol, msg=na)
+
+
+#: How long a rank of the tests' process groups waits in one collective (or for its
+#: peers to join) before it fails: a hung collective ends the test in seconds.
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def run_processes(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a command that starts
+    processes of its own (spawned ranks, torchrun workers, a Lightning ddp launch): it
+    runs in a new session, and past ``timeout`` seconds the whole session is killed (not
+    just ``cmd``: orphaned ranks would keep waiting in their collectives) and the test
+    fails with what it printed."""
+    import signal
+
+    import pytest
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd[:3]))} ... ran past {timeout} s; its process "
+                    f"group was killed\n{out[-2000:]}\n{err[-4000:]}")
+    finally:
+        try:  # children left behind by a command that exited (a rank that outlived it)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+

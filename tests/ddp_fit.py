@@ -12,9 +12,12 @@ Used by tests/test_ddp.py.
 import os
 import sys
 import warnings
+from datetime import timedelta
 
 import torch
 from torch import nn
+
+from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
 
 torch.set_num_threads(1)  # two processes on two cores
 warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")
@@ -30,6 +33,7 @@ def _kind(m: nn.Module) -> str:
 
 def main(variant: str, out_dir: str) -> None:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
 
     from bnswap.app.data import DigitsDataModule
     from bnswap.lightning import BNSwap
@@ -61,7 +65,8 @@ def main(variant: str, out_dir: str) -> None:
     pl.seed_everything(0)
     callbacks = {"stock": [], "bnswap": [BNSwap()], "ort": [BNSwap(backend="ort")]}[variant]
     trainer = pl.Trainer(
-        strategy="ddp", accelerator="cpu", devices=2, max_epochs=2, limit_train_batches=4,
+        strategy=DDPStrategy(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
+        accelerator="cpu", devices=2, max_epochs=2, limit_train_batches=4,
         limit_val_batches=2, num_sanity_val_steps=0, deterministic=True, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks)

@@ -19,10 +19,13 @@ OUT_DIR/<mode>_rank<r>.pt. Used by tests/test_fsdp.py.
 import os
 import sys
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
 
 torch.set_num_threads(1)  # two processes on two cores
 warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")
@@ -116,7 +119,8 @@ def _plain_rank(rank: int, port: int, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         mesh = init_device_mesh("cpu", (2,))
         stock = fully_shard(make_net(), mesh=mesh, mp_policy=_policy())
@@ -186,7 +190,9 @@ def lightning(out_dir: str) -> None:
     model = Module()
     cb = BNSwap()
     trainer = pl.Trainer(
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), accelerator="cpu", devices=2, max_steps=STEPS,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                       timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
+        accelerator="cpu", devices=2, max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[cb], use_distributed_sampler=False)
     loader = torch.utils.data.DataLoader(Data(), batch_size=None)

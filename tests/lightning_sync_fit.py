@@ -14,14 +14,18 @@ objects came back at teardown. Used by tests/test_lightning.py.
 import os
 import sys
 import warnings
+from datetime import timedelta
 
 import torch
 from torch import nn
+
+from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
 
 torch.set_num_threads(1)  # two processes on two cores
 warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import bnswap  # noqa: E402
 from bnswap.lightning import BNSwap  # noqa: E402
@@ -106,7 +110,10 @@ class Module(pl.LightningModule):
 
 def main(strategy: str, out_dir: str) -> None:
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, sync_batchnorm=True,
+        # ddp / ddp_spawn as Lightning registers them, with a collective timeout of seconds
+        strategy=DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "popen",
+                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
+        accelerator="cpu", devices=2, sync_batchnorm=True,
         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[BNSwap()], use_distributed_sampler=False)
     loader = torch.utils.data.DataLoader(RankBatches(), batch_size=None)

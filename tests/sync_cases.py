@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
+
 #: (case, layer kwargs, class, per-rank batch sizes of each step, feature shape, dtype,
 #: channels_last) per world size.
 CASES = {
@@ -189,7 +191,8 @@ def bad_input_case(rank: int) -> dict:
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     result: dict = {}
     try:
         result["cases"] = {spec[0]: run_case(rank, world, spec) for spec in CASES[world]}

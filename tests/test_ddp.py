@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._helpers import run_processes
+
 pytest.importorskip("lightning.pytorch")
 
 SCRIPT = Path(__file__).with_name("ddp_fit.py")
@@ -21,8 +23,8 @@ def _run(variant: str, out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), variant, str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_processes([sys.executable, str(SCRIPT), variant, str(out)], timeout=600,
+                         env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     return [torch.load(out / f"{variant}_rank{r}.pt", weights_only=False) for r in (0, 1)]
 

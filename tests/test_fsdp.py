@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import bnswap
+from tests._helpers import run_processes
 
 SCRIPT = Path(__file__).with_name("fsdp_fit.py")
 HALF = [torch.bfloat16, torch.float16]
@@ -123,8 +124,8 @@ def _run(mode: str, out: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), mode, str(out), str(_free_port())],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = run_processes([sys.executable, str(SCRIPT), mode, str(out), str(_free_port())],
+                         timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     return [torch.load(out / f"{mode}_rank{r}.pt", weights_only=False) for r in (0, 1)]
 

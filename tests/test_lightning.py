@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # n
 
 from bnswap.app.data import DigitsDataModule  # noqa: E402
 from bnswap.lightning import BNSwap  # noqa: E402
+from tests._helpers import run_processes  # noqa: E402
 from bnswap.app.models import ConvNet4  # noqa: E402
 
 CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
@@ -594,8 +595,8 @@ def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, script.__file__, strategy, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_processes([sys.executable, script.__file__, strategy, str(tmp_path)],
+                         timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"{strategy}_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r in ranks:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import bnswap
+from tests._helpers import COLLECTIVE_TIMEOUT_S, run_processes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sync_cases  # noqa: E402
@@ -31,8 +32,8 @@ def _spawn(world: int, out: Path) -> list[dict]:
            "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(world), str(out)], env=env,
-                          capture_output=True, text=True, timeout=400)
+    proc = run_processes([sys.executable, str(SCRIPT), str(world), str(out)], timeout=400,
+                         env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -259,11 +260,12 @@ def test_ddp_syncbn_example_under_torchrun_matches_one_process(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run(
+    proc = run_processes(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
          "--master_addr=127.0.0.1", f"--master_port={sync_cases.free_port()}", str(example),
-         f"--steps={steps}", f"--batch_size={batch}", f"--lr={lr}", f"--out={tmp_path}", "--float64=true"],
-        env=env, capture_output=True, text=True, timeout=400, cwd=root)
+         f"--steps={steps}", f"--batch_size={batch}", f"--lr={lr}", f"--out={tmp_path}", "--float64=true",
+         f"--timeout_s={COLLECTIVE_TIMEOUT_S}"],
+        timeout=400, env=env, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "synchronized over: WORLD, 2 ranks | kernel: Sync (portable); eval Native" \
         in proc.stdout
