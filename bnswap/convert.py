@@ -172,6 +172,11 @@ def revert(module: nn.Module) -> nn.Module:
         >>> bnswap.revert(bn) is bn, bnswap.is_swapped(bn), "forward" in vars(bn)
         (True, False, False)
     """
+    if programs.is_program(module):  # (check_module would say only "expects a Module")
+        raise TypeError(
+            f"bnswap.revert() expects a torch.nn.Module, got {type(module).__name__}; a "
+            "program's consolidated nodes go back to stock's ops with "
+            "bnswap.to_stock_ops(program) (in place)")
     check_module(module, "revert")
     modules = list(module.modules())  # an ORT wrapper's modules() include the model's
     for parent in modules:

@@ -230,3 +230,11 @@ def test_plan_of_a_bnswap_program_says_already():
     assert len(p) == 4 and all(r.already and r.action == "swap" for r in p)
     assert {r.reason for r in p} == {"already the consolidated op"}
     assert {r.kernel for r in p} == {"Native"}
+
+
+def test_revert_of_a_program_names_to_stock_ops():
+    """Guards (a newcomer's try): revert(program) said only "expects a torch.nn.Module"."""
+    ep = bnswap.convert(torch.export.export(model().eval(), (X,)))
+    with pytest.raises(TypeError, match=r"got ExportedProgram; a program's consolidated nodes "
+                                        r"go back to stock's ops with bnswap.to_stock_ops"):
+        bnswap.revert(ep)
