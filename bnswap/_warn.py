@@ -12,7 +12,12 @@ import os
 import sys
 import warnings
 
-__all__ = ["warn"]
+__all__ = ["UnmatchedPatternWarning", "warn"]
+
+
+class UnmatchedPatternWarning(UserWarning):
+    """An include / exclude pattern matches no BatchNorm layer of the model (or no
+    batch-norm node of a program)."""
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 

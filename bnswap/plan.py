@@ -27,7 +27,7 @@ from bnswap._swap import (
     wrapped_model,
 )
 from bnswap._rows import Rows
-from bnswap._warn import warn
+from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.registry import qualified_name
 from bnswap.sync import SYNC_KERNEL, describe_group, sync_class, \
     to_sync_batch_norm
@@ -42,10 +42,6 @@ Pattern = str | type
 Patterns = Pattern | Iterable[Pattern] | None
 
 _ORT_KERNEL = "BatchNormInternal (ORT)"
-
-
-class UnmatchedPatternWarning(UserWarning):
-    """An include / exclude pattern matches no BatchNorm layer of the model."""
 
 
 def check_backend(backend: str) -> None:

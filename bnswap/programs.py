@@ -40,7 +40,7 @@ from bnswap._graph import (
     to_stock_ops,
 )
 from bnswap._rows import Rows
-from bnswap._warn import warn
+from bnswap._warn import UnmatchedPatternWarning, warn
 
 __all__ = ["NodeRow", "ProgramPlan", "convert", "is_program", "plan", "to_stock_ops"]
 
@@ -315,6 +315,11 @@ def plan(program: Program, backend: str = "aten", *,
             rows.append(NodeRow(n.name, str(n.target), "swap" if target else "skip",
                                 str(target) if target else "-", reason,
                                 _kernel_before(n, dev), node=n, device=dev))
+    for kind, pats in (("include", inc), ("exclude", exc)):  # as plan() does for layers
+        for p in pats:
+            if not any(fnmatch.fnmatchcase(r.name, p) for r in rows):
+                warn(f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program "
+                     "patterns match node names, e.g. 'batch_norm_1')", UnmatchedPatternWarning)
     return ProgramPlan(rows, program, include, exclude)
 
 

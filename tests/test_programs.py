@@ -238,3 +238,16 @@ def test_revert_of_a_program_names_to_stock_ops():
     with pytest.raises(TypeError, match=r"got ExportedProgram; a program's consolidated nodes "
                                         r"go back to stock's ops with bnswap.to_stock_ops"):
         bnswap.revert(ep)
+
+
+def test_a_program_pattern_that_matches_no_node_warns():
+    """Guards (a newcomer's try): convert(ep, include=["nomatch"]) converted 0 nodes without
+    a word, where a module's unmatched pattern warns."""
+    ep = torch.export.export(model().eval(), (X,))
+    with pytest.warns(bnswap.plan.__globals__["UnmatchedPatternWarning"],
+                      match=r"include pattern 'backbone\.\*' matches no batch-norm node "
+                            r"\(program patterns match node names, e.g. 'batch_norm_1'\)"):
+        bnswap.convert(ep, include=["backbone.*"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        bnswap.plan(ep, include=["batch_norm*"])  # matches: no warning
