@@ -1,5 +1,5 @@
-"""Every patch bnswap applies to torch and torchao, in one place (the ONNX Runtime ones
-live in :mod:`bnswap.ort._compat`). ``import bnswap`` applies none of them: they are
+"""Every patch bnswap applies to torch and torchao, in one place (a backend's own live
+in its package, e.g. :mod:`bnswap.ort._compat`). ``import bnswap`` applies none of them: they are
 applied once, by :func:`install`, when the process first holds a swapped layer (the
 first swap, or a swapped layer unpickled: :func:`bnswap._swap.on_first_swap`); a module
 not imported by then is patched when it is, by an import hook, so bnswap imports none of
@@ -12,8 +12,9 @@ training").
 * **TorchScript** (``torch.jit.script``, ``torch.jit.trace``):
   ``torch.jit._recursive.create_script_module`` builds its module from a *stock view* of
   the model: the same Parameter and buffer tensors in new
-  module objects of the same classes, without bnswap's forward entry or the ORT
-  backend's trace buffers, and with each ORT wrapper replaced by the model it wraps. The
+  module objects of the same classes, without bnswap's forward entry, internal buffers
+  and internal hooks (a backend's, ``bnswap._swap.add_internal_buffer`` /
+  ``INTERNAL_HOOK``), and with each backend wrapper replaced by the model it wraps. The
   class's ``forward`` (``aten::batch_norm``, whose kernel TorchScript's runtime picks) is
   compiled, and the user's model is never touched, not even briefly. Gate: the function
   exists with torch's signature (tested on torch 2.4.1, 2.9.1, 2.13, 2.14, 2.15.0).
@@ -67,8 +68,14 @@ import torch
 from torch import nn
 
 from bnswap._graph import to_stock_ops
-from bnswap._swap import INTERNAL_HOOK, SwappedForward, is_swapped, on_first_swap, wrapped_model
-from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT
+from bnswap._swap import (
+    INTERNAL_HOOK,
+    SwappedForward,
+    internal_buffer_names,
+    is_swapped,
+    on_first_swap,
+    wrapped_model,
+)
 
 __all__ = ["CORE_ATEN_DECOMPOSITIONS", "DISABLE_ENV", "MIN_TORCHAO", "PATCHES", "Patch",
            "applied", "install", "patch_core_aten_decompositions", "stock_view"]
@@ -95,8 +102,10 @@ def _patched(fn: object) -> bool:
 def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
     """``module`` as stock sees it, for TorchScript: new module objects (``copy.copy``, the
     same classes) sharing every Parameter and buffer tensor, without bnswap's forward
-    entry or the ORT trace buffers; an ORT wrapper becomes the view of the model it wraps.
-    A module with nothing of bnswap's in its tree is returned itself."""
+    entry, internal buffers (:func:`bnswap._swap.add_internal_buffer`) and internal
+    forward pre-hooks (:data:`bnswap._swap.INTERNAL_HOOK`); a backend wrapper (e.g. the
+    ORT backend's) becomes the view of the model it wraps. A module with nothing of
+    bnswap's in its tree is returned itself."""
     memo = {} if memo is None else memo
     key = id(module)
     if key in memo:
@@ -110,8 +119,9 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
     children = {k: (stock_view(v, memo) if v is not None else None)
                 for k, v in module._modules.items()}
     hooks = [k for k, h in module._forward_pre_hooks.items() if getattr(h, INTERNAL_HOOK, False)]
+    internal = internal_buffer_names(module)
     own = (type(module.__dict__.get("forward")) is SwappedForward or bool(hooks)
-           or TRACE_WEIGHT in module._buffers or TRACE_BIAS in module._buffers)
+           or bool(internal))
     if not own and all(children[k] is module._modules[k] for k in children):
         memo[key] = module
         return module
@@ -122,11 +132,9 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
     d = view.__dict__
     if type(d.get("forward")) is SwappedForward:
         del d["forward"]
-    if TRACE_WEIGHT in module._buffers or TRACE_BIAS in module._buffers:
-        d["_buffers"] = {k: v for k, v in module._buffers.items()
-                         if k not in (TRACE_WEIGHT, TRACE_BIAS)}
-        d["_non_persistent_buffers_set"] = (module._non_persistent_buffers_set
-                                            - {TRACE_WEIGHT, TRACE_BIAS})
+    if internal:
+        d["_buffers"] = {k: v for k, v in module._buffers.items() if k not in internal}
+        d["_non_persistent_buffers_set"] = module._non_persistent_buffers_set - set(internal)
     if hooks:  # TorchScript would compile them (and cannot: not functions)
         d["_forward_pre_hooks"] = type(module._forward_pre_hooks)(
             (k, h) for k, h in module._forward_pre_hooks.items() if k not in hooks)

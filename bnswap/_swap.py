@@ -14,7 +14,7 @@ gets stock's graph. Why this design and what it costs (shallow copies share the 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,20 +22,27 @@ import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 
-from bnswap.functional import drop_trace_buffers, records_consolidated_ops
+from bnswap.functional import records_consolidated_ops
 
-__all__ = ["Adapter", "INTERNAL_HOOK", "SwappedForward", "WRAPPER_STATE", "adapter_of",
-           "bound_elsewhere", "is_swapped", "on_first_swap", "swap",
+__all__ = ["Adapter", "INTERNAL_BUFFER_PREFIX", "INTERNAL_HOOK", "SwappedForward", "WRAPPER_STATE",
+           "adapter_of", "add_internal_buffer", "bound_elsewhere", "drop_internal_buffers",
+           "internal_buffer_names", "is_swapped", "on_first_swap", "swap",
            "type_before_parametrizations", "undo_of", "unswap", "wrapped_model"]
 
-#: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (the ORT
-#: backend's ``ORTModule``) keeps its state; the state's ``model`` is the model it wraps.
+#: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (e.g. the one
+#: :mod:`bnswap.ort` returns) keeps its state; the state's ``model`` is the model it wraps.
 WRAPPER_STATE = "_bnswap"
 
-#: Attribute (true) of a forward hook bnswap puts on a user's module (the ORT backend's
-#: warning when a wrapped model is called directly): views for other runtimes
-#: (TorchScript, ``bnswap._compat.stock_view``) leave such hooks out.
+#: Attribute (true) of a forward pre-hook a bnswap backend puts on a user's module (e.g.
+#: a warning of :mod:`bnswap.ort`): views for other runtimes (TorchScript,
+#: ``bnswap._compat.stock_view``) leave such hooks out.
 INTERNAL_HOOK = "_bnswap_internal_hook"
+
+#: The prefix of every internal buffer's name (:func:`add_internal_buffer`): a buffer so
+#: named is bnswap's. A name, not a record kept anywhere, so that it is recognized on
+#: every copy of a layer: the new module objects ``torch.jit.trace`` builds (the buffers
+#: and nothing else), a layer unpickled where its backend is not imported.
+INTERNAL_BUFFER_PREFIX = "_bnswap_"
 
 #: An adapter: ``adapter(layer, input, ...)`` does what ``type(layer).forward(layer, input,
 #: ...)`` does, with the batch norm on bnswap's kernel (see :mod:`bnswap.layers`).
@@ -205,17 +212,80 @@ def swap(module: nn.Module, adapter: Adapter) -> None:
 
 
 def unswap(module: nn.Module) -> None:
-    """Give ``module`` its class's forward back and drop the ORT trace buffers (if any);
-    a module that is not swapped is left as it is."""
+    """Give ``module`` its class's forward back and drop its internal buffers
+    (:func:`add_internal_buffer`); a module that is not swapped keeps its forward."""
     if _entry(module) is not None:
         del module.__dict__["forward"]
-        drop_trace_buffers(module)  # type: ignore[arg-type]  # registered by bnswap.ort.wrap
+    drop_internal_buffers(module)
+
+
+def add_internal_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Register ``tensor`` as the non-persistent buffer ``name`` of ``module``: an
+    internal buffer, one a bnswap backend attaches to a swapped layer for its own runtime
+    (e.g. :mod:`bnswap.ort`'s per-layer stand-ins of an affine=False layer).
+
+    An internal buffer is never in the state_dict (non-persistent); every view of the
+    model for another runtime (TorchScript's: ``torch.jit.script`` / ``trace``,
+    ``bnswap._compat.stock_view``) leaves it out, and :func:`unswap` (so
+    :func:`bnswap.revert`) removes it. Its name starts with
+    :data:`INTERNAL_BUFFER_PREFIX`, which is how each of them recognizes it. A name
+    registered again replaces the tensor.
+
+    Args:
+        module: the layer (any ``nn.Module``).
+        name: the buffer's name, starting with :data:`INTERNAL_BUFFER_PREFIX`
+            (``"_bnswap_"``).
+        tensor: the buffer, any shape, dtype and device.
+
+    Raises:
+        ValueError: ``"bnswap: an internal buffer's name starts with '_bnswap_', got
+            ..."``, before anything is registered.
+        What ``nn.Module.register_buffer`` raises: ``KeyError`` (``"attribute '...'
+            already exists"`` for an attribute that is no buffer, a name with a dot),
+            ``TypeError`` (a tensor that is no Tensor).
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from bnswap._swap import add_internal_buffer, internal_buffer_names
+        >>> bn = bnswap.convert(torch.nn.BatchNorm1d(2, affine=False))
+        >>> add_internal_buffer(bn, "_bnswap_ones", torch.ones(2))
+        >>> internal_buffer_names(bn), "_bnswap_ones" in bn.state_dict()
+        (['_bnswap_ones'], False)
+        >>> _ = bnswap.revert(bn)
+        >>> internal_buffer_names(bn), hasattr(bn, "_bnswap_ones")
+        ([], False)
+    """
+    if not isinstance(name, str) or not name.startswith(INTERNAL_BUFFER_PREFIX):
+        raise ValueError(f"bnswap: an internal buffer's name starts with "
+                         f"{INTERNAL_BUFFER_PREFIX!r}, got {name!r}")
+    module.register_buffer(name, tensor, persistent=False)
+
+
+def internal_buffer_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s internal buffers (:func:`add_internal_buffer`), in
+    registration order."""
+    return [k for k in module._buffers if k.startswith(INTERNAL_BUFFER_PREFIX)]
+
+
+def drop_internal_buffers(module: nn.Module, names: Iterable[str] | None = None) -> None:
+    """Remove ``module``'s internal buffers (:func:`add_internal_buffer`): those of
+    ``names`` (None: all of them). Other buffers are left alone."""
+    internal = internal_buffer_names(module)
+    if not internal:
+        return
+    if names is not None:
+        wanted = set(names)
+        internal = [k for k in internal if k in wanted]
+    for name in internal:
+        del module._buffers[name]
+        module._non_persistent_buffers_set.discard(name)
 
 
 def wrapped_model(module: object) -> nn.Module | None:
-    """The model inside ``module`` if it is a bnswap backend wrapper (what
+    """The model inside ``module`` if it is a bnswap backend wrapper (e.g. what
     ``bnswap.convert(..., backend="ort")`` returns), else None; read without importing
-    the backend (ONNX Runtime)."""
+    the backend (:data:`WRAPPER_STATE`)."""
     state = getattr(module, "__dict__", {}).get(WRAPPER_STATE)
     model = getattr(state, "model", None)
     return model if isinstance(model, nn.Module) else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,20 +25,14 @@ from torch import Tensor
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["module_batch_norm", "check_batch_norm_input", "exponential_average_factor", "TRACE_WEIGHT", "TRACE_BIAS",
-           "mixed_precision_params",
-           "drop_trace_buffers", "consolidated_ops_while_tracing", "records_consolidated_ops"]
+__all__ = ["module_batch_norm", "check_batch_norm_input", "exponential_average_factor",
+           "mixed_precision_params", "StandIns", "consolidated_ops_while_tracing",
+           "records_consolidated_ops"]
 
-#: Names of optional per-layer buffers holding an affine=False layer's constant ones /
-#: zeros, used instead of freshly made ones / zeros only while the TorchScript tracer
-#: records the layer. A traced constant is the same value for every layer of one width,
-#: and ONNX Runtime training merges equal constants (its common-subexpression pass),
-#: after which its gradient builder defines the merged tensor's gradient once per layer
-#: ("Duplicate definition of name ..._grad"); a buffer is a per-layer graph input that
-#: is never merged. :func:`bnswap.ort.wrap` registers them (non-persistent: never in the
-#: state_dict) and :func:`bnswap.revert` removes them.
-TRACE_WEIGHT = "_bnswap_trace_weight"
-TRACE_BIAS = "_bnswap_trace_bias"
+#: A stand-ins provider: ``stand_ins(bn) -> (weight, bias)``, each a (C,) tensor or None,
+#: for a layer ``bn`` without a weight / bias (affine=False) (see
+#: :func:`consolidated_ops_while_tracing`).
+StandIns = Callable[["_BatchNorm"], "tuple[Tensor | None, Tensor | None]"]
 
 # torch.compiler.is_exporting: torch >= 2.5; older releases never run the assertion.
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
@@ -47,22 +41,49 @@ _tracing = threading.local()
 
 
 @contextlib.contextmanager
-def consolidated_ops_while_tracing() -> Iterator[None]:
+def consolidated_ops_while_tracing(stand_ins: StandIns | None = None) -> Iterator[None]:
     """Inside the block (this thread), the TorchScript tracer records bnswap layers on the
     consolidated ops, not on stock's ``aten::batch_norm``.
 
     Outside it, a traced bnswap layer records exactly what stock records (its class's own
     ``forward``): ``torch.jit.trace`` and the TorchScript ONNX exporter give stock's graph.
-    ONNX Runtime's export needs the consolidated ops (bnswap's symbolics turn them into
-    ``BatchNormalization`` with ONNX momentum 0, :mod:`bnswap.ort._symbolic`); the ORT
-    backend wraps its export in this block.
+    A backend that exports through the TorchScript tracer with symbolics of its own for
+    the consolidated ops (e.g. :mod:`bnswap.ort`) wraps its export in this block.
+
+    Args:
+        stand_ins: optional ``stand_ins(bn) -> (weight, bias)``. The ops need a weight
+            and a bias; a layer without them (affine=False) gets fresh (C,) ones / zeros,
+            which the tracer records as constants. While the tracer records a layer
+            inside the block, a tensor ``stand_ins(bn)`` returns is used instead (e.g. a
+            per-layer buffer, which the tracer records as a graph input of that layer);
+            None keeps the fresh constant. Called only then: never in eager, compiled or
+            exported code, never outside the block. None: fresh constants.
+
+    Blocks nest: the innermost block's ``stand_ins`` applies (None included), and the
+    enclosing block's applies again when it ends. Per thread.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from bnswap.functional import consolidated_ops_while_tracing
+        >>> bn = torch.nn.BatchNorm1d(2, affine=False).eval()
+        >>> twos = lambda layer: (torch.full((2,), 2.0), None)  # weight 2, fresh bias
+        >>> with consolidated_ops_while_tracing(stand_ins=twos):  # (TracerWarnings aside)
+        ...     traced = torch.jit.trace(lambda x: bnswap.module_batch_norm(bn, x),
+        ...                              torch.ones(3, 2), check_trace=False)
+        ...     eager = bnswap.module_batch_norm(bn, torch.ones(1, 2))  # not tracing
+        >>> traced(torch.ones(1, 2)), eager
+        (tensor([[2.0000, 2.0000]]), tensor([[1.0000, 1.0000]]))
     """
     depth = getattr(_tracing, "depth", 0)
+    before = getattr(_tracing, "stand_ins", None)
     _tracing.depth = depth + 1
+    _tracing.stand_ins = stand_ins
     try:
         yield
     finally:
         _tracing.depth = depth
+        _tracing.stand_ins = before
 
 
 def records_consolidated_ops() -> bool:
@@ -272,23 +293,6 @@ def _param_dtype(input: Tensor, *refs: Tensor | None) -> torch.dtype:
     return torch.float64 if input.dtype == torch.float64 else torch.float32
 
 
-def _constant(bn: _BatchNorm, trace_name: str, fill: float, n: int, dtype: torch.dtype,
-              device: torch.device) -> Tensor:
-    """The (n,) ones / zeros standing in for a missing weight / bias; while the
-    TorchScript tracer records the layer, its ``trace_name`` buffer if it has one."""
-    if torch.jit.is_tracing():
-        traced = bn._buffers.get(trace_name)
-        if traced is not None:
-            return traced
-    return torch.full((n,), fill, dtype=dtype, device=device)
-
-
-def drop_trace_buffers(bn: _BatchNorm) -> None:
-    """Remove the :data:`TRACE_WEIGHT` / :data:`TRACE_BIAS` buffers of ``bn`` (if any)."""
-    bn._buffers.pop(TRACE_WEIGHT, None)
-    bn._buffers.pop(TRACE_BIAS, None)
-
-
 def exponential_average_factor(momentum: float | None, num_batches_tracked: Tensor | None,
                                *, traced: bool = False,
                                dtype: torch.dtype | None = None) -> float | Tensor:
@@ -312,8 +316,9 @@ def exponential_average_factor(momentum: float | None, num_batches_tracked: Tens
         ``momentum``; or ``1 / num_batches_tracked`` (float, or a tensor when ``traced``)
         for momentum None; 0.0 for momentum None without a counter.
 
-    Used by the eager and compiled paths of :func:`module_batch_norm` and by the ONNX
-    Runtime backend's statistics (:mod:`bnswap.ort._stats`), so the three cannot differ.
+    Used by the eager and compiled paths of :func:`module_batch_norm` and by backends
+    that keep the running statistics themselves (e.g. :mod:`bnswap.ort`), so they cannot
+    differ.
 
     Examples::
 
@@ -475,13 +480,22 @@ def _empty_batch(input: Tensor, weight: Tensor | None, bias: Tensor | None) -> T
 def _stand_ins(bn: _BatchNorm, input: Tensor, weight: Tensor | None, bias: Tensor | None,
                running_mean: Tensor | None) -> tuple[Tensor, Tensor]:
     """The weight and bias the ops need: the layer's own, or (n,) ones / zeros in the
-    dtype :func:`_param_dtype` picks (see the module docstring)."""
-    n, dtype, device = input.shape[1], _param_dtype(input, weight, bias, running_mean), \
-        input.device
-    if weight is None:
-        weight = _constant(bn, TRACE_WEIGHT, 1.0, n, dtype, device)
-    if bias is None:
-        bias = _constant(bn, TRACE_BIAS, 0.0, n, dtype, device)
+    dtype :func:`_param_dtype` picks (``docs/architecture.md``, "The core"); while the
+    TorchScript tracer records the layer, the stand-ins of the enclosing
+    :func:`consolidated_ops_while_tracing` block, if it has a provider."""
+    if (weight is None or bias is None) and torch.jit.is_tracing():
+        provider = getattr(_tracing, "stand_ins", None)  # consolidated_ops_while_tracing
+        if provider is not None:
+            traced_weight, traced_bias = provider(bn)
+            weight = traced_weight if weight is None else weight
+            bias = traced_bias if bias is None else bias
+    if weight is None or bias is None:
+        n, dtype, device = input.shape[1], _param_dtype(input, weight, bias, running_mean), \
+            input.device
+        if weight is None:
+            weight = torch.full((n,), 1.0, dtype=dtype, device=device)
+        if bias is None:
+            bias = torch.full((n,), 0.0, dtype=dtype, device=device)
     return weight, bias
 
 

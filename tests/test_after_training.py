@@ -566,3 +566,138 @@ def test_only_the_thread_inside_the_ort_block_records_the_consolidated_ops():
         still = records_consolidated_ops()
     assert seen == [False, False] and (inside, nested, still) == (True, True, True)
     assert records_consolidated_ops() is False
+
+
+X8 = torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(8))
+
+
+def _bn_with_stats(affine: bool) -> nn.BatchNorm2d:
+    bn = nn.BatchNorm2d(8, affine=affine).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-0.3, 0.3, generator=torch.Generator().manual_seed(3))
+        bn.running_var.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(4))
+    return bn
+
+
+def _stock_with(bn: nn.BatchNorm2d, weight: torch.Tensor | None,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """Stock eval BatchNorm2d, float64, with ``bn``'s statistics and the given affine
+    parameters (ones / zeros for None): what the core must compute with those stand-ins."""
+    ref = nn.BatchNorm2d(8).double().eval()
+    with torch.no_grad():
+        ref.running_mean.copy_(bn.running_mean)
+        ref.running_var.copy_(bn.running_var)
+        ref.weight.copy_(torch.ones(8) if weight is None else weight)
+        ref.bias.copy_(torch.zeros(8) if bias is None else bias)
+        return ref(X8.double()).float()
+
+
+def test_stand_ins_are_used_only_while_tracing_inside_the_block_and_nested_blocks_restore():
+    """The core's generic stand-ins provider (``consolidated_ops_while_tracing(stand_ins=
+    ...)``, used by bnswap.ort for its per-layer trace buffers): consulted only while the
+    TorchScript tracer records a layer inside the block, never in eager code, and each
+    nested block's provider (None: fresh ones / zeros) gives way to the enclosing one on
+    exit. Values against stock BatchNorm2d in float64 with the stand-ins as parameters."""
+    import threading
+
+    from bnswap.functional import consolidated_ops_while_tracing
+
+    bn = _bn_with_stats(affine=False)
+    g = torch.Generator().manual_seed(5)
+    w_a, w_b, b_b = (torch.rand(8, generator=g) + 0.5 for _ in range(3))
+    calls: list[tuple[str, nn.Module]] = []
+
+    def provider(tag: str, weight, bias):
+        def stand_ins(layer):
+            calls.append((tag, layer))
+            return weight, bias
+        return stand_ins
+
+    a, b = provider("a", w_a, None), provider("b", w_b, b_b)
+
+    def traced() -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            fn = torch.jit.trace(lambda x: bnswap.module_batch_norm(bn, x), (X8,),
+                                 check_trace=False)
+        return fn(X8)
+
+    plain = _stock_with(bn, None, None)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(traced(), plain, **tol)  # no block: constants
+    seen: list[torch.Tensor] = []
+    with consolidated_ops_while_tracing(stand_ins=a):
+        eager = bnswap.module_batch_norm(bn, X8)  # not tracing: no stand-ins
+        assert calls == []
+        torch.testing.assert_close(eager, plain, **tol)
+        torch.testing.assert_close(traced(), _stock_with(bn, w_a, None), **tol)
+        assert calls == [("a", bn)]
+        with consolidated_ops_while_tracing(stand_ins=b):
+            torch.testing.assert_close(traced(), _stock_with(bn, w_b, b_b), **tol)
+            with consolidated_ops_while_tracing():  # None: fresh constants again
+                torch.testing.assert_close(traced(), plain, **tol)
+        assert calls == [("a", bn), ("b", bn)]
+        torch.testing.assert_close(traced(), _stock_with(bn, w_a, None), **tol)  # restored
+        t = threading.Thread(target=lambda: seen.append(traced()))  # per thread
+        t.start()
+        t.join()
+    torch.testing.assert_close(seen[0], plain, **tol)
+    assert calls == [("a", bn), ("b", bn), ("a", bn)]
+    torch.testing.assert_close(traced(), plain, **tol)  # after the block
+    # a layer with its own weight and bias never asks
+    own = _bn_with_stats(affine=True).requires_grad_(False)  # (traced as constants)
+    with consolidated_ops_while_tracing(stand_ins=a), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        torch.jit.trace(lambda x: bnswap.module_batch_norm(own, x), (X8,), check_trace=False)
+    assert len(calls) == 3
+
+
+def test_revert_removes_internal_buffers_and_torchscript_leaves_them_out():
+    """A backend's internal buffers (``bnswap._swap.add_internal_buffer``, as bnswap.ort
+    registers its trace buffers): never in the state_dict, left out of TorchScript's
+    views (torch.jit.script and torch.jit.trace, which copies each module's buffers into
+    a new module), removed by unswap / bnswap.revert; other buffers stay."""
+    from bnswap._compat import stock_view
+    from bnswap._swap import add_internal_buffer, drop_internal_buffers, internal_buffer_names
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3), _bn_with_stats(affine=False), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3), _bn_with_stats(affine=False)).eval()
+    model = bnswap.convert(copy.deepcopy(stock))
+    user = torch.full((8,), 7.0)
+    model[1].register_buffer("user_extra", user, persistent=False)  # the user's own
+    stock[1].register_buffer("user_extra", user, persistent=False)
+    for i in (1, 4):
+        add_internal_buffer(model[i], "_bnswap_test_ones", torch.ones(8))
+        add_internal_buffer(model[i], "_bnswap_test_zeros", torch.zeros(8))
+    with pytest.raises(ValueError, match="starts with '_bnswap_'"):
+        add_internal_buffer(model[1], "ones", torch.ones(8))
+    assert "ones" not in model[1]._buffers
+    assert internal_buffer_names(model[1]) == ["_bnswap_test_ones", "_bnswap_test_zeros"]
+    assert list(model.state_dict()) == list(stock.state_dict())
+
+    view = stock_view(model)
+    assert internal_buffer_names(model[4]) == ["_bnswap_test_ones", "_bnswap_test_zeros"]
+    assert list(view[1]._buffers) == ["running_mean", "running_var", "num_batches_tracked",
+                                      "user_extra"]
+    assert view[1]._non_persistent_buffers_set == {"user_extra"}
+    assert view[1].running_mean is model[1].running_mean
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        scripted, traced = torch.jit.script(model), torch.jit.trace(model, (X,))
+        ref_s, ref_t = torch.jit.script(stock), torch.jit.trace(stock, (X,))
+    for got, ref in ((scripted, ref_s), (traced, ref_t)):
+        assert [k for k, _ in got.named_buffers()] == [k for k, _ in ref.named_buffers()]
+        torch.testing.assert_close(got(X), stock(X), rtol=0, atol=1e-6)
+    torch.testing.assert_close(model(X), stock(X), rtol=0, atol=1e-6)  # eager bnswap
+
+    drop_internal_buffers(model[4], ["_bnswap_test_zeros", "user_extra"])
+    assert internal_buffer_names(model[4]) == ["_bnswap_test_ones"]
+    bnswap.revert(model)
+    for i in (1, 4):
+        assert not bnswap.is_swapped(model[i])
+        assert internal_buffer_names(model[i]) == []
+        assert not any(k.startswith("_bnswap_") for k in model[i]._non_persistent_buffers_set)
+    assert model[1].user_extra is user and "user_extra" in model[1]._non_persistent_buffers_set
+    assert [k for k, _ in model.named_buffers()] == [k for k, _ in stock.named_buffers()]
+    assert state_diff(model, stock) == []

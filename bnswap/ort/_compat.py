@@ -65,7 +65,8 @@ from typing import Any
 
 import torch
 
-from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT, consolidated_ops_while_tracing
+from bnswap.functional import consolidated_ops_while_tracing
+from bnswap.ort._layers import TRACE_BIAS, TRACE_WEIGHT, trace_stand_ins
 from bnswap.ort.errors import UnsupportedVersionError
 
 logger = logging.getLogger("bnswap.ort")
@@ -374,9 +375,10 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
 
                     handle = flattened_module.register_forward_pre_hook(keep_modes)
                     # bnswap layers trace to the consolidated ops that the symbolics
-                    # above export (elsewhere they trace to stock's aten::batch_norm)
+                    # above export (elsewhere they trace to stock's aten::batch_norm),
+                    # affine=False ones on their per-layer trace buffers
                     try:
-                        with consolidated_ops_while_tracing():
+                        with consolidated_ops_while_tracing(stand_ins=trace_stand_ins):
                             result = original(flattened_module, *args, **kwargs)
                     finally:
                         handle.remove()

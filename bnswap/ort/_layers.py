@@ -1,6 +1,7 @@
 """What ORT can run, checked on the model's BatchNorm layers before anything is built
 (and again when the model changes under a wrapper), and the per-layer trace buffers of
-affine=False layers. Imports no ONNX Runtime."""
+affine=False layers with the stand-ins provider that hands them to the core while ORT's
+export traces the model. Imports no ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -10,11 +11,23 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from bnswap._swap import is_swapped
-from bnswap.functional import TRACE_BIAS, TRACE_WEIGHT, drop_trace_buffers
+from bnswap._swap import add_internal_buffer, drop_internal_buffers, is_swapped
 from bnswap.ort.errors import UnsupportedLayerError
 
-__all__ = ["bn_layers", "check_layers", "trace_constants"]
+__all__ = ["TRACE_BIAS", "TRACE_WEIGHT", "bn_layers", "check_layers", "trace_constants",
+           "trace_stand_ins"]
+
+#: Names of the per-layer buffers holding an affine=False layer's constant ones / zeros
+#: (:func:`trace_constants`), which the core uses instead of freshly made ones / zeros
+#: only while ORT's export traces the layer (:func:`trace_stand_ins`). A traced constant
+#: is the same value for every layer of one width, and ONNX Runtime training merges
+#: equal constants (its common-subexpression pass), after which its gradient builder
+#: defines the merged tensor's gradient once per layer ("Duplicate definition of name
+#: ..._grad"); a buffer is a per-layer graph input that is never merged. Internal
+#: buffers of the core (:func:`bnswap._swap.add_internal_buffer`: non-persistent, never
+#: in the state_dict, left out of TorchScript's view, removed by :func:`bnswap.revert`).
+TRACE_WEIGHT = "_bnswap_trace_weight"
+TRACE_BIAS = "_bnswap_trace_bias"
 
 
 def bn_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -71,7 +84,7 @@ def check_layers(module: nn.Module) -> None:
 
 def trace_constants(module: nn.Module, add: bool) -> None:
     """Register (``add``) or remove each affine=False layer's per-layer ones / zeros
-    buffers (:data:`bnswap.functional.TRACE_WEIGHT` / ``TRACE_BIAS``, non-persistent).
+    buffers (:data:`TRACE_WEIGHT` / :data:`TRACE_BIAS`, internal buffers of the core).
 
     Traced as constants, the ones / zeros of two affine=False layers of the same width
     are one value; ORT 1.19.2's pre-gradient optimizations merge them, and its gradient
@@ -83,12 +96,21 @@ def trace_constants(module: nn.Module, add: bool) -> None:
         if m.affine:
             continue
         if not add:
-            drop_trace_buffers(m)
+            drop_internal_buffers(m, (TRACE_WEIGHT, TRACE_BIAS))
             continue
         if TRACE_WEIGHT in m._buffers and TRACE_BIAS in m._buffers:
             continue
         like = next((t for t in (m.running_mean, m.running_var) if t is not None), None)
         device = like.device if like is not None else torch.device("cpu")
         c = int(m.num_features)
-        m.register_buffer(TRACE_WEIGHT, torch.ones(c, device=device), persistent=False)
-        m.register_buffer(TRACE_BIAS, torch.zeros(c, device=device), persistent=False)
+        add_internal_buffer(m, TRACE_WEIGHT, torch.ones(c, device=device))
+        add_internal_buffer(m, TRACE_BIAS, torch.zeros(c, device=device))
+
+
+def trace_stand_ins(bn: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The stand-ins provider of ORT's export
+    (:func:`bnswap.functional.consolidated_ops_while_tracing`): ``bn``'s
+    :data:`TRACE_WEIGHT` / :data:`TRACE_BIAS` buffers, None for one it lacks (the core
+    then makes a constant)."""
+    buffers = bn._buffers
+    return buffers.get(TRACE_WEIGHT), buffers.get(TRACE_BIAS)
