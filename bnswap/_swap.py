@@ -24,10 +24,10 @@ from torch.nn.utils import parametrize
 
 from bnswap.functional import records_consolidated_ops
 
-__all__ = ["Adapter", "INTERNAL_BUFFER_PREFIX", "INTERNAL_HOOK", "SwappedForward", "WRAPPER_STATE",
-           "adapter_of", "add_internal_buffer", "bound_elsewhere", "drop_internal_buffers",
-           "internal_buffer_names", "is_swapped", "on_first_swap", "swap",
-           "type_before_parametrizations", "undo_of", "unswap", "wrapped_model"]
+__all__ = ["Adapter", "INTERNAL_BUFFER_PREFIX", "INTERNAL_HOOK", "SwappedForward",
+           "WRAPPER_STATE", "adapter_of", "add_internal_buffer", "bound_elsewhere",
+           "drop_internal_buffers", "internal_buffer_names", "is_swapped", "on_first_swap",
+           "swap", "type_before_parametrizations", "undo_of", "unswap", "wrapped_model"]
 
 #: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (e.g. the one
 #: :mod:`bnswap.ort` returns) keeps its state; the state's ``model`` is the model it wraps.
@@ -242,7 +242,7 @@ def add_internal_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> N
             ..."``, before anything is registered.
         What ``nn.Module.register_buffer`` raises: ``KeyError`` (``"attribute '...'
             already exists"`` for an attribute that is no buffer, a name with a dot),
-            ``TypeError`` (a tensor that is no Tensor).
+            ``TypeError`` (a name that is no string, a tensor that is no Tensor).
 
     Examples::
 
@@ -256,7 +256,7 @@ def add_internal_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> N
         >>> internal_buffer_names(bn), hasattr(bn, "_bnswap_ones")
         ([], False)
     """
-    if not isinstance(name, str) or not name.startswith(INTERNAL_BUFFER_PREFIX):
+    if isinstance(name, str) and not name.startswith(INTERNAL_BUFFER_PREFIX):
         raise ValueError(f"bnswap: an internal buffer's name starts with "
                          f"{INTERNAL_BUFFER_PREFIX!r}, got {name!r}")
     module.register_buffer(name, tensor, persistent=False)
