@@ -219,8 +219,8 @@ class _BNSwapBase:
             when = self._swapped.get(id(r.module))
             if when is not None and r.action == "swap":
                 # when it was swapped, then where it runs (an eager child's note)
-                where = r.reason.partition("; eager")[2]
-                r = replace(r, reason=when + ("; eager" + where if where else ""))
+                eager = r.reason.find("eager")
+                r = replace(r, reason=when + ("; " + r.reason[eager:] if eager >= 0 else ""))
             rows.append(r)
         return Plan(rows, pl_module, self.backend, wrap="children")
 
