@@ -15,7 +15,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from bnswap import programs
-from bnswap._swap import unswap, wrapped_model
+from bnswap._swap import unswap
 from bnswap._warn import warn
 from bnswap.plan import Patterns, check_backend, check_module, plan
 from bnswap.sync import original_of
@@ -122,15 +122,15 @@ def convert(
                              "then export it)")
         return programs.convert(module, backend, include=include, exclude=exclude)
     check_module(module, "convert")
-    check_backend(backend)
+    be = check_backend(backend)
     todo = plan(module, backend, include=include, exclude=exclude,
                 sync_batchnorm=sync_batchnorm, process_group=process_group)
     graph = isinstance(module, GraphModule) and programs.stock_nodes(module) > 0
     if not todo.rows and not graph:
         warn("bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
-             + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
-                "modules eager)" if backend == "ort" and wrapped_model(module) is None
-                else ""), UserWarning)
+             + (f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
+                f"{be.name!r}) leaves such modules eager)"
+                if be.wraps and not be.is_wrapper(module) else ""), UserWarning)
     elif include is None and exclude is None and not todo.swapped:
         warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers can be "
              "swapped; see bnswap.plan(model) for why", UserWarning)

@@ -14,7 +14,6 @@ for ``pytorch_lightning.Trainer``.
 
 from __future__ import annotations
 
-import importlib
 import warnings
 import weakref
 from dataclasses import replace
@@ -22,17 +21,16 @@ from typing import Any, Literal
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.hooks import RemovableHandle
 
+from bnswap.backends import Backend, backend_named
 from bnswap.convert import convert, revert
 from bnswap.layers import is_swapped
 from bnswap.plan import (
     Patterns,
     Plan,
     UnmatchedPatternWarning,
-    check_backend,
     check_patterns,
     plan,
 )
@@ -54,16 +52,6 @@ __all__ = ["BNSwap"]
 
 def _has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in module.modules())
-
-
-def _ort() -> Any:
-    """bnswap.ort, checked usable (it imports ONNX Runtime only when it wraps)."""
-    ort = importlib.import_module("bnswap.ort")
-    ort.check_python()  # Python 3.12+: one clear error (ONNX Runtime training needs 3.10/3.11)
-    if not ort.is_available():
-        raise ort.ORTNotAvailableError(
-            "BNSwap(backend='ort') needs ONNX Runtime training and torch-ort: " + ort.INSTALL)
-    return ort
 
 
 class _LayerSyncAfterWrap:
@@ -116,7 +104,7 @@ class _BNSwapBase:
         exclude: Patterns = None,
         revert_on_teardown: bool = False,
     ) -> None:
-        check_backend(backend)  # validate everything now, not mid-run
+        backend_named(backend)  # validate everything now, not mid-run
         check_patterns(include, exclude)
         self.backend = backend
         self.include = include
@@ -133,6 +121,9 @@ class _BNSwapBase:
         # layers the plan skips (excluded, SyncBatchNorm...): not planned again each step
         self._left_alone: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._logged: list[dict[str, str]] | None = None  # the plan table last logged
+        # a wrapping backend left a child eager for its uninitialized lazy layer: the
+        # training steps plan again until a forward has initialized it (then it is wrapped)
+        self._unwrapped_lazy = False
 
     # ------------------------------------------------------------------ pickling
     #: Per-run state: the model being set up, the registration hook, layers by id (ids
@@ -140,7 +131,7 @@ class _BNSwapBase:
     #: "Can't pickle local object 'WeakSet.__init__.<locals>._remove'"). ``setup``
     #: rebuilds all of it, so a copy carries the arguments and the last ``plan`` only.
     _RUN_STATE = ("_root", "_handle", "_busy", "_pending", "_swapped", "_left_alone",
-                  "_layer_sync")
+                  "_layer_sync", "_unwrapped_lazy")
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``pickle`` / ``copy.deepcopy`` keep: everything but the per-run state
@@ -154,51 +145,45 @@ class _BNSwapBase:
         self._swapped = {}
         self._left_alone = weakref.WeakSet()
         self._layer_sync = None
+        self._unwrapped_lazy = False
 
     def __repr__(self) -> str:
         return (f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
                 f"exclude={self.exclude!r}, revert_on_teardown={self.revert_on_teardown})")
 
     # ------------------------------------------------------------------ swapping
-    def _swap(self, root: nn.Module, when: str) -> list[str]:
-        """Swap what the filters select and is not swapped yet; remember when. Returns
-        the names of the layers swapped now."""
+    @property
+    def _backend(self) -> Backend:
+        return backend_named(self.backend)
+
+    def _plan(self, root: nn.Module, **kw: Any) -> Plan:
+        """``bnswap.plan`` of ``root`` with this callback's backend and filters; a wrapping
+        backend (``"ort"``) wraps the LightningModule's children, not the module itself."""
+        return plan(root, self.backend, include=self.include, exclude=self.exclude,
+                    wrap="children", **kw)
+
+    def _swap(self, root: nn.Module, when: str) -> tuple[list[str], tuple[str, ...]]:
+        """Swap what the filters select and is not swapped yet, and (``"ort"``) wrap each
+        child the plan says is ready; remember when. Returns the names of the layers
+        swapped now and of the children wrapped now."""
         with warnings.catch_warnings():
             # patterns may match layers that configure_model has not built yet; the
             # final plan warns about patterns that match nothing.
             warnings.simplefilter("ignore", UnmatchedPatternWarning)
-            todo = plan(root, "aten", include=self.include, exclude=self.exclude)
+            todo = self._plan(root)
         fresh = [r for r in todo.swapped if not r.already]
-        if fresh:
-            todo.apply()
+        if fresh or todo.to_wrap:
+            busy, self._busy = self._busy, True  # what apply attaches is not a new layer
+            try:
+                todo.apply()
+            finally:
+                self._busy = busy
         for r in fresh:
             self._swapped.setdefault(id(r.module), when)
         for r in todo.skipped:
             self._left_alone.add(r.module)
-        if self.backend == "ort":
-            self._wrap_children(root)
-        return [r.name for r in fresh]
-
-    def _wrapped(self, module: nn.Module) -> bool:
-        return self.backend == "ort" and isinstance(module, _ort().BNSwapORTModule)
-
-    def _wrap_children(self, root: nn.Module) -> None:
-        """backend="ort": wrap each direct child whose BatchNorm layers are all swapped
-        (a child holding an excluded or unswappable layer stays eager, on aten; one
-        holding an uninitialized lazy layer is wrapped once a step has initialized it)."""
-        ort = _ort()
-        for name, child in list(root.named_children()):
-            if self._wrapped(child):
-                continue
-            bns = [m for m in child.modules() if isinstance(m, _BatchNorm)]
-            if bns and all(is_swapped(m) and not (isinstance(m, LazyModuleMixin)
-                                                  and m.has_uninitialized_params())
-                           for m in bns):
-                self._busy = True
-                try:
-                    setattr(root, name, ort.wrap(child))
-                finally:
-                    self._busy = False
+        self._unwrapped_lazy = self._backend.wraps and any(r.lazy for r in todo.swapped)
+        return [r.name for r in fresh], todo.to_wrap
 
     def _on_register(self, parent: nn.Module, name: str, sub: Any) -> Any:
         """torch global module-registration hook, active from setup to the stage start."""
@@ -217,7 +202,7 @@ class _BNSwapBase:
             self._swap(root, "swapped when configure_model attached it")
         finally:
             self._busy = False
-        if self.backend == "ort" and parent is root:
+        if self._backend.wraps and parent is root:
             return root._modules[name]  # the wrapped child, if it was wrapped
         return None
 
@@ -228,20 +213,16 @@ class _BNSwapBase:
 
     def _current_plan(self, pl_module: nn.Module) -> Plan:
         """The plan of ``pl_module`` as it is now, with when each layer was swapped."""
-        now = plan(pl_module, self.backend, include=self.include, exclude=self.exclude)
-        wrapped = tuple(n + "." for n, c in pl_module.named_children() if self._wrapped(c))
+        now = self._plan(pl_module)
         rows = []
         for r in now:
             when = self._swapped.get(id(r.module))
             if when is not None and r.action == "swap":
-                r = replace(r, reason=when)
-            if self.backend == "ort" and r.action == "swap" and not r.name.startswith(wrapped):
-                # its child was not wrapped (it holds a layer bnswap does not swap)
-                r = replace(r, backend="aten",
-                            reason=(r.reason + "; " if r.reason != "-" else "")
-                            + "eager: its top-level module holds a layer that is not swapped")
+                # when it was swapped, then where it runs (an eager child's note)
+                eager = r.reason.find("eager")
+                r = replace(r, reason=when + ("; " + r.reason[eager:] if eager >= 0 else ""))
             rows.append(r)
-        return Plan(rows, pl_module, self.backend)
+        return Plan(rows, pl_module, self.backend, wrap="children")
 
     # ------------------------------------------------------------ sync_batchnorm
     def _synchronizes_all(self, model: nn.Module) -> bool:
@@ -250,7 +231,7 @@ class _BNSwapBase:
         make a SyncBatchNorm); False for a model without BatchNorm (nothing to defer)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnmatchedPatternWarning)
-            rows = plan(model, "aten", include=self.include, exclude=self.exclude,
+            rows = plan(model, self.backend, include=self.include, exclude=self.exclude,
                         sync_batchnorm=True).rows
         return bool(rows) and all(r.action == "swap" and r.synchronized for r in rows)
 
@@ -264,7 +245,8 @@ class _BNSwapBase:
         if isinstance(sync, _LayerSyncAfterWrap):  # left by a fit that raised
             sync = sync.lightning
             strategy._layer_sync = sync
-        if sync is None or self.backend != "aten" or type(sync).__name__ != "TorchSyncBatchNorm":
+        if (sync is None or not self._backend.synchronizes
+                or type(sync).__name__ != "TorchSyncBatchNorm"):
             return
         self._layer_sync = _LayerSyncAfterWrap(sync, self)
         strategy._layer_sync = self._layer_sync
@@ -311,8 +293,8 @@ class _BNSwapBase:
                 "a GPU once a process group is initialized (on the CPU, DDP refuses them).")
         if not self.plan.rows:
             rank_zero_warn("BNSwap: the model has no BatchNorm layer; nothing was swapped"
-                           + (" and nothing is wrapped in ONNX Runtime"
-                              if self.backend == "ort" else ""))
+                           + (f" and nothing is wrapped in {self._backend.runtime}"
+                              if self._backend.wraps else ""))
 
     def _swap_added(self, trainer: Any, pl_module: nn.Module) -> None:
         """Swap BatchNorm layers that appeared in the model since the stage started.
@@ -328,25 +310,27 @@ class _BNSwapBase:
         the next. Only layers not seen before are planned. Their Parameters are kept (an
         optimizer stays valid); each addition is logged on global rank zero.
         """
-        if self.backend == "ort":
-            self._wrap_children(pl_module)  # children whose lazy layers initialized since
-        if not any(isinstance(m, _BatchNorm) and not is_swapped(m)
-                   and m not in self._left_alone for m in pl_module.modules()):
-            return
+        if not self._unwrapped_lazy and not any(
+                isinstance(m, _BatchNorm) and not is_swapped(m) and m not in self._left_alone
+                for m in pl_module.modules()):
+            return  # (a child left unwrapped for its lazy layer is planned again each step)
         when = (f"swapped during fit (epoch {getattr(trainer, 'current_epoch', '?')}, "
                 f"global step {getattr(trainer, 'global_step', '?')})")
-        names = self._swap(pl_module, when)
-        if names:
+        names, wrapped = self._swap(pl_module, when)
+        if names or wrapped:
             self.plan = self._current_plan(pl_module)
+        if names:
             rank_zero_info(f"BNSwap: {len(names)} BatchNorm layer(s) appeared in the model "
                            "since the last training step started; swapped before this one: "
                            + ", ".join(names))
+        if wrapped:
+            rank_zero_info(f"BNSwap: wrapped in {self._backend.runtime} now that their lazy "
+                           "layers are initialized: " + ", ".join(wrapped))
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         self._remove_hook()
-        if self.backend == "ort":
-            _ort()  # fail before anything changes (ORTNotAvailableError)
+        self._backend.check_available()  # fail before anything changes (ORTNotAvailableError)
         self._root = pl_module
         self._pending = True
         self._swapped = {}
@@ -385,9 +369,10 @@ class _BNSwapBase:
         self._pending = False
         self._root = None
         if self.revert_on_teardown:
+            backend = self._backend
             for name, child in list(pl_module.named_children()):
-                if self._wrapped(child):  # undo bnswap.ort.wrap
-                    setattr(pl_module, name, _ort().unwrap(child))
+                if backend.is_wrapper(child):  # undo bnswap.ort.wrap
+                    setattr(pl_module, name, backend.unwrap(child))
             revert(pl_module)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -27,29 +27,29 @@ from bnswap._swap import (
     wrapped_model,
 )
 from bnswap._rows import Rows
+from bnswap.backends import BACKENDS, Backend, backend_named
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.registry import qualified_name
 from bnswap.sync import SYNC_KERNEL, describe_group, sync_class, \
     to_sync_batch_norm
 
 __all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "UnmatchedPatternWarning",
-           "check_backend", "check_module", "check_patterns", "plan", "select_kernel"]
-
-#: The backends: PyTorch's consolidated ops, or ONNX Runtime training.
-BACKENDS = ("aten", "ort")
+           "WRAP_SCOPES", "check_backend", "check_module", "check_patterns", "plan",
+           "select_kernel"]
 
 Pattern = str | type
 Patterns = Pattern | Iterable[Pattern] | None
 
-_ORT_KERNEL = "BatchNormInternal (ORT)"
+#: What a wrapping backend (``"ort"``) wraps: the whole model, or each direct child whose
+#: BatchNorm layers it can all run (what the Lightning callback does: a LightningModule
+#: cannot be wrapped itself).
+WRAP_SCOPES = ("model", "children")
 
 
-def check_backend(backend: str) -> None:
-    """Raise ValueError naming the choices unless ``backend`` is 'aten' or 'ort'."""
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}"
-        )
+def check_backend(backend: str | Backend) -> Backend:
+    """The :class:`bnswap.backends.Backend` named ``backend``; ValueError naming the
+    choices unless it is 'aten' or 'ort'."""
+    return backend_named(backend)
 
 
 def check_module(module: object, fn: str) -> None:
@@ -266,8 +266,9 @@ class PlanRow:
         benchmarks P5)."""
         if self.action != "swap" or self.module is None:
             return "-"
-        if self.backend == "ort":
-            return _ORT_KERNEL
+        fixed = backend_named(self.backend).kernel
+        if fixed is not None:
+            return fixed
         kernel = select_kernel(self.module, self.device)
         if self._synchronizes_now():
             return f"{SYNC_KERNEL}; eval {kernel}"
@@ -291,6 +292,9 @@ class Plan(Rows[PlanRow]):
         rows: the rows.
         model: the model planned (what :meth:`apply` returns or wraps).
         backend: ``"aten"`` or ``"ort"``.
+        wrap: ``"model"`` or ``"children"`` (see :func:`plan`).
+        to_wrap: the names of the direct children :meth:`apply` wraps, for
+            ``wrap="children"`` on a wrapping backend.
 
     Examples::
 
@@ -305,10 +309,13 @@ class Plan(Rows[PlanRow]):
 
     def __init__(self, rows: Sequence[PlanRow], model: nn.Module | None = None,
                  backend: str = "aten",
-                 parents: dict[int, list[tuple[nn.Module, str]]] | None = None):
+                 parents: dict[int, list[tuple[nn.Module, str]]] | None = None,
+                 wrap: str = "model", to_wrap: Sequence[str] = ()):
         self.rows: tuple[PlanRow, ...] = tuple(rows)
         self.model = model
-        self.backend = backend
+        self.backend = backend_named(backend).name
+        self.wrap = wrap
+        self.to_wrap: tuple[str, ...] = tuple(to_wrap)
         # id(layer) -> (parent, key) of every place it sits: where apply() puts the
         # SyncBatchNorm a sync_batchnorm=True row makes
         self._parents = parents or {}
@@ -319,7 +326,8 @@ class Plan(Rows[PlanRow]):
     def apply(self) -> nn.Module:
         """Swap every layer the plan swaps and is not swapped yet; with
         ``backend="ort"``, then wrap the model in ONNX Runtime's ``ORTModule``
-        (:func:`bnswap.ort.wrap`; not when the model has no BatchNorm layer).
+        (:func:`bnswap.ort.wrap`; not when the model has no BatchNorm layer), or, with
+        ``wrap="children"``, each child named in :attr:`to_wrap` (in place).
 
         Atomic: on any error (``KeyboardInterrupt`` included) every swap done so far is
         undone and the error raised; the model is as it was.
@@ -330,7 +338,8 @@ class Plan(Rows[PlanRow]):
 
         Raises:
             ValueError: the plan has no model.
-            What :func:`bnswap.ort.wrap` raises, for ``backend="ort"``.
+            What :func:`bnswap.ort.wrap` raises, for ``backend="ort"``;
+            ``bnswap.ort.errors.UnsupportedLayerError`` for a ``SyncBatchNorm`` there.
 
         Examples::
 
@@ -343,8 +352,9 @@ class Plan(Rows[PlanRow]):
         """
         if self.model is None:
             raise ValueError("this Plan has no model to apply to (build it with bnswap.plan)")
-        if self.backend == "ort":
-            _refuse_sync_on_ort(self.rows)
+        backend = backend_named(self.backend)
+        if not backend.synchronizes and self.wrap == "model":
+            _refuse_sync(self.rows, backend)
         undos: list[Callable[[], None]] = []
         model = self.model
         try:
@@ -364,10 +374,16 @@ class Plan(Rows[PlanRow]):
                     # two (a KeyboardInterrupt) cannot leave a layer swapped
                     undos.append(undo_of(r.module))
                     swap(r.module, r.adapter)
-            if self.backend == "ort" and self.rows and wrapped_model(self.model) is None:
-                from bnswap import ort  # imported only when used (ONNX Runtime)
-
-                return ort.wrap(self.model)
+            if backend.wraps and self.wrap == "children":
+                for key in self.to_wrap:
+                    child = model._modules[key]
+                    assert child is not None
+                    wrapped = backend.wrap(child)
+                    undos.append(_put_back(model, key, child))
+                    # not setattr: torch's module registration hooks would see a new child
+                    model._modules[key] = wrapped
+            elif backend.wraps and self.rows and wrapped_model(self.model) is None:
+                return backend.wrap(self.model)
             return model  # (an ORT wrapper exports again on its next call)
         except BaseException:
             for undo in reversed(undos):
@@ -416,35 +432,68 @@ def _put_back(parent: nn.Module, key: str, layer: nn.Module) -> Callable[[], Non
     return undo
 
 
-def _refuse_sync_on_ort(rows: Sequence[PlanRow]) -> None:
-    """Raise ``bnswap.ort.errors.UnsupportedLayerError`` for a SyncBatchNorm on the ORT
-    backend: ONNX Runtime's BatchNormInternal computes each process's own statistics."""
+def _refuse_sync(rows: Sequence[PlanRow], backend: Backend) -> None:
+    """Raise the backend's error for a SyncBatchNorm it would run (ONNX Runtime's
+    BatchNormInternal computes each process's own statistics)."""
     for r in rows:
         if isinstance(r.module, nn.SyncBatchNorm) and not r.reason.startswith(
                 ("excluded", "not matched")):
-            from bnswap.ort.errors import UnsupportedLayerError  # imports no ONNX Runtime
-
-            raise UnsupportedLayerError(_ORT_SYNC_MESSAGE.format(name=r.name))
-
-
-_ORT_CANNOT_SYNC = "ONNX Runtime cannot synchronize batch statistics across processes"
-_ORT_SYNC_MESSAGE = (
-    "bnswap: layer {name!r} is a SyncBatchNorm; the ONNX Runtime backend cannot synchronize "
-    "batch statistics across processes (its BatchNormInternal kernel sees one process's "
-    "batch). Use backend='aten' (synchronized on every device), or exclude the layer.")
+            raise backend.sync_error(r.name)
 
 
 def _display(name: str) -> str:
     return name or "(root)"
 
 
-def _row(name: str, m: nn.Module, cls: type, backend: str, device, action: str,
+def _row(name: str, m: nn.Module, cls: type, backend: Backend, device, action: str,
          reason: str, adapter: Adapter | None = None, **kw: object) -> PlanRow:
-    if action == "skip" and backend == "ort" and not reason.startswith(_ORT_CANNOT_SYNC):
-        reason += ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
-                   "backend='ort') refuses the model, BNSwap keeps its child eager")
+    if action == "skip" and backend.skip_note and not (
+            backend.cannot_sync and reason.startswith(backend.cannot_sync)):
+        reason += "; " + backend.skip_note
     return PlanRow(_display(name), cls.__name__, action, reason or "-",
-                   backend if action == "swap" else "-", adapter, m, device=device, **kw)
+                   backend.name if action == "swap" else "-", adapter, m, device=device, **kw)
+
+
+_EAGER = "eager: its top-level module holds a layer that is not swapped"
+_EAGER_SYNC = "eager, synchronized on aten: its top-level module holds a SyncBatchNorm ({})"
+_EAGER_LAZY = ("eager until a forward initializes its top-level module's lazy layer (then "
+               "wrapped)")
+
+
+def _place(rows: list[PlanRow], model: nn.Module, backend: Backend
+           ) -> tuple[list[PlanRow], list[str]]:
+    """``wrap="children"``: which direct children of ``model`` get wrapped (each whose
+    BatchNorm layers are all swapped and initialized, and synchronize none unless the
+    backend can, not wrapped yet), and the rows of swapped layers in the other children,
+    which run eager on aten (the reason says why)."""
+    by_child: dict[str, list[PlanRow]] = {}
+    for r in rows:
+        by_child.setdefault(r.name.partition(".")[0], []).append(r)
+    aten = backend_named("aten")
+    placed: dict[int, PlanRow] = {}  # id(row) of the row planned -> the row placed
+    to_wrap: list[str] = []
+    for key, child in model._modules.items():
+        mine = by_child.pop(key, [])
+        if not mine:
+            continue
+        ready = all(r.action == "swap" for r in mine)
+        syncs = ready and not backend.synchronizes and any(r.synchronized for r in mine)
+        lazy = ready and not syncs and any(r.lazy for r in mine)
+        if ready and not syncs and not lazy:
+            if not backend.is_wrapper(child):
+                to_wrap.append(key)
+            continue
+        note = (_EAGER_SYNC.format(backend.cannot_sync) if syncs
+                else _EAGER_LAZY if lazy else _EAGER)
+        for r in mine:
+            if r.action == "swap":
+                placed[id(r)] = replace(r, backend=aten.name, reason=(
+                    r.reason + "; " if r.reason != "-" else "") + note)
+    for rest in by_child.values():  # the model itself is a BatchNorm layer: never wrapped
+        for r in rest:
+            if r.action == "swap":
+                placed[id(r)] = replace(r, backend=aten.name)
+    return [placed.get(id(r), r) for r in rows], to_wrap
 
 
 def plan(
@@ -456,6 +505,7 @@ def plan(
     device: torch.device | str | None = None,
     sync_batchnorm: bool = False,
     process_group: object = None,
+    wrap: str = "model",
 ) -> Plan:
     """What :func:`bnswap.convert` would do to ``module``, without changing it.
 
@@ -485,6 +535,11 @@ def plan(
             ``SyncBatchNormAct``; other BatchNorm classes are swapped unsynchronized
             (the reason says so).
         process_group: the converted layers' ``process_group`` (None: WORLD).
+        wrap: for a backend that wraps (``"ort"``): ``"model"`` wraps the whole model;
+            ``"children"`` wraps each direct child whose BatchNorm layers are all swapped
+            and initialized (what :class:`bnswap.BNSwap` does: a LightningModule cannot be
+            wrapped), and the swapped layers of the other children run eager on aten
+            (their rows say so). Ignored for ``"aten"``.
 
     Returns:
         A :class:`Plan` (``plan.apply()`` carries it out).
@@ -494,7 +549,8 @@ def plan(
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
-        ValueError: unknown ``backend``; ``backend="aten"`` for an ORT wrapper.
+        ValueError: unknown ``backend`` or ``wrap``; ``backend="aten"`` for an ORT
+            wrapper.
         RuntimeError: ``device`` is not a device torch knows (``"gpu"``).
         bnswap.ort.errors.UnsupportedLayerError: ``sync_batchnorm=True`` with
             ``backend="ort"`` (ONNX Runtime cannot synchronize statistics).
@@ -527,19 +583,17 @@ def plan(
         return programs.plan(module, backend, include=include,  # type: ignore[return-value]
                              exclude=exclude, device=device)  # type: ignore[arg-type]
     check_module(module, "plan")
-    check_backend(backend)
-    if sync_batchnorm and backend == "ort":
-        from bnswap.ort.errors import UnsupportedLayerError  # imports no ONNX Runtime
-
-        raise UnsupportedLayerError(
-            "bnswap: sync_batchnorm=True with backend='ort': the ONNX Runtime backend "
-            "cannot synchronize batch statistics across processes (its BatchNormInternal "
-            "kernel sees one process's batch). Use backend='aten'.")
+    be = backend_named(backend)
+    if wrap not in WRAP_SCOPES:
+        raise ValueError(f"unknown wrap {wrap!r}; choose one of "
+                         f"{', '.join(map(repr, WRAP_SCOPES))}")
+    if sync_batchnorm and not be.synchronizes:
+        raise be.sync_error()
     if device is not None:
         torch.device(device)  # an unknown device type fails here, not in the table
     wrapper, inner = module, wrapped_model(module)
     if inner is not None:
-        if backend != "ort":
+        if not be.is_wrapper(module):
             raise ValueError(
                 f"bnswap: backend={backend!r} given an ONNX Runtime wrapper (what "
                 "backend='ort' returned); it would keep running ONNX Runtime. To run the "
@@ -570,40 +624,40 @@ def plan(
         to_sync = (sync_class(cls) if sync_batchnorm and type(m) is cls and not hit_exc
                    and (not inc or hit_inc) else None)
         if to_sync is not None and (current is not None or "forward" not in vars(m)):
-            rows.append(_row(name, m, cls, backend, device, "swap",
+            rows.append(_row(name, m, cls, be, device, "swap",
                              _sync_reason(to_sync), registry.lookup(to_sync),
                              sync_class=to_sync, process_group=process_group))
         elif current is not None and bound_elsewhere(m):
-            rows.append(_row(name, m, cls, backend, device, "swap",
+            rows.append(_row(name, m, cls, be, device, "swap",
                              "a shallow copy of a swapped layer: apply binds it to this "
                              "copy (until then it runs the original's flags and "
                              "statistics)", current,
                              lazy=lazy))
         elif current is not None:
             reason = "already swapped" + ("; " + uninit if lazy else "")
-            rows.append(_row(name, m, cls, backend, device, "swap", reason, current,
+            rows.append(_row(name, m, cls, be, device, "swap", reason, current,
                              lazy=lazy, already=True))
         elif hit_exc:
-            rows.append(_row(name, m, cls, backend, device, "skip",
+            rows.append(_row(name, m, cls, be, device, "skip",
                              f"excluded by {_pattern_str(exc[hit_exc[0]])}"))
         elif inc and not hit_inc:
-            rows.append(_row(name, m, cls, backend, device, "skip", "not matched by include"))
-        elif isinstance(m, nn.SyncBatchNorm) and backend == "ort":
-            rows.append(_row(name, m, cls, backend, device, "skip",
-                             _ORT_CANNOT_SYNC + " (convert refuses the model: "
-                             "UnsupportedLayerError)"))
+            rows.append(_row(name, m, cls, be, device, "skip", "not matched by include"))
+        elif isinstance(m, nn.SyncBatchNorm) and not be.synchronizes and wrap == "model":
+            rows.append(_row(name, m, cls, be, device, "skip",
+                             be.cannot_sync + " (convert refuses the model: "
+                             f"{type(be.sync_error(name)).__name__})"))
         elif "forward" in vars(m):
-            rows.append(_row(name, m, cls, backend, device, "skip",
+            rows.append(_row(name, m, cls, be, device, "skip",
                              "its forward is set on the instance (by a library's hook, e.g. "
                              "accelerate's, or by hand); swapping would drop it"))
         elif (adapter := registry.lookup(cls)) is not None:
             note = uninit.replace("keeps", "swapped now, keeps")
             if sync_batchnorm and not isinstance(m, nn.SyncBatchNorm):
                 note = "; ".join(filter(None, [note, _NOT_SYNCED]))
-            rows.append(_row(name, m, cls, backend, device, "swap", note, adapter, lazy=lazy))
+            rows.append(_row(name, m, cls, be, device, "swap", note, adapter, lazy=lazy))
         else:
             rows.append(_row(
-                name, m, cls, backend, device, "skip",
+                name, m, cls, be, device, "skip",
                 f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
                 f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
                 "see docs/adapters.md"))
@@ -618,7 +672,10 @@ def plan(
             for key, child in parent._modules.items():
                 if child is not None:
                     parents.setdefault(id(child), []).append((parent, key))
-    return Plan(rows, wrapper, backend, parents)
+    to_wrap: list[str] = []
+    if be.wraps and wrap == "children":
+        rows, to_wrap = _place(rows, module, be)
+    return Plan(rows, wrapper, be.name, parents, wrap, to_wrap)
 
 
 _NOT_SYNCED = ("not synchronized: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact "

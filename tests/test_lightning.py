@@ -6,6 +6,7 @@ the consolidated ops run the same native kernels, so states must agree bit for b
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import subprocess
@@ -745,6 +746,33 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager():
     assert (rows["side.1"].backend, rows["side.1"].kernel) == ("aten", "Native")
     assert "eager" in rows["side.1"].reason
     assert rows["side.2"].action == "skip"
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_keeps_a_child_with_a_syncbatchnorm_eager_and_synchronized_on_aten():
+    """Guards: the callback planned with "aten", swapped the SyncBatchNorm onto bnswap's
+    synchronized forward, then wrapped its child in ORT, which cannot synchronize. The
+    plan (wrap="children") now keeps that child eager, on aten, and says why."""
+    class M(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.synced = nn.Sequential(nn.Conv2d(1, 2, 1), nn.SyncBatchNorm(2))
+
+    torch.manual_seed(0)
+    model, cb = M(), BNSwap("ort")
+    stock = copy.deepcopy(model.synced)
+    cb.setup(_FakeTrainer(), model, "fit")
+    cb.on_fit_start(_FakeTrainer(), model)
+    assert type(model.net).__name__ == "BNSwapORTModule"
+    assert type(model.synced) is nn.Sequential and bnswap.is_swapped(model.synced[1])
+    row = next(r for r in cb.plan.rows if r.name == "synced.1")
+    assert (row.backend, row.adapter_name) == ("aten", "bnswap.sync.sync_batch_norm_forward")
+    assert "eager, synchronized on aten" in row.reason and row.reason.startswith("swapped at")
+    x = torch.randn(4, 1, 3, 3)  # one process, no process group: stock's local batch norm
+    torch.testing.assert_close(model.synced(x), stock(x))
+    torch.testing.assert_close(model.synced[1].running_var, stock[1].running_var)
+    cb.teardown(_FakeTrainer(), model, "fit")
 
 
 def test_a_failing_configure_model_leaves_no_global_hook_behind():

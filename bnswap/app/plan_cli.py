@@ -157,6 +157,12 @@ def _build_factory(fn: Any, args: Any) -> nn.Module:
     return model
 
 
+def _instantiate(parser: Any, cfg: Any) -> Any:
+    """``parser.instantiate(cfg)`` (jsonargparse >= 4.49, where ``instantiate_classes`` is
+    deprecated), or ``instantiate_classes`` on older releases."""
+    return getattr(parser, "instantiate", parser.instantiate_classes)(cfg)
+
+
 def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None]:
     """The model of a ``bnswap train`` config, and its BNSwap callback's arguments (None
     when the config has no BNSwap callback: training it swaps nothing)."""
@@ -170,7 +176,8 @@ def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None]:
     path = cfg["model"].get("class_path") if isinstance(cfg["model"], dict) else None
     if isinstance(path, str) and "." in path:  # a missing package (Lightning) said plainly
         importlib.import_module(path.rsplit(".", 1)[0])
-    built = _parser().instantiate_classes(_parser().parse_object({"model": cfg["model"]}))
+    parser = _parser()
+    built = _instantiate(parser, parser.parse_object({"model": cfg["model"]}))
     model = built.model
     configure = getattr(model, "configure_model", None)
     if callable(configure):  # a LightningModule that builds its layers there
@@ -273,7 +280,7 @@ def main(argv: Sequence[str]) -> int:
         elif factory is not None:
             model, swap = _build_factory(factory, cfg), {}
         else:
-            model, swap = parser.instantiate_classes(cfg).model, {}
+            model, swap = _instantiate(parser, cfg).model, {}
     except ProgramFileError as e:
         return _usage_error(str(e))
     except ModuleNotFoundError as e:

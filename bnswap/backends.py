@@ -1,0 +1,147 @@
+"""The backends swapped layers run on: one small object per backend, which :func:`bnswap.plan`,
+:func:`bnswap.convert` and the Lightning callback ask instead of comparing strings.
+
+A :class:`Backend` says which kernel a plan row shows, whether the backend can synchronize
+batch statistics across processes, whether and how a converted model is wrapped (and
+unwrapped), and what it checks before anything changes. Two exist:
+
+- ``"aten"``: PyTorch's consolidated batch-norm ops (``aten._batch_norm_with_update`` /
+  ``_batch_norm_no_update`` / ``batch_norm_backward``, pytorch PR 116092); the model runs
+  as it is; the kernel is ``torch._C._select_batch_norm_backend``'s choice per layer.
+- ``"ort"``: ONNX Runtime training (``com.microsoft::BatchNormInternal``, ORT PR 7539); the
+  converted model runs inside an ``ORTModule`` (:func:`bnswap.ort.wrap`). ``bnswap.ort``
+  is imported only when a model is wrapped or the backend is checked.
+
+Examples::
+
+    >>> from bnswap.backends import backend_named
+    >>> aten, ort = backend_named("aten"), backend_named("ort")
+    >>> aten.wraps, aten.synchronizes, aten.kernel is None
+    (False, True, True)
+    >>> ort.wraps, ort.synchronizes, ort.kernel
+    (True, False, 'BatchNormInternal (ORT)')
+    >>> backend_named("cudnn")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown backend 'cudnn'; choose one of 'aten', 'ort'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+from bnswap._swap import wrapped_model
+
+__all__ = ["BACKENDS", "Backend", "backend_named"]
+
+
+class Backend:
+    """What one backend does, asked by name (:func:`backend_named`).
+
+    Attributes:
+        name: ``"aten"`` or ``"ort"`` (the ``backend`` argument of :func:`bnswap.convert`).
+        kernel: what a swapped plan row's kernel column says for every layer; ``None``
+            when torch picks per layer (``torch._C._select_batch_norm_backend``).
+        synchronizes: whether ``nn.SyncBatchNorm`` layers can run synchronized on it.
+        cannot_sync: the reason a ``SyncBatchNorm`` row is skipped when it cannot.
+        wraps: whether a converted model runs inside a wrapper (:meth:`wrap`).
+        runtime: what runs the wrapped model, for messages (``"ONNX Runtime"``).
+        skip_note: appended to a skipped row's reason (what a skipped layer means here).
+    """
+
+    name = "aten"
+    kernel: str | None = None
+    synchronizes = True
+    cannot_sync = ""
+    wraps = False
+    runtime = "PyTorch"
+    skip_note = ""
+
+    def check_available(self) -> None:
+        """Raise if the backend cannot run in this process (before anything changes)."""
+
+    def sync_error(self, layer: str | None = None) -> Exception:
+        """The error for synchronized layers on a backend that cannot synchronize;
+        ``layer`` names a SyncBatchNorm layer, None means ``sync_batchnorm=True``."""
+        raise AssertionError(f"backend {self.name!r} synchronizes")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """``model`` (converted) made to run on this backend: ``model`` itself for aten."""
+        return model
+
+    def unwrap(self, wrapper: nn.Module) -> nn.Module:
+        """The model inside what :meth:`wrap` returned."""
+        return wrapper
+
+    def is_wrapper(self, module: object) -> bool:
+        """Whether ``module`` is what :meth:`wrap` returned (not a plain model)."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"<bnswap backend {self.name!r}>"
+
+
+class _Ort(Backend):
+    name = "ort"
+    kernel = "BatchNormInternal (ORT)"
+    synchronizes = False
+    cannot_sync = "ONNX Runtime cannot synchronize batch statistics across processes"
+    wraps = True
+    runtime = "ONNX Runtime"
+    skip_note = ("ORT cannot run an unswapped BatchNorm: bnswap.convert(..., backend='ort') "
+                 "refuses the model, BNSwap keeps its child eager")
+
+    @staticmethod
+    def _ort() -> Any:
+        return importlib.import_module("bnswap.ort")  # imports no ONNX Runtime yet
+
+    def check_available(self) -> None:
+        """Raises ``bnswap.ort.ORTNotAvailableError`` (an ImportError) on Python 3.12+ or
+        without ONNX Runtime training and torch-ort (naming the install command)."""
+        ort = self._ort()
+        ort.check_python()
+        if not ort.is_available():
+            raise ort.ORTNotAvailableError(
+                "backend='ort' needs ONNX Runtime training and torch-ort: " + ort.INSTALL)
+
+    def sync_error(self, layer: str | None = None) -> Exception:
+        from bnswap.ort.errors import UnsupportedLayerError  # imports no ONNX Runtime
+
+        what = (f"layer {layer!r} is a SyncBatchNorm" if layer is not None
+                else "sync_batchnorm=True with backend='ort'")
+        return UnsupportedLayerError(
+            f"bnswap: {what}; the ONNX Runtime backend cannot synchronize batch statistics "
+            "across processes (its BatchNormInternal kernel sees one process's batch). Use "
+            "backend='aten' (synchronized on every device)"
+            + (", or exclude the layer." if layer is not None else "."))
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return self._ort().wrap(model)
+
+    def unwrap(self, wrapper: nn.Module) -> nn.Module:
+        return self._ort().unwrap(wrapper)
+
+    def is_wrapper(self, module: object) -> bool:
+        return wrapped_model(module) is not None
+
+
+#: The backends by name, in the order error messages list them.
+BACKENDS: dict[str, Backend] = {"aten": Backend(), "ort": _Ort()}
+
+
+def backend_named(backend: str | Backend) -> Backend:
+    """The :class:`Backend` called ``backend`` (a Backend is returned as it is).
+
+    Raises:
+        ValueError: ``"unknown backend 'cudnn'; choose one of 'aten', 'ort'"``.
+    """
+    if isinstance(backend, Backend):
+        return backend
+    found = BACKENDS.get(backend) if isinstance(backend, str) else None
+    if found is None:
+        raise ValueError(f"unknown backend {backend!r}; choose one of "
+                         f"{', '.join(map(repr, BACKENDS))}")
+    return found

@@ -1,0 +1,139 @@
+"""The backend seam (bnswap/backends.py): plan, convert and the callback ask a Backend
+object, and a plan with ``wrap="children"`` says which children a wrapping backend wraps
+and which layers run eager on aten (what the Lightning callback used to work out itself,
+by planning with "aten" and rewriting rows)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+import bnswap
+from bnswap.backends import BACKENDS, Backend, backend_named
+
+PKG = pathlib.Path(bnswap.__file__).parent
+
+
+def test_backend_named_gives_the_objects_and_refuses_other_names_like_convert():
+    assert [b.name for b in BACKENDS.values()] == ["aten", "ort"]
+    assert backend_named("ort") is BACKENDS["ort"]
+    assert backend_named(BACKENDS["aten"]) is BACKENDS["aten"]
+    for bad in ("cudnn", None, 3):
+        with pytest.raises(ValueError, match=r"unknown backend .*; choose one of 'aten', 'ort'"):
+            backend_named(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
+        bnswap.convert(nn.BatchNorm1d(2), "cudnn")
+
+
+@pytest.mark.parametrize("room", ["plan.py", "convert.py", "lightning.py"])
+def test_the_rooms_above_the_seam_compare_no_backend_name(room):
+    """Guards the seam: ``backend == "ort"`` branches (12 of them once) crept back into
+    plan / convert / the callback instead of asking the Backend object."""
+    names = set(BACKENDS)
+    found = []
+    for node in ast.walk(ast.parse((PKG / room).read_text())):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                if isinstance(side, ast.Constant) and side.value in names:
+                    found.append(f"{room}:{node.lineno}")
+    assert not found
+
+
+class _Model(nn.Module):
+    """A LightningModule's shape: children, one of them with an excluded layer, one with a
+    lazy layer, one with a SyncBatchNorm, one without BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2))
+        self.side = nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2))
+        self.lazy = nn.Sequential(nn.LazyBatchNorm1d())
+        self.synced = nn.Sequential(nn.SyncBatchNorm(2))
+        self.plain = nn.Linear(2, 2)
+
+
+def test_plan_wrap_children_places_each_row_where_it_runs():
+    model = _Model()
+    p = bnswap.plan(model, "ort", exclude="side.1", wrap="children")
+    assert p.to_wrap == ("net",) and p.wrap == "children"
+    rows = {r.name: r for r in p}
+    assert list(rows) == ["net.1", "side.0", "side.1", "lazy.0", "synced.0"]  # model order
+    assert (rows["net.1"].backend, rows["net.1"].kernel) == ("ort", "BatchNormInternal (ORT)")
+    assert (rows["side.0"].backend, rows["side.0"].kernel) == ("aten", "Native")
+    assert rows["side.0"].reason.endswith("eager: its top-level module holds a layer that is "
+                                          "not swapped")
+    assert rows["side.1"].action == "skip" and rows["side.1"].backend == "-"
+    assert rows["lazy.0"].backend == "aten" and "lazy layer" in rows["lazy.0"].reason
+    # ONNX Runtime cannot synchronize: the child runs eager, synchronized on aten
+    synced = rows["synced.0"]
+    assert (synced.action, synced.backend, synced.adapter_name) == (
+        "swap", "aten", "bnswap.sync.sync_batch_norm_forward")
+    assert "eager, synchronized on aten" in synced.reason
+    # the whole-model plan refuses the SyncBatchNorm instead (convert raises)
+    whole = {r.name: r for r in bnswap.plan(model, "ort", exclude="side.1")}
+    assert whole["synced.0"].action == "skip" and "UnsupportedLayerError" in whole["synced.0"].reason
+    assert all(r.backend in ("ort", "-") for r in whole.values())
+    # aten ignores the scope: nothing is wrapped, nothing rewritten
+    aten = bnswap.plan(model, exclude="side.1", wrap="children")
+    assert aten.to_wrap == () and [r.reason for r in aten] == [
+        r.reason for r in bnswap.plan(model, exclude="side.1")]
+    with pytest.raises(ValueError, match="unknown wrap 'child'; choose one of 'model', "
+                                         "'children'"):
+        bnswap.plan(model, "ort", wrap="child")
+
+
+def _ort_available() -> bool:
+    import bnswap.ort
+
+    return bnswap.ort.is_available()
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_plan_wrap_children_apply_wraps_in_place_atomically_and_runs_like_stock():
+    import bnswap.ort
+
+    torch.manual_seed(0)
+    model = _Model()
+    stock = _Model()
+    stock.load_state_dict(model.state_dict())
+    p = bnswap.plan(model, "ort", exclude="side.1", wrap="children")
+    assert p.apply() is model
+    assert isinstance(model.net, bnswap.ort.BNSwapORTModule) and model.net.module[1] is not None
+    assert type(model.side) is nn.Sequential and bnswap.is_swapped(model.side[0])
+    x = torch.randn(4, 1, 3, 3)
+    torch.testing.assert_close(model.net(x), stock.net(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.net.module[1].running_var, stock.net[1].running_var)
+    # atomic: a child that cannot be wrapped undoes the swaps and the wraps before it
+    fresh = _Model()
+    fresh.lazy = nn.Sequential(nn.BatchNorm1d(2))
+    fresh.side[1].double()  # float64: ORT refuses it
+    q = bnswap.plan(fresh, "ort", include=["net.*", "side.*", "lazy.*"], wrap="children")
+    assert q.to_wrap == ("net", "side", "lazy")
+    with pytest.raises(bnswap.ort.UnsupportedLayerError, match="float64"):
+        q.apply()
+    assert type(fresh.net) is nn.Sequential and type(fresh.side) is nn.Sequential
+    assert not any(bnswap.is_swapped(m) for m in fresh.modules())
+
+
+class _Plain(Backend):
+    """A backend that is neither of bnswap's: what plan asks of one."""
+
+    name = "plain"
+    kernel = "Plain kernel"
+
+
+def test_a_registered_backend_object_answers_every_question_plan_and_convert_ask():
+    BACKENDS["plain"] = _Plain()
+    try:
+        model = nn.Sequential(nn.BatchNorm2d(3))
+        p = bnswap.plan(model, "plain")
+        assert (p.backend, p[0].backend, p[0].kernel) == ("plain", "plain", "Plain kernel")
+        assert bnswap.convert(model, "plain") is model  # wraps nothing: the model itself
+        assert bnswap.is_swapped(model[0])
+    finally:
+        del BACKENDS["plain"]
