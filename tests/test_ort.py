@@ -973,6 +973,10 @@ def test_every_refusal_is_an_ort_backend_error_of_the_builtin_type(monkeypatch):
     with pytest.raises(errors.UnsupportedLayerError, match="uninitialized LazyBatchNorm1d"):
         bnswap.ort.wrap(lazy)
     assert not any("_bnswap_trace" in k for k in dict(lazy.named_buffers()))
+    synced = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4)))
+    assert bnswap.is_swapped(synced[1])  # on aten's synchronized forward: ORT cannot
+    with pytest.raises(errors.UnsupportedLayerError, match="'1' is a SyncBatchNorm"):
+        bnswap.ort.wrap(synced)
     wrapped = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend="ort")
     with pytest.raises(errors.ORTRunError, match="has not built its training session"):
         bnswap.ort.executed_ops(wrapped)

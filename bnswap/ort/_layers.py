@@ -43,7 +43,8 @@ def check_layers(module: nn.Module) -> None:
             (Class) is not a bnswap layer ..."`` (ORT would export it with a momentum
             frozen at trace time), ``"... is an uninitialized LazyBatchNorm1d ..."``,
             ``"... has weight of dtype torch.float64; ONNX Runtime's CPU
-            BatchNormInternal kernel is float32 only ..."``, or ``"... is on the meta
+            BatchNormInternal kernel is float32 only ..."``, ``"... is a SyncBatchNorm
+            ..."`` (swapped or not: ORT cannot synchronize), or ``"... is on the meta
             device; ... Materialize the model first ..."``.
     """
     for name, m in bn_layers(module):
@@ -56,6 +57,12 @@ def check_layers(module: nn.Module) -> None:
                 "ORT would export it with a momentum frozen at trace time and "
                 "PyTorch's running statistics would be lost. Convert it, or use "
                 "backend='aten'. See bnswap.plan(model, backend='ort').")
+        if isinstance(m, nn.SyncBatchNorm):
+            raise UnsupportedLayerError(
+                f"bnswap.ort.wrap: layer {label!r} is a SyncBatchNorm; the ONNX Runtime "
+                "backend cannot synchronize batch statistics across processes (its "
+                "BatchNormInternal kernel sees one process's batch). Use backend='aten' "
+                "(synchronized on every device), or wrap a module without it.")
         if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
             raise UnsupportedLayerError(
                 f"bnswap.ort.wrap: layer {label!r} is an uninitialized {type(m).__name__}: "
