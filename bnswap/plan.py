@@ -239,8 +239,10 @@ class PlanRow:
     @property
     def sync(self) -> str:
         """Over what the layer synchronizes in training: ``"WORLD, 2 ranks"``, ``"group
-        of 4 ranks"``, ``"WORLD, not initialized"`` (unsynchronized until a process group
-        is initialized); ``"-"`` for a layer that does not synchronize."""
+        of 4 ranks"``, ``"WORLD after init_process_group; unsynchronized before"`` (before
+        ``torch.distributed.init_process_group`` training normalizes with this process's
+        batch alone, as stock ``SyncBatchNorm`` does); ``"-"`` for a layer that does not
+        synchronize."""
         if not self.synchronized:
             return "-"
         group = self.process_group if self.sync_class is not None else getattr(
@@ -569,7 +571,8 @@ def plan(
         bnswap plan: 2 of 2 BatchNorm layers swapped, 0 skipped
         >>> [(r.name, r.adapter_name, r.sync) for r in p]  # doctest: +NORMALIZE_WHITESPACE
         [('1', 'bnswap.layers.batch_norm_forward', '-'),
-         ('2', 'bnswap.sync.sync_batch_norm_forward', 'WORLD, not initialized')]
+         ('2', 'bnswap.sync.sync_batch_norm_forward',
+          'WORLD after init_process_group; unsynchronized before')]
         >>> bnswap.is_swapped(model[1])  # a plan changes nothing
         False
         >>> [r.cls + (" -> " + r.sync_class.__name__ if r.sync_class else "")

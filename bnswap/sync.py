@@ -51,7 +51,7 @@ from bnswap._swap import is_swapped
 from bnswap.functional import check_batch_norm_input, exponential_average_factor, \
     module_batch_norm
 
-__all__ = ["ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES", "SYNC_KERNEL", "describe_group", "original_of", "sync_batch_norm_forward",
+__all__ = ["NO_GROUP_YET", "ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES", "SYNC_KERNEL", "describe_group", "original_of", "sync_batch_norm_forward",
            "sync_class", "sync_group", "synchronized_batch_norm", "to_sync_batch_norm"]
 
 #: The instance attribute (in ``__dict__``, never a submodule: not in the state_dict) of a
@@ -106,14 +106,29 @@ def sync_class(cls: type) -> type | None:
     return getattr(importlib.import_module(mod), name, None)
 
 
+#: The ``sync`` column of a synchronized layer over WORLD before
+#: ``torch.distributed.init_process_group``: training then normalizes with this process's
+#: batch alone (:func:`sync_group` returns None), as stock ``SyncBatchNorm.forward`` does.
+NO_GROUP_YET = "WORLD after init_process_group; unsynchronized before"
+
+
 def describe_group(process_group: Any = None) -> str:
     """Over what a layer with this ``process_group`` synchronizes, for the plan's
-    ``sync`` column: ``"WORLD, 2 ranks"``, ``"group of 2 ranks"``, ``"WORLD, not
-    initialized"`` (training runs unsynchronized until a process group is initialized),
-    or ``"group without this rank"``."""
+    ``sync`` column: ``"WORLD, 2 ranks"``, ``"group of 2 ranks"``, ``"group without this
+    rank"``; with no process group initialized (training then normalizes with this
+    process's batch alone, as stock ``SyncBatchNorm.forward`` does: :func:`sync_group`
+    returns None), :data:`NO_GROUP_YET` for WORLD and ``"group: unsynchronized (no
+    process group initialized)"`` for a group (one destroyed since).
+
+    Examples::
+
+        >>> describe_group()  # no torch.distributed.init_process_group here
+        'WORLD after init_process_group; unsynchronized before'
+    """
     named = "WORLD" if process_group is None else "group"
     if not (dist.is_available() and dist.is_initialized()):
-        return f"{named}, not initialized"
+        return NO_GROUP_YET if process_group is None else (
+            "group: unsynchronized (no process group initialized)")
     group = dist.group.WORLD if process_group is None else process_group
     if dist.get_rank(group) < 0:
         return "group without this rank"

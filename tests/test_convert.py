@@ -232,13 +232,13 @@ def test_plan_table_and_logging(caplog):
     assert text == (
         "bnswap plan: 2 of 2 BatchNorm layers swapped, 0 skipped\n"
         "layer  class          action  backend  kernel  adapter                              "
-        "sync                    reason\n"
+        "sync                                                   reason\n"
         "-----  -------------  ------  -------  ------  -----------------------------------  "
-        "----------------------  ------\n"
+        "-----------------------------------------------------  ------\n"
         "1      BatchNorm2d    swap    aten     Native  bnswap.layers.batch_norm_forward     "
-        "-                       -\n"
+        "-                                                      -\n"
         "2      SyncBatchNorm  swap    aten     Native  bnswap.sync.sync_batch_norm_forward  "
-        "WORLD, not initialized  -")
+        "WORLD after init_process_group; unsynchronized before  -")
     assert str(bnswap.plan(nn.Sequential(nn.Linear(2, 2)))) == (
         "bnswap plan: 0 of 0 BatchNorm layers swapped, 0 skipped "
         "(the model has no BatchNorm layers)")
@@ -314,7 +314,7 @@ def test_plan_rows_as_dicts_and_the_swapped_forwards_repr():
     assert sync == {"name": "1", "cls": "SyncBatchNorm", "action": "swap", "reason": "-",
                     "backend": "aten", "kernel": "Native",
                     "adapter": "bnswap.sync.sync_batch_norm_forward",
-                    "sync": "WORLD, not initialized"}
+                    "sync": "WORLD after init_process_group; unsynchronized before"}
     assert skipped == {"name": "2", "cls": "BatchNorm2d", "action": "skip",
                        "reason": "excluded by '2'", "backend": "-", "kernel": "-",
                        "adapter": "-", "sync": "-"}

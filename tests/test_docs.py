@@ -15,7 +15,8 @@ import pytest
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 MODULES = ["bnswap._swap", "bnswap.functional", "bnswap.layers", "bnswap.registry",
-           "bnswap.plan", "bnswap.convert", "bnswap._graph", "bnswap.programs", "bnswap.ort.errors"]
+           "bnswap.plan", "bnswap.convert", "bnswap._graph", "bnswap.programs", "bnswap.ort.errors",
+           "bnswap.sync"]
 
 REQUIRED = {
     "bnswap.convert": ["convert", "revert"],

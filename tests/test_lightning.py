@@ -921,6 +921,27 @@ class FrozenBNModel(Classifier):
         self.net.features[8].eval()
 
 
+def _stock_then_ort(model_class: type, stage: str, **trainer_kwargs) -> dict[str, tuple]:
+    """``model_class()`` run twice from seed 0 through ``Trainer.<stage>`` ("fit" or
+    "validate"): stock, then ``BNSwap("ort")``. Asserts, for each, that no module of its
+    net changed its training flag (a mixed train / eval model stays mixed), and that both
+    end with the same state (within 1e-4 relative, 1e-5 absolute; counters exact).
+    Returns ``{"stock" | "ort": (model, its original net)}`` for the caller's checks."""
+    runs, states = {}, {}
+    for variant in ("stock", "ort"):
+        pl.seed_everything(0)
+        model = model_class()
+        net = model.net
+        before = _flags(net)
+        run = getattr(trainer([BNSwap("ort")] if variant == "ort" else [], **trainer_kwargs),
+                      stage)
+        run(model, data(), **({"verbose": False} if stage == "validate" else {}))
+        assert _flags(net) == before, variant  # (Lightning restores its own switch)
+        runs[variant], states[variant] = (model, net), state(net)
+    _assert_close_states(states["stock"], states["ort"])
+    return runs
+
+
 @pytest.mark.ort
 @pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
 def test_ort_backend_frozen_batchnorm_fine_tuning_matches_stock():
@@ -929,23 +950,15 @@ def test_ort_backend_frozen_batchnorm_fine_tuning_matches_stock():
     and counters, and the fit matches stock's."""
     import bnswap.ort
 
-    runs = {}
-    for variant in ("stock", "ort"):
-        pl.seed_everything(0)
-        model = FrozenBNModel()
-        net = model.net
-        before = _flags(net)
-        cbs = [BNSwap("ort")] if variant == "ort" else []
-        trainer(cbs, limit_train_batches=3).fit(model, data())
-        assert _flags(net) == before and model.training, variant
+    runs = _stock_then_ort(FrozenBNModel, "fit", limit_train_batches=3)
+    for variant, (model, net) in runs.items():
+        assert model.training, variant
         assert int(net.features[1].num_batches_tracked) == 0, variant
         assert torch.equal(net.features[8].running_mean, torch.zeros(16)), variant
         assert int(net.features[4].num_batches_tracked) == 3, variant
-        runs[variant] = state(net)
-        if variant == "ort":
-            assert isinstance(model.net, bnswap.ort.BNSwapORTModule)
-            assert bnswap.ort.executed_ops(model.net, training=True)["BatchNormInternal"] == 2
-    _assert_close_states(runs["stock"], runs["ort"])
+    wrapped = runs["ort"][0].net
+    assert isinstance(wrapped, bnswap.ort.BNSwapORTModule)
+    assert bnswap.ort.executed_ops(wrapped, training=True)["BatchNormInternal"] == 2
 
 
 class AdaBNValidation(Classifier):
@@ -960,19 +973,12 @@ class AdaBNValidation(Classifier):
 @pytest.mark.ort
 @pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
 def test_ort_backend_train_mode_layer_in_an_eval_model_matches_stock():
-    runs = {}
-    for variant in ("stock", "ort"):
-        pl.seed_everything(0)
-        model = AdaBNValidation()
-        net = model.net
-        before = _flags(net)
-        cbs = [BNSwap("ort")] if variant == "ort" else []
-        trainer(cbs).validate(model, data(), verbose=False)
-        assert _flags(net) == before, variant  # Lightning restores its own switch
+    """One layer in train mode inside the eval model Lightning validates
+    (AdaBN): it updates its statistics on both validation batches, the others none, and
+    the result matches stock's."""
+    for variant, (_, net) in _stock_then_ort(AdaBNValidation, "validate").items():
         assert int(net.features[11].num_batches_tracked) == 2, variant
         assert int(net.features[1].num_batches_tracked) == 0, variant
-        runs[variant] = state(net)
-    _assert_close_states(runs["stock"], runs["ort"])
 
 
 class FeatureHeadSplit(Classifier):

@@ -302,6 +302,54 @@ def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_pat
     assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
 
 
+@pytest.mark.parametrize("args, missing", [
+    (["m.pt2"], "-o/--output (where to write the converted program)"),
+    (["-o", "o.pt2"], "the program to convert (a .pt2 file)"),
+    ([], "the program to convert (a .pt2 file) and -o/--output (where to write the "
+         "converted program)")])
+def test_convert_without_its_arguments_names_them_with_an_example(capsys, args, missing):
+    """Guards (a user's try): ``bnswap convert model.pt2`` said "the following arguments
+    are required: output", naming no option a user types."""
+    code = plan_cli.convert_main(args)
+    cap = capsys.readouterr()
+    assert (code, cap.out) == (2, "")
+    assert cap.err == (f"bnswap convert: error: missing {missing}; e.g. bnswap convert "
+                       "model.pt2 -o model_bnswap.pt2\n")
+
+
+@pytest.mark.parametrize("spelling", ["same", "dot", "symlink", "hardlink"])
+def test_convert_refuses_to_overwrite_its_input(capsys, tmp_path, monkeypatch, spelling):
+    """Guards (a user's try): ``bnswap convert m.pt2 -o m.pt2`` (or ``-o ./m.pt2``, or a
+    link to it) overwrote the input program. Refused in one line, exit 2, the file
+    unchanged byte for byte; a new file next to it is still written."""
+    import os
+
+    import torch
+    from torch import nn
+
+    monkeypatch.chdir(tmp_path)
+    torch.export.save(torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(),
+                                          (torch.randn(2, 3, 4, 4),)), "m.pt2")
+    before = (tmp_path / "m.pt2").read_bytes()
+    out = {"same": "m.pt2", "dot": "./sub/../m.pt2", "symlink": "link.pt2",
+           "hardlink": "hard.pt2"}[spelling]
+    (tmp_path / "sub").mkdir()
+    if spelling == "symlink":
+        os.symlink(tmp_path / "m.pt2", tmp_path / "link.pt2")
+    elif spelling == "hardlink":
+        os.link(tmp_path / "m.pt2", tmp_path / "hard.pt2")
+    code = plan_cli.convert_main(["m.pt2", "-o", out])
+    cap = capsys.readouterr()
+    assert (code, cap.out) == (2, "") and (tmp_path / "m.pt2").read_bytes() == before
+    assert cap.err == (f"bnswap convert: error: -o/--output {out} is the input program "
+                       "(m.pt2): bnswap convert never overwrites its input; write to "
+                       "another file, e.g. -o model_bnswap.pt2\n")
+    assert plan_cli.convert_main(["m.pt2", "-o", "new.pt2"]) == 0  # another file: written
+    assert (tmp_path / "m.pt2").read_bytes() == before
+    new = torch.export.load("new.pt2")
+    assert any("_batch_norm_no_update" in str(n.target) for n in new.graph.nodes)
+
+
 def test_plan_for_ort_says_when_onnx_runtime_is_missing(capsys, monkeypatch):
     """Guards (a fresh user's review): --backend ort planned every row onto
     BatchNormInternal with no word that ONNX Runtime training is not installed."""

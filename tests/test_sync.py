@@ -163,7 +163,8 @@ def test_convert_sync_batchnorm_shares_state_and_reverts_to_the_original_objects
     assert list(model.parameters()) == params and list(model.buffers()) == buffers
     assert not model[4].training and model[1].training and model[4].momentum is None
     p = bnswap.plan(model)
-    assert [r.sync for r in p] == ["WORLD, not initialized"] * 2
+    # (what the plan says: WORLD once a process group exists, unsynchronized until then)
+    assert [r.sync for r in p] == ["WORLD after init_process_group; unsynchronized before"] * 2
     # no process group: the unsynchronized path, as stock BatchNorm on a copy
     twin = copy.deepcopy(bnswap.revert(copy.deepcopy(model)))
     x = torch.randn(5, 2)
@@ -194,8 +195,8 @@ def test_plan_rows_say_what_synchronizes():
     model = nn.Sequential(nn.BatchNorm2d(2), Custom(2), nn.LazyBatchNorm1d(), nn.SyncBatchNorm(2))
     rows = bnswap.plan(model, sync_batchnorm=True, exclude="3")
     assert [(r.action, r.sync_class, r.sync) for r in rows] == [
-        ("swap", nn.SyncBatchNorm, "WORLD, not initialized"), ("swap", None, "-"),
-        ("swap", None, "-"), ("skip", None, "-")]
+        ("swap", nn.SyncBatchNorm, "WORLD after init_process_group; unsynchronized before"),
+        ("swap", None, "-"), ("swap", None, "-"), ("skip", None, "-")]
     assert "not synchronized" in rows[1].reason and "becomes SyncBatchNorm" in rows[0].reason
     assert "sync" in str(rows).splitlines()[1]  # the sync column
     assert "sync" not in str(bnswap.plan(nn.BatchNorm2d(2))).splitlines()[1]
@@ -247,42 +248,95 @@ def test_timm_batchnormact2d_becomes_timms_syncbatchnormact():
     assert bnswap.revert(model)[0] is layer and type(layer) is timm.layers.BatchNormAct2d
 
 
+EXAMPLE = SCRIPT.parents[1] / "examples" / "ddp_syncbn.py"
+
+
+def _torchrun_example(*args: str, timeout: float = 400, path: tuple[str, ...] = ()
+                      ) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=2 examples/ddp_syncbn.py *args`` on 127.0.0.1, one
+    thread a rank, ``path`` put first on PYTHONPATH."""
+    root = SCRIPT.parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [*path, str(root), os.environ.get("PYTHONPATH", "")])}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return run_processes(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={sync_cases.free_port()}", str(EXAMPLE),
+         *args], timeout=timeout, env=env, cwd=root)
+
+
+def test_ddp_syncbn_example_without_scikit_learn_says_so_in_one_line(tmp_path):
+    """Guards (a user's try): without scikit-learn every rank printed a traceback from
+    inside the data loading, after the process group had started. Now each rank prints
+    one line naming what to install (torchrun stops the other rank when the first exits,
+    so at least one line) and exits 1 before init_process_group; no frame of the example
+    is printed (torchrun's own ChildFailedError report follows)."""
+    fake = tmp_path / "sklearn"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'sklearn'\", name='sklearn')\n")
+    proc = _torchrun_example("--steps=1", f"--timeout_s={COLLECTIVE_TIMEOUT_S}",
+                             timeout=120, path=(str(tmp_path),))
+    line = ("examples/ddp_syncbn.py: needs scikit-learn for the digits data: pip install "
+            "scikit-learn (or pip install 'bnswap[lightning]')")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stderr.count(line) in (1, 2), proc.stderr[-4000:]
+    assert f'File "{EXAMPLE}"' not in proc.stderr and "ModuleNotFoundError" not in proc.stderr
+    assert "sklearn" not in proc.stderr.replace(line, ""), proc.stderr[-4000:]
+    assert "exitcode  : 1" in proc.stderr  # (torchrun's report: a rank exited 1)
+    assert proc.stdout == ""  # no plan printed: no process group started
+
+
+def test_ddp_syncbn_example_refuses_a_bad_batch_or_step_count_before_any_process_group():
+    """``batch_size`` < 2 (a training BatchNorm needs more than one value per channel) and
+    ``steps`` < 1 raise ValueError in ``main`` before torch.distributed is touched."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    spec = importlib.util.spec_from_file_location("ddp_syncbn", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(ValueError, match="batch_size must be at least 2.*got 1"):
+        mod.main(batch_size=1)
+    with pytest.raises(ValueError, match="steps must be at least 1, got 0"):
+        mod.main(steps=0)
+    assert not dist.is_initialized()
+
+
 def test_ddp_syncbn_example_under_torchrun_matches_one_process(tmp_path):
     """examples/ddp_syncbn.py with ``torchrun --nproc_per_node=2`` (gloo, CPU): convert with
     sync_batchnorm=True, DDP, train, revert. Both ranks end with the same state, equal to
-    ONE process training stock BatchNorm2d on the concatenated global batches."""
+    ONE process training stock BatchNorm2d on the concatenated global batches (its mean
+    loss, the example's falling learning rate), with a global batch of 33 split 17 / 16:
+    guards the example's uneven split (each rank's loss its share of the global mean),
+    and that DDP runs without a FutureWarning (torch 2.13 deprecates broadcast_buffers)."""
     import importlib.util
 
-    root = SCRIPT.parents[1]
-    example = root / "examples" / "ddp_syncbn.py"
-    steps, batch, lr = 3, 32, 0.05
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = run_processes(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={sync_cases.free_port()}", str(example),
-         f"--steps={steps}", f"--batch_size={batch}", f"--lr={lr}", f"--out={tmp_path}", "--float64=true",
-         f"--timeout_s={COLLECTIVE_TIMEOUT_S}"],
-        timeout=400, env=env, cwd=root)
+    steps, batch, lr = 3, 33, 0.05
+    proc = _torchrun_example(f"--steps={steps}", f"--batch_size={batch}", f"--lr={lr}",
+                             f"--out={tmp_path}", "--float64=true",
+                             f"--timeout_s={COLLECTIVE_TIMEOUT_S}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "synchronized over: WORLD, 2 ranks | kernel: Sync (portable); eval Native" \
         in proc.stdout
     assert "stock BatchNorm2d layers again" in proc.stdout
+    assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]
     s0, s1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []  # no buffer broadcast
-    spec = importlib.util.spec_from_file_location("ddp_syncbn", example)
+    spec = importlib.util.spec_from_file_location("ddp_syncbn", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     (xt, yt), _ = mod.digits_split(16, seed=0)
     ref = mod.build(0.5, 0).double()  # stock BatchNorm2d, one process, the global batch
-    opt = mod.optimizer(ref, lr)
+    opt, schedule = mod.optimizer(ref, lr, steps)
     for idx in mod.global_batches(len(yt), batch, steps, 0):
         loss = torch.nn.functional.cross_entropy(ref(xt[idx].double()), yt[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
+        schedule.step()
     theirs = ref.state_dict()
     assert s0.keys() == theirs.keys()
     for k in s0:

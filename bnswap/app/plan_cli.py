@@ -375,17 +375,43 @@ def _convert_parser() -> ArgumentParser:
     return p
 
 
+_REQUIRED = "the following arguments are required: "
+#: how argparse names convert's arguments -> how they are typed
+_CONVERT_SPELLING = {"program": "the program to convert (a .pt2 file)",
+                     "output": "-o/--output (where to write the converted program)"}
+_CONVERT_EXAMPLE = "bnswap convert model.pt2 -o model_bnswap.pt2"
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one existing file, however spelled (``./m.pt2``,
+    a symbolic or hard link): :func:`os.path.samefile`. An ``output`` that does not exist
+    yet is never the input."""
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
 def convert_main(argv: Sequence[str]) -> int:
     """Run ``bnswap convert PROGRAM -o OUTPUT`` with ``argv`` (the arguments after
     ``convert``): load, :func:`bnswap.convert`, ``torch.export.save``, print the plan.
-    Returns the exit status (0 all converted, 3 some left, 2 usage errors on stderr)."""
+    Returns the exit status (0 all converted, 3 some left, 2 usage errors on stderr: a
+    missing PROGRAM or ``-o/--output`` (named, with an example), an ``-o`` that is the
+    input file (refused before anything is read: never overwritten), a file that is no
+    program, a missing folder)."""
     try:
         cfg = _convert_parser().parse_args(list(argv))
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
     except ArgumentError as e:
+        if str(e).startswith(_REQUIRED):  # name them as typed, with an example
+            missing = [_CONVERT_SPELLING.get(n.strip(), n.strip())
+                       for n in str(e)[len(_REQUIRED):].split(",")]
+            return _usage_error(f"missing {' and '.join(missing)}; e.g. {_CONVERT_EXAMPLE}",
+                                "convert")
         return _usage_error(f"{short_error(str(e))}\n(bnswap convert --help lists every "
                             "option)", "convert")
+    if _same_file(cfg.program, cfg.output):
+        return _usage_error(f"-o/--output {cfg.output} is the input program ({cfg.program}): "
+                            "bnswap convert never overwrites its input; write to another "
+                            "file, e.g. -o model_bnswap.pt2", "convert")
     try:
         ep = load_program(cfg.program)
     except ProgramFileError as e:
