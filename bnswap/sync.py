@@ -51,7 +51,7 @@ from bnswap._swap import is_swapped
 from bnswap.functional import check_batch_norm_input, exponential_average_factor, \
     module_batch_norm
 
-__all__ = ["ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES", "SYNC_KERNEL", "describe_group", "original_of", "sync_batch_norm_forward",
+__all__ = ["FLAGS", "ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES", "SYNC_KERNEL", "describe_group", "original_of", "sync_batch_norm_forward",
            "sync_class", "sync_group", "synchronized_batch_norm", "to_sync_batch_norm"]
 
 #: The instance attribute (in ``__dict__``, never a submodule: not in the state_dict) of a
@@ -352,11 +352,23 @@ def to_sync_batch_norm(layer: nn.Module, process_group: Any = None,
     return sync
 
 
+#: The plain attributes of a ``_BatchNorm`` that :func:`original_of` hands back to the
+#: original layer: :func:`to_sync_batch_norm` copies them by value, so a change made while
+#: the SyncBatchNorm stood in (``layer.momentum = 0.01``, ``eval()``) lands on it only.
+#: (Parameters, buffers and hooks live in dicts the two layers share.)
+FLAGS = ("training", "num_features", "eps", "momentum", "affine", "track_running_stats")
+
+
 def original_of(layer: nn.Module) -> nn.Module | None:
-    """The layer ``to_sync_batch_norm`` made ``layer`` from, with ``layer``'s ``training``
-    flag; None for any other module."""
+    """The layer ``to_sync_batch_norm`` made ``layer`` from, given ``layer``'s
+    :data:`FLAGS` (``training``, ``momentum``, ``eps``, ...: what was set on the
+    SyncBatchNorm while it stood in, as Lightning's own revert keeps them); None for any
+    other module."""
     original = getattr(layer, "__dict__", {}).get(ORIGINAL)
     if original is None:
         return None
-    original.training = layer.training
+    state = layer.__dict__
+    for name in FLAGS:
+        if name in state:
+            original.__dict__[name] = state[name]
     return original

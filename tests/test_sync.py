@@ -187,6 +187,27 @@ def test_convert_sync_batchnorm_shares_state_and_reverts_to_the_original_objects
     assert bnswap.revert(sync) is bn1
 
 
+def test_revert_keeps_flags_set_on_the_syncbatchnorm():
+    """momentum / eps / track_running_stats set while the SyncBatchNorm stood in (a
+    momentum schedule, say) are the original layer's after revert (they are plain
+    attributes, copied by value at convert): the reverted layer then trains as a stock
+    layer given the same settings, bitwise."""
+    bn = nn.BatchNorm2d(3)
+    stock = copy.deepcopy(bn)
+    model = bnswap.convert(nn.Sequential(bn), sync_batchnorm=True)
+    model[0].momentum, model[0].eps = None, 1e-3
+    model.eval()
+    assert bnswap.revert(model)[0] is bn
+    assert (bn.momentum, bn.eps, bn.training) == (None, 1e-3, False)
+    stock.momentum, stock.eps = None, 1e-3
+    bn.train(), stock.train()
+    for _ in range(2):
+        x = torch.randn(4, 3, 2, 2)
+        assert torch.equal(bn(x), stock(x))
+    assert torch.equal(bn.running_var, stock.running_var)
+    assert torch.equal(bn.num_batches_tracked, stock.num_batches_tracked)
+
+
 def test_plan_rows_say_what_synchronizes():
     class Custom(nn.BatchNorm2d):
         pass
