@@ -32,8 +32,10 @@ from torch.fx import GraphModule, Node
 
 from bnswap import _compat
 from bnswap._graph import (
+    _BACKWARD,
     CONSOLIDATED_TARGETS,
     STOCK_TARGETS,
+    _forward_of,
     consolidated_target,
     stock_call,
     to_consolidated_ops,
@@ -312,6 +314,14 @@ def plan(program: Program, backend: str = "aten", *,
             left_out = _selected(n.name, inc, exc)
             if left_out is not None:
                 target, reason = None, left_out
+            elif target is not None and n.target is _BACKWARD:
+                # the rewrite needs the forward's reserve: it happens only when the
+                # forward node (its row is above: graph order) is rewritten too
+                fwd = _forward_of(n)
+                fwd_row = next((r for r in rows if r.node is fwd), None)
+                if fwd_row is not None and fwd_row.action == "skip":
+                    target, reason = None, (f"its forward node {fwd_row.name!r} is left as "
+                                            f"it is ({fwd_row.reason})")
             rows.append(NodeRow(n.name, str(n.target), "swap" if target else "skip",
                                 str(target) if target else "-", reason,
                                 _kernel_before(n, dev), node=n, device=dev))

@@ -122,6 +122,37 @@ def test_joint_graph_native_batch_norm_and_backward():
     assert torch.equal(a1[3], a2[3]) and torch.equal(a1[4], a2[4])  # running stats
 
 
+def test_a_backward_node_whose_forward_is_excluded_is_planned_as_skipped():
+    """native_batch_norm_backward becomes batch_norm_backward only with its forward's
+    reserve, so only when its forward node is rewritten too. With the forward excluded
+    the plan said the backward was swapped ("1 of 2") while convert left both; the plan
+    now says what convert does, and the graph runs bitwise as before."""
+    def f(x, w, b, rm, rv):
+        y = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
+        return (*torch.autograd.grad(y.square().sum(), (x, w, b)), y)
+
+    g = torch.Generator().manual_seed(3)
+    args = [torch.randn(4, 3, 5, 5, generator=g, requires_grad=True),
+            torch.rand(3, generator=g, requires_grad=True),
+            torch.randn(3, generator=g, requires_grad=True), torch.zeros(3), torch.ones(3)]
+    gm = make_fx(f)(*args)
+    ref = copy.deepcopy(gm)
+    for kw in (dict(exclude="native_batch_norm"), dict(include="*_backward")):
+        p = bnswap.plan(gm, **kw)
+        assert [(r.name, r.action) for r in p] == [("native_batch_norm", "skip"),
+                                                   ("native_batch_norm_backward", "skip")]
+        assert p.skipped[1].reason.startswith(
+            "its forward node 'native_batch_norm' is left as it is ("), p.skipped[1].reason
+        assert bnswap.convert(gm, **kw) is gm
+        assert bn_ops(gm) == bn_ops(ref) == ["aten.native_batch_norm.default",
+                                             "aten.native_batch_norm_backward.default"]
+    a1, a2 = ([a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+              for _ in range(2))
+    for u, v in zip(ref(*a1), gm(*a2), strict=True):
+        assert torch.equal(u, v)
+    assert [r.action for r in bnswap.plan(gm)] == ["swap", "swap"]  # both together: swapped
+
+
 def test_plan_of_a_program_one_row_per_node():
     ep = torch.export.export(model().eval(), (X,))
     p = bnswap.plan(ep, device="cuda")
