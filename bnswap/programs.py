@@ -359,7 +359,12 @@ def convert(program: Program, backend: str = "aten", *,
       weight), ``aten.full`` nodes on the input's device, exactly what bnswap's own layers
       record (so :func:`to_stock_ops` turns them back);
     * ``native_batch_norm_backward`` (joint / backward graphs) -> ``batch_norm_backward``
-      with its forward's reserve (output 3).
+      with its forward's reserve (output 3);
+    * an input whose size is dynamic (``Dim("batch")`` admits 0) gets bnswap's empty-batch
+      assertion (:data:`bnswap.functional.EMPTY_BATCH_MESSAGE`, a RuntimeError), right
+      after the input is computed, so before the node's ``num_batches_tracked`` /
+      statistics updates: the consolidated ops reject an empty batch, where stock's
+      ``aten.batch_norm`` returns early. :func:`to_stock_ops` removes it again.
 
     A node is left as it is (:func:`plan` says why) when its training flag or momentum is
     not a constant, or it has no shape metadata for the stand-ins it needs.
