@@ -122,6 +122,8 @@ def test_errors_on_many_ranks(ranks):
             "Expected more than 1 value per channel when training, got input size "
             f"torch.Size([{1 - r}, 3])"), e["one_value"]
         assert e["one_value_state_same"]
+        assert e["momentum"] == ("batch_norm(): argument 'momentum' (position 7) must be "
+                                 "float, not str") and e["momentum_state_same"]
         shape, state = e["all_empty"]  # an all-empty global batch: stock's early return
         assert shape == (0, 3) and int(state["num_batches_tracked"]) == 1
         assert torch.equal(state["running_mean"], torch.zeros(3))
