@@ -26,9 +26,12 @@ stock's layer records, node for node:
   ever used (save_mean / save_invstd / reserve feed autograd).
 * The constant ones / zeros bnswap passes for a missing weight / bias
   (``affine=False``) and the throw-away statistics of ``track_running_stats=False``
-  become ``None`` again, as stock passes them.
-* bnswap's empty-batch runtime assertion (:data:`bnswap.functional.EMPTY_BATCH_MESSAGE`) is
-  removed: stock's ``aten.batch_norm`` accepts an empty batch.
+  become ``None`` again, as stock passes them (also for the functional op
+  ``bnswap.convert(program)`` records for such a node: ``aten.batch_norm`` without
+  statistics, or ``_native_batch_norm_legit.no_stats`` with ``core_aten``).
+* bnswap's empty-batch runtime assertion (:data:`bnswap.functional.EMPTY_BATCH_MESSAGE`,
+  recorded by its layers and added by ``bnswap.convert(program)``) is removed: stock's
+  ``aten.batch_norm`` accepts an empty batch.
 """
 
 from __future__ import annotations
@@ -108,10 +111,15 @@ def _rewrite(graph: torch.fx.Graph, node: Node, core_aten: bool,
     training = node.target is not _NO_UPDATE
     (x, w, b, mean, var), constants = _stand_ins(node, training)
     # which outputs of the new op the old op's outputs become (None: must be unused)
-    if functional and mean is None:  # (out, save_mean, save_invstd) of no_stats
+    only_out = all(u.args[1] == 0 or not u.users for u in users)
+    if functional and mean is None and (core_aten or not only_out):
+        # (out, save_mean, save_invstd) of no_stats: stock's decomposed op. (In the
+        # training IR stock records aten.batch_norm with no statistics, below: a
+        # converted stock program's track_running_stats=False node is functional.)
         target, args = _aten._native_batch_norm_legit.no_stats, (x, w, b, True, momentum, eps)
         index: dict[int, int | None] = {0: 0, 1: 1, 2: 2}
-    elif functional:  # (out, save_mean, save_rstd, running_mean_out, running_var_out)
+    elif functional and mean is not None:
+        # (out, save_mean, save_rstd, running_mean_out, running_var_out)
         target = _aten._native_batch_norm_legit_functional.default
         args = (x, w, b, mean, var, True, momentum, eps)
         index = {0: 0, 1: 1, 2: 2, 4: 3, 5: 4}
@@ -375,11 +383,40 @@ def _set_val(node: Node, fake) -> None:  # noqa: ANN001
         node.meta["val"] = node.target(*args, **node.kwargs)  # type: ignore[operator]
 
 
+def _assert_not_empty(graph: torch.fx.Graph, x: object, meta: dict) -> None:
+    """bnswap's empty-batch assertion (:data:`EMPTY_BATCH_MESSAGE`, what a converted
+    layer's exported program carries) for a node whose input may be empty (a dynamic
+    size: ``Dim("batch")`` admits 0). Stock's op returns early for an empty batch; the
+    consolidated ops raise a kernel error, and by then the graph has counted the batch
+    (stock's ``num_batches_tracked`` update comes between the input and the op). So the
+    assertion goes right after the input is computed (after the placeholders when it is
+    one), before any state moves; :func:`to_stock_ops` removes it with its condition."""
+    xv = _val(x)
+    if not isinstance(x, Node) or not isinstance(xv, torch.Tensor) \
+            or not isinstance(xv.numel(), torch.SymInt):
+        return
+    at = x.next
+    while at.op == "placeholder":
+        at = at.next
+    kept = {k: v for k, v in meta.items() if k != "val"}
+    with graph.inserting_before(at):
+        numel = graph.call_function(_aten.sym_numel.default, (x,))
+        numel.meta.update(kept)
+        numel.meta["val"] = xv.numel()
+        cond = graph.call_function(operator.ne, (numel, 0))
+        cond.meta.update(kept)
+        cond.meta["val"] = xv.numel() != 0
+        check = graph.call_function(_aten._assert_scalar.default, (cond, EMPTY_BATCH_MESSAGE))
+        check.meta.update(kept)
+        check.meta["val"] = None
+
+
 def _to_consolidated(graph: torch.fx.Graph, node: Node, target: object, fake,  # noqa: ANN001
                      renamed: Callable[[str, str], None] | None) -> Node:
     (x, w, b, mean, var, training, momentum, eps), _ = stock_call(node)  # type: ignore[misc]
     meta = dict(node.meta)
     xv = _val(x)
+    _assert_not_empty(graph, x, meta)
     with graph.inserting_before(node):
         ref = next((t for t in (w, b, mean) if isinstance(_val(t), torch.Tensor)), None)
         dtype = _val(ref).dtype if ref is not None else xv.dtype  # type: ignore[union-attr]

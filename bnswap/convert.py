@@ -154,8 +154,9 @@ def revert(module: nn.Module) -> nn.Module:
     Same module objects, same Parameter and buffer objects, same flags and hooks; only
     the instance attribute bnswap added (and the ORT backend's trace buffers) go. A
     ``SyncBatchNorm`` that ``convert(..., sync_batchnorm=True)`` made is replaced by the
-    original layer object it shares its state with (its class, hooks and flags; the
-    ``training`` flag taken from the SyncBatchNorm). On an ORT wrapper, reverts the model
+    original layer object it shares its state with (its class and hooks; its flags,
+    ``training``, ``momentum``, ``eps``, ..., taken from the SyncBatchNorm,
+    :data:`bnswap.sync.FLAGS`). On an ORT wrapper, reverts the model
     inside and returns the wrapper (use ``wrapper.module``).
 
     Returns:

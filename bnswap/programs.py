@@ -32,8 +32,10 @@ from torch.fx import GraphModule, Node
 
 from bnswap import _compat
 from bnswap._graph import (
+    _BACKWARD,
     CONSOLIDATED_TARGETS,
     STOCK_TARGETS,
+    _forward_of,
     consolidated_target,
     stock_call,
     to_consolidated_ops,
@@ -312,6 +314,14 @@ def plan(program: Program, backend: str = "aten", *,
             left_out = _selected(n.name, inc, exc)
             if left_out is not None:
                 target, reason = None, left_out
+            elif target is not None and n.target is _BACKWARD:
+                # the rewrite needs the forward's reserve: it happens only when the
+                # forward node (its row is above: graph order) is rewritten too
+                fwd = _forward_of(n)
+                fwd_row = next((r for r in rows if r.node is fwd), None)
+                if fwd_row is not None and fwd_row.action == "skip":
+                    target, reason = None, (f"its forward node {fwd_row.name!r} is left as "
+                                            f"it is ({fwd_row.reason})")
             rows.append(NodeRow(n.name, str(n.target), "swap" if target else "skip",
                                 str(target) if target else "-", reason,
                                 _kernel_before(n, dev), node=n, device=dev))
@@ -349,7 +359,12 @@ def convert(program: Program, backend: str = "aten", *,
       weight), ``aten.full`` nodes on the input's device, exactly what bnswap's own layers
       record (so :func:`to_stock_ops` turns them back);
     * ``native_batch_norm_backward`` (joint / backward graphs) -> ``batch_norm_backward``
-      with its forward's reserve (output 3).
+      with its forward's reserve (output 3);
+    * an input whose size is dynamic (``Dim("batch")`` admits 0) gets bnswap's empty-batch
+      assertion (:data:`bnswap.functional.EMPTY_BATCH_MESSAGE`, a RuntimeError), right
+      after the input is computed, so before the node's ``num_batches_tracked`` /
+      statistics updates: the consolidated ops reject an empty batch, where stock's
+      ``aten.batch_norm`` returns early. :func:`to_stock_ops` removes it again.
 
     A node is left as it is (:func:`plan` says why) when its training flag or momentum is
     not a constant, or it has no shape metadata for the stand-ins it needs.

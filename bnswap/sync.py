@@ -41,6 +41,7 @@ This is the only bnswap module that imports ``torch.distributed``.
 from __future__ import annotations
 
 import importlib
+import numbers
 from typing import Any
 
 import torch
@@ -48,10 +49,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bnswap._swap import is_swapped
-from bnswap.functional import check_batch_norm_input, exponential_average_factor, \
-    module_batch_norm
+from bnswap.functional import _raise_stock_momentum_error, check_batch_norm_input, \
+    exponential_average_factor, module_batch_norm
 
-__all__ = ["NO_GROUP_YET", "ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES", "SYNC_KERNEL", "describe_group", "original_of", "sync_batch_norm_forward",
+__all__ = ["FLAGS", "NO_GROUP_YET", "ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES",
+           "SYNC_KERNEL", "describe_group", "original_of", "sync_batch_norm_forward",
            "sync_class", "sync_group", "synchronized_batch_norm", "to_sync_batch_norm"]
 
 #: The instance attribute (in ``__dict__``, never a submodule: not in the state_dict) of a
@@ -286,8 +288,8 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
 
     Raises:
         Before any collective (no rank is left waiting): what stock raises for the wrong
-        channel count (RuntimeError), a non-floating dtype (NotImplementedError) or a
-        non-positive eps (ValueError). After the all_gather, on every rank, before any
+        channel count (RuntimeError), a non-floating dtype (NotImplementedError), a
+        non-positive eps (ValueError) or a momentum that is no number (TypeError). After the all_gather, on every rank, before any
         state changes: ValueError ``"Expected more than 1 value per channel when
         training, ..."`` when the global batch has one value per channel.
     """
@@ -297,6 +299,9 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
     running_var = layer.running_var if tracking else None
     check_batch_norm_input(input, weight, bias, running_mean, running_var, True, layer.eps,
                            synchronized=True)
+    momentum = layer.momentum
+    if momentum is not None and not isinstance(momentum, (numbers.Real, Tensor)):
+        _raise_stock_momentum_error(momentum)  # as the unsynchronized path: before anything
     out, mean, unbiased, total = _SyncBatchNorm.apply(
         input, weight, bias, float(layer.eps), group, input.size())
     nbt = layer.num_batches_tracked
@@ -367,11 +372,23 @@ def to_sync_batch_norm(layer: nn.Module, process_group: Any = None,
     return sync
 
 
+#: The plain attributes of a ``_BatchNorm`` that :func:`original_of` hands back to the
+#: original layer: :func:`to_sync_batch_norm` copies them by value, so a change made while
+#: the SyncBatchNorm stood in (``layer.momentum = 0.01``, ``eval()``) lands on it only.
+#: (Parameters, buffers and hooks live in dicts the two layers share.)
+FLAGS = ("training", "num_features", "eps", "momentum", "affine", "track_running_stats")
+
+
 def original_of(layer: nn.Module) -> nn.Module | None:
-    """The layer ``to_sync_batch_norm`` made ``layer`` from, with ``layer``'s ``training``
-    flag; None for any other module."""
+    """The layer ``to_sync_batch_norm`` made ``layer`` from, given ``layer``'s
+    :data:`FLAGS` (``training``, ``momentum``, ``eps``, ...: what was set on the
+    SyncBatchNorm while it stood in, as Lightning's own revert keeps them); None for any
+    other module."""
     original = getattr(layer, "__dict__", {}).get(ORIGINAL)
     if original is None:
         return None
-    original.training = layer.training
+    state = layer.__dict__
+    for name in FLAGS:
+        if name in state:
+            original.__dict__[name] = state[name]
     return original

@@ -148,6 +148,16 @@ def errors_case(rank: int, world: int) -> dict:
     except ValueError as e:
         out["one_value"] = str(e)
     out["one_value_state_same"] = all(torch.equal(before[k], v) for k, v in _state(layer).items())
+    # a momentum that is no number: stock's TypeError before any collective or count (as
+    # the unsynchronized path; it came after the all_gather and the count, and another text)
+    layer.momentum = "a"
+    try:
+        layer(torch.randn(2, 3))
+        out["momentum"] = None
+    except TypeError as e:
+        out["momentum"] = str(e)
+    out["momentum_state_same"] = all(torch.equal(before[k], v) for k, v in _state(layer).items())
+    layer.momentum = 0.1
     # all ranks empty: stock's early return (num_batches_tracked moves, statistics do not)
     y = layer(torch.randn(0, 3, requires_grad=True))
     out["all_empty"] = (tuple(y.shape), _state(layer))

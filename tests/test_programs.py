@@ -65,6 +65,56 @@ def test_convert_program_runs_bitwise_like_the_original(train, decomposed):
     assert len(kept) == 4 and set(kept) <= CONSOLIDATED, kept
 
 
+@pytest.mark.parametrize("decomposed", [False, True], ids=["training_ir", "decomposed"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_converted_dynamic_batch_program_refuses_an_empty_batch_before_any_state_moves(
+        train, decomposed, tmp_path):
+    """A stock program exported with a dynamic batch (Dim("b") admits 0) returns early on
+    an empty batch; the consolidated ops reject empty input with a kernel error, which came
+    after the graph had counted the batch (a failed call moved num_batches_tracked). The
+    converted program carries bnswap's own empty-batch assertion, checked before anything
+    moves (as a converted layer's program); non-empty batches stay bitwise the original's.
+    to_stock_ops gives stock's ops back node for node (it made the track_running_stats=False
+    node _native_batch_norm_legit.no_stats in the training IR, which rejects an empty batch,
+    where stock records aten.batch_norm) and stock's empty-batch behaviour."""
+    from torch.export import Dim
+
+    from bnswap.functional import EMPTY_BATCH_MESSAGE
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False),
+                      nn.BatchNorm2d(4, track_running_stats=False)).train(train)
+    ep = torch.export.export(m, (X,), dynamic_shapes=({0: Dim("b")},))
+    if decomposed:
+        ep = ep.run_decompositions()
+    new = bnswap.convert(ep)
+    new.validate()
+    same_runs(ep.module(), new.module())
+    torch.export.save(new, tmp_path / "m.pt2")
+    for prog in (new, torch.export.load(tmp_path / "m.pt2")):
+        mod = prog.module()
+        before = {k: v.clone() for k, v in mod.state_dict().items()}
+        with pytest.raises(RuntimeError, match="got an empty input") as err:
+            mod(torch.randn(0, 3, 8, 8))
+        assert EMPTY_BATCH_MESSAGE in str(err.value)
+        assert all(torch.equal(before[k], v) for k, v in mod.state_dict().items())
+    ref, gm = ep.module(), new.module()
+    assert bnswap.to_stock_ops(gm, core_aten=decomposed) == 3
+    assert "got an empty input" not in gm.code  # the assertions went with the nodes
+    assert bn_ops(gm) == bn_ops(ref)  # stock's ops again, node for node
+    empty = torch.randn(0, 3, 8, 8)
+    if decomposed:  # stock's decomposed ops reject an empty batch themselves
+        for mod in (ref, gm):
+            with pytest.raises(RuntimeError, match="must have at least one element"):
+                mod(empty)
+    else:
+        a, b = ref(empty), gm(empty)
+        assert a.shape == b.shape == (0, 4, 6, 6)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, gm.state_dict()[k]), k
+    same_runs(ref, gm)
+
+
 def test_converted_program_saves_and_loads(tmp_path):
     ep = torch.export.export(model(), (X,))
     new = bnswap.convert(ep)
@@ -120,6 +170,37 @@ def test_joint_graph_native_batch_norm_and_backward():
     for p, q in zip(ref(*a1), gm(*a2), strict=True):
         assert torch.equal(p, q)
     assert torch.equal(a1[3], a2[3]) and torch.equal(a1[4], a2[4])  # running stats
+
+
+def test_a_backward_node_whose_forward_is_excluded_is_planned_as_skipped():
+    """native_batch_norm_backward becomes batch_norm_backward only with its forward's
+    reserve, so only when its forward node is rewritten too. With the forward excluded
+    the plan said the backward was swapped ("1 of 2") while convert left both; the plan
+    now says what convert does, and the graph runs bitwise as before."""
+    def f(x, w, b, rm, rv):
+        y = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
+        return (*torch.autograd.grad(y.square().sum(), (x, w, b)), y)
+
+    g = torch.Generator().manual_seed(3)
+    args = [torch.randn(4, 3, 5, 5, generator=g, requires_grad=True),
+            torch.rand(3, generator=g, requires_grad=True),
+            torch.randn(3, generator=g, requires_grad=True), torch.zeros(3), torch.ones(3)]
+    gm = make_fx(f)(*args)
+    ref = copy.deepcopy(gm)
+    for kw in (dict(exclude="native_batch_norm"), dict(include="*_backward")):
+        p = bnswap.plan(gm, **kw)
+        assert [(r.name, r.action) for r in p] == [("native_batch_norm", "skip"),
+                                                   ("native_batch_norm_backward", "skip")]
+        assert p.skipped[1].reason.startswith(
+            "its forward node 'native_batch_norm' is left as it is ("), p.skipped[1].reason
+        assert bnswap.convert(gm, **kw) is gm
+        assert bn_ops(gm) == bn_ops(ref) == ["aten.native_batch_norm.default",
+                                             "aten.native_batch_norm_backward.default"]
+    a1, a2 = ([a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+              for _ in range(2))
+    for u, v in zip(ref(*a1), gm(*a2), strict=True):
+        assert torch.equal(u, v)
+    assert [r.action for r in bnswap.plan(gm)] == ["swap", "swap"]  # both together: swapped
 
 
 def test_plan_of_a_program_one_row_per_node():

@@ -122,6 +122,8 @@ def test_errors_on_many_ranks(ranks):
             "Expected more than 1 value per channel when training, got input size "
             f"torch.Size([{1 - r}, 3])"), e["one_value"]
         assert e["one_value_state_same"]
+        assert e["momentum"] == ("batch_norm(): argument 'momentum' (position 7) must be "
+                                 "float, not str") and e["momentum_state_same"]
         shape, state = e["all_empty"]  # an all-empty global batch: stock's early return
         assert shape == (0, 3) and int(state["num_batches_tracked"]) == 1
         assert torch.equal(state["running_mean"], torch.zeros(3))
@@ -186,6 +188,27 @@ def test_convert_sync_batchnorm_shares_state_and_reverts_to_the_original_objects
     sync = bnswap.convert(bn1, sync_batchnorm=True)
     assert type(sync) is nn.SyncBatchNorm and sync.weight is bn1.weight
     assert bnswap.revert(sync) is bn1
+
+
+def test_revert_keeps_flags_set_on_the_syncbatchnorm():
+    """momentum / eps / track_running_stats set while the SyncBatchNorm stood in (a
+    momentum schedule, say) are the original layer's after revert (they are plain
+    attributes, copied by value at convert): the reverted layer then trains as a stock
+    layer given the same settings, bitwise."""
+    bn = nn.BatchNorm2d(3)
+    stock = copy.deepcopy(bn)
+    model = bnswap.convert(nn.Sequential(bn), sync_batchnorm=True)
+    model[0].momentum, model[0].eps = None, 1e-3
+    model.eval()
+    assert bnswap.revert(model)[0] is bn
+    assert (bn.momentum, bn.eps, bn.training) == (None, 1e-3, False)
+    stock.momentum, stock.eps = None, 1e-3
+    bn.train(), stock.train()
+    for _ in range(2):
+        x = torch.randn(4, 3, 2, 2)
+        assert torch.equal(bn(x), stock(x))
+    assert torch.equal(bn.running_var, stock.running_var)
+    assert torch.equal(bn.num_batches_tracked, stock.num_batches_tracked)
 
 
 def test_plan_rows_say_what_synchronizes():
