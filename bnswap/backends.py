@@ -48,6 +48,8 @@ class Backend:
         synchronizes: whether ``nn.SyncBatchNorm`` layers can run synchronized on it.
         cannot_sync: the reason a ``SyncBatchNorm`` row is skipped when it cannot.
         wraps: whether a converted model runs inside a wrapper (:meth:`wrap`).
+        runs_skipped: whether a model holding a layer bnswap does not swap can run on it
+            (aten: the layer runs stock's forward; ORT refuses the model).
         runtime: what runs the wrapped model, for messages (``"ONNX Runtime"``).
         skip_note: appended to a skipped row's reason (what a skipped layer means here).
     """
@@ -57,6 +59,7 @@ class Backend:
     synchronizes = True
     cannot_sync = ""
     wraps = False
+    runs_skipped = True
     runtime = "PyTorch"
     skip_note = ""
 
@@ -90,6 +93,7 @@ class _Ort(Backend):
     synchronizes = False
     cannot_sync = "ONNX Runtime cannot synchronize batch statistics across processes"
     wraps = True
+    runs_skipped = False
     runtime = "ONNX Runtime"
     skip_note = ("ORT cannot run an unswapped BatchNorm: bnswap.convert(..., backend='ort') "
                  "refuses the model, BNSwap keeps its child eager")
@@ -116,7 +120,9 @@ class _Ort(Backend):
             f"bnswap: {what}; the ONNX Runtime backend cannot synchronize batch statistics "
             "across processes (its BatchNormInternal kernel sees one process's batch). Use "
             "backend='aten' (synchronized on every device)"
-            + (", or exclude the layer." if layer is not None else "."))
+            + ("; or convert with backend='aten' and bnswap.ort.wrap only submodules "
+               "without it (BNSwap(backend='ort') keeps such children eager itself)."
+               if layer is not None else "."))
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return self._ort().wrap(model)

@@ -251,6 +251,17 @@ class _BNSwapBase:
         self._layer_sync = _LayerSyncAfterWrap(sync, self)
         strategy._layer_sync = self._layer_sync
 
+    def _refuse_layer_sync(self, trainer: Any) -> None:
+        """A backend that cannot synchronize (``"ort"``) with ``Trainer(sync_batchnorm=True)``
+        (any layer-sync plugin): raise its error now, before anything changes. Lightning's
+        conversion would otherwise reach into the ORT-wrapped children in strategy.setup
+        (``ORTModule does not support adding modules to it``)."""
+        sync = getattr(getattr(trainer, "strategy", None), "_layer_sync", None)
+        if isinstance(sync, _LayerSyncAfterWrap):  # left by a fit that raised
+            sync = sync.lightning
+        if sync is not None and not self._backend.synchronizes:
+            raise self._backend.sync_error()
+
     def _give_back_layer_sync(self, trainer: Any) -> None:
         strategy = getattr(trainer, "strategy", None)
         if self._layer_sync is not None and getattr(strategy, "_layer_sync", None) is self._layer_sync:
@@ -331,6 +342,8 @@ class _BNSwapBase:
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         self._remove_hook()
         self._backend.check_available()  # fail before anything changes (ORTNotAvailableError)
+        if stage == "fit":
+            self._refuse_layer_sync(trainer)
         self._root = pl_module
         self._pending = True
         self._swapped = {}

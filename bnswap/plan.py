@@ -411,6 +411,23 @@ class Plan(Rows[PlanRow]):
         rule = line(["-" * w for w in widths] + ["-" * len(header[-1])])
         return "\n".join([self.summary(), line(header), rule, *(line(b) for b in body)])
 
+    @property
+    def refused(self) -> bool:
+        """Whether :meth:`apply` refuses the model as planned: a backend that wraps the
+        whole model and cannot run a skipped layer (``"ort"``) with a row skipped."""
+        backend = backend_named(self.backend)
+        return not backend.runs_skipped and self.wrap == "model" and bool(self.skipped)
+
+    def summary(self) -> str:
+        """``"bnswap plan: N of M BatchNorm layers swapped, K skipped"``, and when
+        :attr:`refused`, that convert refuses the model (so nothing would change)."""
+        text = super().summary()
+        if self.refused:
+            backend = backend_named(self.backend)
+            text += (f"; convert(backend={backend.name!r}) refuses this model ({backend.runtime} "
+                     "cannot run a skipped layer): nothing would change")
+        return text
+
     def __repr__(self) -> str:
         return f"Plan({len(self.swapped)} swap, {len(self.skipped)} skip)"
 

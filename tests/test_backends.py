@@ -137,3 +137,24 @@ def test_a_registered_backend_object_answers_every_question_plan_and_convert_ask
         assert bnswap.is_swapped(model[0])
     finally:
         del BACKENDS["plain"]
+
+
+def test_a_plan_convert_would_refuse_says_so_in_its_summary():
+    """Guards: plan(model, "ort") of a model with a layer bnswap skips said "3 of 4
+    swapped" while convert(backend="ort") refuses the whole model (ORT cannot run a
+    skipped layer), so nothing changes."""
+    model = nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2))
+    p = bnswap.plan(model, "ort", exclude="1")
+    assert p.refused
+    assert p.summary() == (
+        "bnswap plan: 1 of 3 BatchNorm layers swapped, 2 skipped; convert(backend='ort') "
+        "refuses this model (ONNX Runtime cannot run a skipped layer): nothing would change")
+    assert str(p).splitlines()[0] == p.summary()
+    for fine in (bnswap.plan(model, exclude="1"),  # aten runs skipped layers as stock
+                 bnswap.plan(model, "ort", exclude="1", wrap="children"),  # children eager
+                 bnswap.plan(nn.Sequential(nn.BatchNorm2d(2)), "ort")):  # nothing skipped
+        assert not fine.refused and "refuses" not in fine.summary()
+    with pytest.raises(bnswap.ort.UnsupportedLayerError,
+                       match=r"'2' is a SyncBatchNorm.*bnswap.ort.wrap only submodules"):
+        bnswap.convert(model, "ort", exclude="1")
+    assert not any(bnswap.is_swapped(m) for m in model)

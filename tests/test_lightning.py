@@ -750,6 +750,26 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager():
 
 @pytest.mark.ort
 @pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
+def test_ort_backend_with_trainer_sync_batchnorm_is_refused_before_anything_changes():
+    """Guards: BNSwap(backend="ort") with Trainer(sync_batchnorm=True) wrapped the children
+    at setup; Lightning's conversion then called add_module on the ORT wrapper in
+    strategy.setup and every rank died with ORT's "ORTModule does not support adding
+    modules to it" (seen first at teardown). It is refused at setup now, naming the fix."""
+    t = trainer(strategy="ddp", devices=2, sync_batchnorm=True)
+    plugin = t.strategy._layer_sync
+    model, cb = Classifier(), BNSwap("ort")
+    with pytest.raises(bnswap.ort.UnsupportedLayerError,
+                       match=r"sync_batchnorm=True with backend='ort'.*Use backend='aten'"):
+        cb.setup(t, model, "fit")
+    assert not any(bnswap.is_swapped(m) for m in model.modules())
+    assert type(model.net) is ConvNet4 and t.strategy._layer_sync is plugin
+    assert global_registration_hooks() == 0
+    cb.setup(t, model, "validate")  # no layer sync outside fit: nothing to refuse
+    cb.teardown(t, model, "validate")
+
+
+@pytest.mark.ort
+@pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
 def test_ort_backend_keeps_a_child_with_a_syncbatchnorm_eager_and_synchronized_on_aten():
     """Guards: the callback planned with "aten", swapped the SyncBatchNorm onto bnswap's
     synchronized forward, then wrapped its child in ORT, which cannot synchronize. The

@@ -55,8 +55,9 @@ def check_layers(module: nn.Module) -> None:
                 "bnswap layer (SyncBatchNorm, an excluded layer, a subclass without an "
                 "adapter, a layer added after wrapping, or a model reverted while wrapped). "
                 "ORT would export it with a momentum frozen at trace time and "
-                "PyTorch's running statistics would be lost. Convert it, or use "
-                "backend='aten'. See bnswap.plan(model, backend='ort').")
+                "PyTorch's running statistics would be lost. Convert it, wrap only "
+                "submodules without it (BNSwap(backend='ort') keeps such children eager "
+                "itself), or use backend='aten'. See bnswap.plan(model, backend='ort').")
         if isinstance(m, nn.SyncBatchNorm):
             raise UnsupportedLayerError(
                 f"bnswap.ort.wrap: layer {label!r} is a SyncBatchNorm; the ONNX Runtime "
