@@ -1,4 +1,5 @@
-"""Warnings attributed to the user's line: the first frame outside the bnswap package.
+"""Warnings attributed to the user's line: the first frame outside the bnswap package
+and the trainer that calls bnswap's callback (Lightning).
 
 A fixed ``stacklevel`` points at bnswap's own code when the warning is raised a few
 calls deep (``convert`` -> ``plan``), so the user sees ``bnswap/convert.py:88``. Python
@@ -20,11 +21,24 @@ class UnmatchedPatternWarning(UserWarning):
     batch-norm node of a program)."""
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: Packages whose frames stand between the user's line and bnswap's callback
+#: (``trainer.fit(...)`` -> Lightning's hooks -> BNSwap): skipped when they are loaded.
+_CALLERS = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def _skipped() -> tuple[str, ...]:
+    dirs = [_PACKAGE]
+    for name in _CALLERS:  # never imported here: only the ones the process has loaded
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the innermost caller outside
-    the bnswap package (its file and line in the warning, its module for the filters).
+    the bnswap package and Lightning (its file and line in the warning, its module for
+    the filters): the user's ``bnswap.convert(...)`` or ``trainer.fit(...)`` line.
 
     Examples::
 
@@ -36,8 +50,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
         >>> caught[0].category.__name__, "bnswap" in caught[0].filename
         ('UserWarning', False)
     """
+    skipped = _skipped()
     level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame = frame.f_back
         level += 1
     warnings.warn(message, category, stacklevel=level)

@@ -486,8 +486,10 @@ def test_include_exclude_are_matched_against_qualified_names():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
-    ours = [str(w.message) for w in caught if str(w.message).startswith("bnswap")]
-    assert ours == ["bnswap: include pattern 'nope.*' matches no BatchNorm layer"]
+    ours = [w for w in caught if str(w.message).startswith("bnswap")]
+    assert [str(w.message) for w in ours] == [
+        "bnswap: include pattern 'nope.*' matches no BatchNorm layer"]
+    assert ours[0].filename == __file__  # the trainer.fit line, not Lightning's call.py
     assert not any(bnswap.is_swapped(m) for m in model.modules())
 
 
