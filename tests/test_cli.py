@@ -102,6 +102,7 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
     assert res["bnswap (aten)"]["plan"].startswith("bnswap plan: 52 of 52")
     for label, r in res.items():
         f = r["final"]
+        assert f == {k: r["history"][-1][k] for k in ("val_loss", "val_acc")}  # float64
         assert f"{label}: final val_acc {f['val_acc']:.4f}" in out
         assert r["seconds_per_epoch"] > 0 and f"{r['seconds_per_epoch']} s per epoch" in out
     assert f"wrote {png} and {png.with_suffix('.json')}" in out

@@ -198,9 +198,12 @@ class BNSwapCLI(LightningCLI):
 
     def after_train(self) -> None:
         """Print the plan summary and the final validation figures (global rank zero)."""
-        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()
-                   if k in ("val_loss", "val_acc")}
         history = list(getattr(self.model, "history", []))
+        # the last epoch's float64 figures (callback_metrics holds them as float32 tensors,
+        # so "final" and the history's last entry differed in the 8th digit)
+        metrics = ({k: v for k, v in history[-1].items() if k != "epoch"} if history else
+                   {k: float(v) for k, v in self.trainer.callback_metrics.items()
+                    if k in ("val_loss", "val_acc")})
         swap = next((c for c in self.trainer.callbacks if isinstance(c, BNSwap)), None)
         epochs = self.trainer.current_epoch
         seconds = getattr(self.trainer, "fit_seconds", None)
