@@ -176,6 +176,29 @@ def test_wrong_values_fail_while_parsing_in_two_lines(capsys, monkeypatch, tmp_p
                      "(bnswap train --help lists every option)"]
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--trainer.callbacks.exclude", "head.*"], "head.*"),
+    (["--trainer.callbacks.init_args.exclude", '["head.*", "features.0.*"]'],
+     ["head.*", "features.0.*"]),
+    (["--trainer.callbacks.include", "features.*"], "features.*"),
+])
+def test_the_callbacks_patterns_take_a_bare_pattern_or_a_list(capsys, monkeypatch, tmp_path,
+                                                                args, want):
+    """BNSwap(include=..., exclude=...) take one pattern or a list (``Patterns``); the
+    train CLI gives the callback either form as typed (``bnswap plan`` refused a bare one
+    until its options took the same forms: tests/test_plan_cli.py)."""
+    from bnswap.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", "digits_mobilenetv2.yaml", *args, "--print_config"])
+    assert exit_.value.code in (0, None)
+    (cb,) = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+    key = "exclude" if "exclude" in args[0] else "include"
+    assert cb["class_path"] == "bnswap.lightning.BNSwap"
+    assert cb["init_args"][key] == want
+
+
 def test_help_lists_every_subcommand(capsys):
     from bnswap.app.cli import SUBCOMMANDS, main
 
