@@ -221,6 +221,28 @@ def test_plain_pytorch_example_matches_stock():
     assert res["stock"]["val_acc"] == res["bnswap"]["val_acc"]
 
 
+@pytest.mark.parametrize("name", ["ddp_syncbn", "plain_pytorch"])
+def test_each_examples_help_gives_its_whole_description(name):
+    """Guards (a new user's try): ``python examples/ddp_syncbn.py --help`` cut its
+    description mid-sentence ("Train ``steps`` steps of ``batch_size`` (the global batch,
+    split over the"): jsonargparse shows a docstring's first line only. The paragraph
+    above the options is the example's ``DESCRIPTION`` (else its main's first paragraph),
+    whole."""
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    want = getattr(mod, "DESCRIPTION", None) or inspect.getdoc(mod.main).split("\n\n")[0]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]), "COLUMNS": "80"}
+    proc = subprocess.run([sys.executable, str(path), "--help"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    described = proc.stdout.split("\n\n")[1]  # usage, description, options
+    assert " ".join(described.split()) == " ".join(want.split())
+    assert described.rstrip().endswith("."), described
+
+
 @pytest.mark.ort
 def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
     """configs/digits_mobilenetv2_ort.yaml is the main job with backend: ort and nothing
