@@ -119,10 +119,12 @@ def main(steps: int = 60, batch_size: int = 64, lr: float = 0.05, width_mult: fl
          image_size: int = 16, seed: int = 0, out: str | None = None,
          num_threads: int | None = 1, float64: bool = False,
          timeout_s: float = 1800.0) -> dict:
-    """Train ``steps`` steps of ``batch_size`` (the global batch, split over the
-    processes with ``torch.tensor_split``: shares differ by one image at most) on every
-    process of the torchrun job; rank 0 prints the plan and the validation accuracy;
-    ``out``: a folder where each rank saves its final state_dict (``rank{r}.pt``).
+    """Train with synchronized BatchNorm on every process of a torchrun job.
+
+    ``steps`` steps of ``batch_size`` (the global batch, split over the processes with
+    ``torch.tensor_split``: shares differ by one image at most); rank 0 prints the plan
+    and the validation accuracy; ``out``: a folder where each rank saves its final
+    state_dict (``rank{r}.pt``).
 
     Args:
         steps: training steps (at least 1).
@@ -205,7 +207,16 @@ def main(steps: int = 60, batch_size: int = 64, lr: float = 0.05, width_mult: fl
     return {"val_acc": acc, "state": state}
 
 
+#: What ``--help`` says above the options (jsonargparse's own choice, the first line of
+#: main's docstring, was cut mid-sentence when that sentence ran on).
+DESCRIPTION = (
+    "Synchronized BatchNorm with bnswap in plain PyTorch DDP (no Lightning), on any "
+    "device: every process trains on its share of each global batch of the digits; rank 0 "
+    "prints the plan and the validation accuracy. Run it with torchrun: torchrun "
+    "--nproc_per_node=2 examples/ddp_syncbn.py [--steps 20 --out runs/syncbn]. Needs "
+    "scikit-learn.")
+
 if __name__ == "__main__":
     from jsonargparse import CLI
 
-    CLI(main, as_positional=False)
+    CLI(main, as_positional=False, description=DESCRIPTION)

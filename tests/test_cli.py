@@ -177,6 +177,29 @@ def test_wrong_values_fail_while_parsing_in_two_lines(capsys, monkeypatch, tmp_p
                      "(bnswap train --help lists every option)"]
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--trainer.callbacks.exclude", "head.*"], "head.*"),
+    (["--trainer.callbacks.init_args.exclude", '["head.*", "features.0.*"]'],
+     ["head.*", "features.0.*"]),
+    (["--trainer.callbacks.include", "features.*"], "features.*"),
+])
+def test_the_callbacks_patterns_take_a_bare_pattern_or_a_list(capsys, monkeypatch, tmp_path,
+                                                                args, want):
+    """BNSwap(include=..., exclude=...) take one pattern or a list (``Patterns``); the
+    train CLI gives the callback either form as typed (``bnswap plan`` refused a bare one
+    until its options took the same forms: tests/test_plan_cli.py)."""
+    from bnswap.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", "digits_mobilenetv2.yaml", *args, "--print_config"])
+    assert exit_.value.code in (0, None)
+    (cb,) = yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
+    key = "exclude" if "exclude" in args[0] else "include"
+    assert cb["class_path"] == "bnswap.lightning.BNSwap"
+    assert cb["init_args"][key] == want
+
+
 def test_help_lists_every_subcommand(capsys):
     from bnswap.app.cli import SUBCOMMANDS, main
 
@@ -197,6 +220,28 @@ def test_plain_pytorch_example_matches_stock():
     # one torch thread by default, like `bnswap train` (two were 7-9x slower per epoch)
     assert inspect.signature(mod.main).parameters["num_threads"].default == 1
     assert res["stock"]["val_acc"] == res["bnswap"]["val_acc"]
+
+
+@pytest.mark.parametrize("name", ["ddp_syncbn", "plain_pytorch"])
+def test_each_examples_help_gives_its_whole_description(name):
+    """Guards (a new user's try): ``python examples/ddp_syncbn.py --help`` cut its
+    description mid-sentence ("Train ``steps`` steps of ``batch_size`` (the global batch,
+    split over the"): jsonargparse shows a docstring's first line only. The paragraph
+    above the options is the example's ``DESCRIPTION`` (else its main's first paragraph),
+    whole."""
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    want = getattr(mod, "DESCRIPTION", None) or inspect.getdoc(mod.main).split("\n\n")[0]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]), "COLUMNS": "80"}
+    proc = subprocess.run([sys.executable, str(path), "--help"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    described = proc.stdout.split("\n\n")[1]  # usage, description, options
+    assert " ".join(described.split()) == " ".join(want.split())
+    assert described.rstrip().endswith("."), described
 
 
 @pytest.mark.ort

@@ -1023,14 +1023,25 @@ def test_onnx_runtimes_own_logs_stay_at_warning_unless_asked(caplog, monkeypatch
     assert (len(ort_info) > 0) == (level == "INFO"), len(ort_info)
 
 
-def test_ortmodules_notices_show_at_info_only(caplog, monkeypatch):
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ortmodules_notices_show_at_info_only(caplog, monkeypatch, world_size):
     """ORTModule logs its feature banner (once per mode) and a fast-path notice at
     WARNING; bnswap passes them at INFO / VERBOSE only. Guards: two banners and a notice
     per wrapped model at the default level. An unknown or empty level means WARNING
-    (an unknown one warns once)."""
+    (an unknown one warns once). ``world_size=2``: rank 0 of a DDP run, where ORT logs to
+    ``orttraining.rank-0`` (a child logger: the filter on ``orttraining`` never saw its
+    records, and every Lightning DDP fit printed the banners); ORT reads the rank and
+    world size from ``torch.distributed``, patched here (tests/test_ddp.py checks a real
+    2-process run's output)."""
     from bnswap.ort import _logs
 
+    bnswap.ort._require()  # makes ORTModule importable on this torch
+    from onnxruntime.training.ortmodule import _logger as ort_logger
+
     monkeypatch.setattr(_logs, "_warned", set())  # warned once per process and value
+    monkeypatch.setattr(ort_logger, "get_world_size", lambda: world_size)
+    monkeypatch.setattr(ort_logger, "get_rank", lambda: 0)
+    name = "orttraining" if world_size == 1 else "orttraining.rank-0"
     caplog.set_level(logging.INFO)
     seen = {}
     for level in ("", "WARNING", "error", "INFO", "bogus-notices-test"):
@@ -1044,11 +1055,13 @@ def test_ortmodules_notices_show_at_info_only(caplog, monkeypatch):
             model.eval()
             with torch.no_grad():
                 model(torch.randn(2, 3, 6, 6))
+        ort = [r for r in caplog.records if r.name.startswith("orttraining")]
         seen[level] = (
-            sum("accelerating your model" in r.getMessage() for r in caplog.records
-                if r.name == "orttraining"),
-            sum("Fast path enabled" in r.getMessage() for r in caplog.records),
+            sum("accelerating your model" in r.getMessage() for r in ort if r.name == name),
+            sum("Fast path enabled" in r.getMessage() for r in ort if r.name == name),
             sum("BNSWAP_ORT_LOG_LEVEL" in str(w.message) for w in caught))
+        if level != "INFO":  # nothing from ORT's Python logger at all
+            assert [r.name for r in ort] == [], level
     assert seen == {"": (0, 0, 0), "WARNING": (0, 0, 0), "error": (0, 0, 0),
                     "INFO": (2, 2, 0), "bogus-notices-test": (0, 0, 1)}
 

@@ -55,6 +55,38 @@ def test_skipped_layers_exit_3_with_their_reasons(capsys):
     assert code == 3 and "excluded by '6'" in out
 
 
+@pytest.mark.parametrize("option, args, api", [
+    ("--exclude", ["6"], "6"),                        # a bare pattern (a new user's report)
+    ("--exclude", ["[12]"], None),                    # YAML's list [12], not strings: refused
+    ("--exclude", ["[1-3]*"], "[1-3]*"),              # no YAML: a glob character class
+    ("--exclude", ['["2", "6"]'], ["2", "6"]),        # a JSON list
+    ("--exclude", ["['2', '6']"], ["2", "6"]),        # a YAML list
+    ("--exclude+", ["2", "--exclude+", "6"], ["2", "6"]),  # one pattern at a time
+    ("--include", ["1"], "1"),
+    ("--include", ['["1", "6"]'], ["1", "6"]),
+])
+def test_include_and_exclude_take_a_bare_pattern_or_a_list(capsys, option, args, api):
+    """Guards: ``--exclude head.*`` failed ("exclude: expected list[str] or None, got
+    'head.*'", exit 2) where bnswap.plan and BNSwap(exclude=...) take one pattern. Each
+    form plans what the Python API plans with the same patterns; a value YAML reads as a
+    list of non-strings stays a usage error (jsonargparse would keep it as one glob)."""
+    code, out, err = run(capsys, "--model", "tests.plan_models.mixed_net", "--format", "json",
+                         option, *args)
+    if api is None:
+        assert code == 2 and out == ""
+        assert err.splitlines()[0] == (
+            "bnswap plan: error: exclude: expected a glob pattern or a list of patterns "
+            "(str), got '[12]'"), err
+        return
+    key = option.strip("-+")
+    want = bnswap.plan(plan_models.mixed_net(), **{key: api})
+    got = json.loads(out)["layers"]
+    assert [(r["name"], r["action"], r["reason"]) for r in got] == [
+        (r.name, r.action, None if r.reason == "-" else r.reason) for r in want]
+    assert code == (0 if not want.skipped else 3)
+    assert any(key in r.reason for r in want.skipped)  # the patterns did something
+
+
 def test_the_main_jobs_config(capsys):
     code, out, _ = run(capsys, "--config", "digits_mobilenetv2.yaml")
     assert code == 0 and out.startswith("bnswap plan: 52 of 52 BatchNorm layers swapped")
@@ -165,7 +197,7 @@ def test_help_lists_every_option_without_the_module_class_list(capsys):
     (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--model.momentum", "a"],
      "model.momentum: expected float or None, got 'a'"),
     (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--include", "[1]"],
-     "include: expected list[str] or None, got '[1]'"),
+     "include: expected a glob pattern or a list of patterns (str), got '[1]'"),
     (["--model", "tests.plan_models.failing_net"], "model: kaboom (width 4)"),
     (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--device", "tpu"],
      "device: Expected one of cpu, cuda, "),
@@ -270,6 +302,12 @@ def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, c
         assert torch.equal(a(x), b(x))
     for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(v, w), k
+    # --exclude takes a bare pattern, as bnswap plan's does: that node is left stock
+    part = tmp_path / "part.pt2"
+    assert plan_cli.convert_main([str(path), "-o", str(part), "--exclude", "*_1"]) == 3
+    assert [str(n.target) for n in torch.export.load(part).graph.nodes
+            if "batch_norm" in str(n.target)] == [
+        "aten._batch_norm_with_update.default", "aten.batch_norm.default"]
 
 
 @pytest.mark.parametrize("cmd", ["plan", "convert"])

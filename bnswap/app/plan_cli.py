@@ -4,7 +4,7 @@
     bnswap plan --model.class_path torchvision.models.ResNet --model.init_args.layers ...
     bnswap plan --config configs/digits_mobilenetv2.yaml        # the main job's model
     bnswap plan --program model.pt2                             # a torch.export program
-    bnswap plan ... [--backend aten|ort] [--include P ...] [--exclude P ...]
+    bnswap plan ... [--backend aten|ort] [--include P | '[P, ...]'] [--exclude P | '[P, ...]']
                     [--device cuda] [--format table|json|markdown]
 
 The model is any importable ``nn.Module`` class or function that returns one (from the
@@ -90,10 +90,14 @@ def _parser(factory: Any = None) -> ArgumentParser:
     p.add_argument("--backend", type=Literal["aten", "ort"] | None, default=None,
                    help="aten (PyTorch's consolidated ops) or ort (ONNX Runtime); default: "
                         "the config's BNSwap callback, else aten")
-    p.add_argument("--include", type=list[str] | None, default=None,
-                   help="glob patterns on qualified layer names to swap (default: all)")
-    p.add_argument("--exclude", type=list[str] | None, default=None,
-                   help="glob patterns on qualified layer names to leave stock")
+    p.add_argument("--include", type=str | list[str] | None, default=None,
+                   help="a glob pattern on qualified layer names to swap, or a list of "
+                        "them (--include 'backbone.*', --include '[\"a.*\", \"b\"]'); "
+                        "default: all")
+    p.add_argument("--exclude", type=str | list[str] | None, default=None,
+                   help="a glob pattern on qualified layer names to leave stock, or a "
+                        "list of them (--exclude 'head.*', or --exclude+ P once per "
+                        "pattern)")
     p.add_argument("--device", type=str | None, default=None,
                    help="the device for the kernel column (e.g. cuda); one that is not "
                         "present here is predicted from torch's rule, and the output says so")
@@ -241,6 +245,25 @@ def render(plan: bnswap.Plan | bnswap.ProgramPlan, fmt: str, note: str = "") -> 
     return str(plan) + (f"\n{note}" if note else "")
 
 
+def _pattern_error(cfg: Any) -> str | None:
+    """The error for an ``--include`` / ``--exclude`` value that YAML reads as a list but
+    not of strings (``'[1]'``): jsonargparse, having failed ``list[str]``, keeps it as one
+    bare pattern (a glob character class), which the user did not mean. None when
+    both are fine. (A glob that is itself a YAML list, ``'[ab]'``, is given in a list:
+    ``'["[ab]"]'``.)"""
+    for option in ("include", "exclude"):
+        value = getattr(cfg, option)
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                loaded = yaml.safe_load(value)
+            except yaml.YAMLError:
+                continue  # a glob such as '[ab]*'
+            if isinstance(loaded, list):
+                return (f"{option}: expected a glob pattern or a list of patterns (str), "
+                        f"got {value!r}")
+    return None
+
+
 def _usage_error(message: str, command: str = "plan") -> int:
     """Print ``bnswap plan: error: message`` to stderr; the usage-error exit status."""
     print(f"bnswap {command}: error: {message}", file=sys.stderr)
@@ -266,6 +289,8 @@ def main(argv: Sequence[str]) -> int:
                 if "does not correspond to a subclass of Module" in str(e)
                 else "(bnswap plan --help lists every option)")
         return _usage_error(f"{short_error(str(e)).replace('model_args.', 'model.')}\n{hint}")
+    if (error := _pattern_error(cfg)) is not None:
+        return _usage_error(f"{error}\n(bnswap plan --help lists every option)")
     if sum(v is not None for v in (cfg.model, cfg.config, cfg.program)) != 1:
         return _usage_error("give exactly one of --model, --config or --program (see bnswap "
                             "plan --help)")
@@ -368,10 +393,12 @@ def _convert_parser() -> ArgumentParser:
     p.add_argument("program", type=str, help="the program (torch.export.save, .pt2)")
     p.add_argument("-o", "--output", type=str, required=True,
                    help="where to write the converted program (.pt2)")
-    p.add_argument("--include", type=list[str] | None, default=None,
-                   help="glob patterns on node names to convert (default: all)")
-    p.add_argument("--exclude", type=list[str] | None, default=None,
-                   help="glob patterns on node names to leave as they are")
+    p.add_argument("--include", type=str | list[str] | None, default=None,
+                   help="a glob pattern on node names to convert, or a list of them "
+                        "(default: all)")
+    p.add_argument("--exclude", type=str | list[str] | None, default=None,
+                   help="a glob pattern on node names to leave as they are, or a list "
+                        "of them")
     return p
 
 
@@ -408,6 +435,9 @@ def convert_main(argv: Sequence[str]) -> int:
                                 "convert")
         return _usage_error(f"{short_error(str(e))}\n(bnswap convert --help lists every "
                             "option)", "convert")
+    if (error := _pattern_error(cfg)) is not None:
+        return _usage_error(f"{error}\n(bnswap convert --help lists every option)",
+                            "convert")
     if _same_file(cfg.program, cfg.output):
         return _usage_error(f"-o/--output {cfg.output} is the input program ({cfg.program}): "
                             "bnswap convert never overwrites its input; write to another "

@@ -27,7 +27,7 @@ from torch import nn
 
 from bnswap._swap import WRAPPER_STATE
 from bnswap.ort._layers import check_layers, trace_constants
-from bnswap.ort._logs import LOG_LEVEL_ENV, ort_log_level, quiet_ort_notices
+from bnswap.ort._logs import LOG_LEVEL_ENV, ort_log_level
 from bnswap.ort._original import UnwrappedCallWarning
 from bnswap.ort._original import release as _release
 from bnswap.ort.errors import (
@@ -228,7 +228,6 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
             from onnxruntime.training.ortmodule import DebugOptions, LogLevel
 
             debug_options = DebugOptions(log_level=getattr(LogLevel, ort_log_level()))
-        quiet_ort_notices()
         opts = dict(DEFAULT_SESSION_OPTIONS)
         opts.update(session_options or {})
         import onnxruntime

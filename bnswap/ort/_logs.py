@@ -10,7 +10,7 @@ __all__ = ["LOG_LEVEL_ENV", "ort_log_level", "quiet_ort_notices"]
 
 #: The environment variable that sets ONNX Runtime's own log level: VERBOSE, INFO,
 #: WARNING (the default) or ERROR. It applies to ORTModule's Python logger
-#: (``orttraining``, which otherwise printed its exporter's INFO lines, 80 and more for a
+#: (``orttraining``, ``orttraining.rank-<rank>`` under DDP, which otherwise printed its exporter's INFO lines, 80 and more for a
 #: 3-layer model, under ``logging.basicConfig(level=logging.INFO)``) and to the C++
 #: session logger (at WARNING, its warning about the optimized graph bnswap saves for
 #: :func:`executed_ops` is left out).
@@ -46,9 +46,17 @@ class _DropNotices(logging.Filter):
         return not any(n in message for n in ORT_NOTICES)
 
 
-def quiet_ort_notices() -> None:
-    """Keep :data:`ORT_NOTICES` off ORTModule's ``orttraining`` logger unless
-    ``$BNSWAP_ORT_LOG_LEVEL`` is INFO or VERBOSE (idempotent)."""
-    logger = logging.getLogger("orttraining")
-    if not any(isinstance(f, _DropNotices) for f in logger.filters):
-        logger.addFilter(_DropNotices())
+def quiet_ort_notices(logger: logging.Logger | None = None) -> None:
+    """Keep :data:`ORT_NOTICES` off ORTModule's loggers unless ``$BNSWAP_ORT_LOG_LEVEL``
+    is INFO or VERBOSE (idempotent).
+
+    ORTModule logs to ``orttraining`` in a single process but to
+    ``orttraining.rank-<rank>`` when ``torch.distributed`` is initialized with more than
+    one process (ORT 1.19.2's ``configure_ortmodule_logger``, at the ORTModule's
+    creation). A logger's filters see only the records logged on that logger, not those
+    its children propagate, so the filter goes on ``orttraining`` and on ``logger``, the
+    one an ORTModule was given (its ``_logger``; a ``.rank-<rank>`` one under DDP).
+    """
+    for target in (logging.getLogger("orttraining"), logger):
+        if target is not None and not any(isinstance(f, _DropNotices) for f in target.filters):
+            target.addFilter(_DropNotices())

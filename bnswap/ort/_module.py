@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from bnswap._swap import WRAPPER_STATE
 from bnswap.ort import _compat, _original
 from bnswap.ort._layers import check_layers, trace_constants
-from bnswap.ort._logs import ort_log_level
+from bnswap.ort._logs import ort_log_level, quiet_ort_notices
 from bnswap.ort._stats import RunningStats, detach_tree, leaf_key
 from bnswap.ort.errors import ORTRunError
 
@@ -153,8 +153,12 @@ class BNSwapORTModule(_ortmodule.ORTModule):
     def _bnswap_install(self) -> None:
         """Per-object runtime state, on creation and on unpickling / deepcopy (which
         never carry it): our symbolics for this model's export, a private folder for
-        ORT's optimized graphs, and the forward / session hooks."""
+        ORT's optimized graphs, the forward / session hooks, and the filter that keeps ORT's
+        notices off this ORTModule's logger."""
         state = self._bnswap_state()
+        # ORT's notices off the logger this ORTModule logs to (orttraining.rank-<r> under
+        # DDP; an unpickled copy gets that logger by name, without the filter)
+        quiet_ort_notices(self._logger)
         _compat.BNSWAP_MODULES.add(state.model)
         _original.register(state.model, self)  # calling the model directly warns once
         state.tmp = tempfile.mkdtemp(prefix="bnswap-ort-")
