@@ -145,28 +145,34 @@ def test_convert_graph_module_rewrites_its_nodes_in_place():
     same_runs(ep.module(), gm)
 
 
-def test_joint_graph_native_batch_norm_and_backward():
-    """make_fx of forward + autograd.grad: native_batch_norm / native_batch_norm_backward
-    become _batch_norm_with_update / batch_norm_backward (with the forward's reserve);
-    outputs, gradients and statistics bitwise."""
+def _joint_graph(seed: int) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """make_fx of a native_batch_norm forward + autograd.grad (a joint graph holding
+    native_batch_norm and native_batch_norm_backward), and its arguments."""
     def f(x, w, b, rm, rv):
         y = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
         return (*torch.autograd.grad(y.square().sum(), (x, w, b)), y)
 
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     args = [torch.randn(4, 3, 5, 5, generator=g, requires_grad=True),
             torch.rand(3, generator=g, requires_grad=True),
             torch.randn(3, generator=g, requires_grad=True), torch.zeros(3), torch.ones(3)]
-    gm = make_fx(f)(*args)
+    return make_fx(f)(*args), args
+
+
+def _fresh(args: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+
+
+def test_joint_graph_native_batch_norm_and_backward():
+    """make_fx of forward + autograd.grad: native_batch_norm / native_batch_norm_backward
+    become _batch_norm_with_update / batch_norm_backward (with the forward's reserve);
+    outputs, gradients and statistics bitwise."""
+    gm, args = _joint_graph(seed=2)
     ref = copy.deepcopy(gm)
     bnswap.convert(gm)
     assert bn_ops(gm) == ["aten._batch_norm_with_update.default",
                           "aten.batch_norm_backward.default"]
-
-    def fresh():
-        return [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
-
-    a1, a2 = fresh(), fresh()
+    a1, a2 = _fresh(args), _fresh(args)
     for p, q in zip(ref(*a1), gm(*a2), strict=True):
         assert torch.equal(p, q)
     assert torch.equal(a1[3], a2[3]) and torch.equal(a1[4], a2[4])  # running stats
@@ -177,15 +183,7 @@ def test_a_backward_node_whose_forward_is_excluded_is_planned_as_skipped():
     reserve, so only when its forward node is rewritten too. With the forward excluded
     the plan said the backward was swapped ("1 of 2") while convert left both; the plan
     now says what convert does, and the graph runs bitwise as before."""
-    def f(x, w, b, rm, rv):
-        y = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
-        return (*torch.autograd.grad(y.square().sum(), (x, w, b)), y)
-
-    g = torch.Generator().manual_seed(3)
-    args = [torch.randn(4, 3, 5, 5, generator=g, requires_grad=True),
-            torch.rand(3, generator=g, requires_grad=True),
-            torch.randn(3, generator=g, requires_grad=True), torch.zeros(3), torch.ones(3)]
-    gm = make_fx(f)(*args)
+    gm, args = _joint_graph(seed=3)
     ref = copy.deepcopy(gm)
     for kw in (dict(exclude="native_batch_norm"), dict(include="*_backward")):
         p = bnswap.plan(gm, **kw)
@@ -196,8 +194,7 @@ def test_a_backward_node_whose_forward_is_excluded_is_planned_as_skipped():
         assert bnswap.convert(gm, **kw) is gm
         assert bn_ops(gm) == bn_ops(ref) == ["aten.native_batch_norm.default",
                                              "aten.native_batch_norm_backward.default"]
-    a1, a2 = ([a.detach().clone().requires_grad_(a.requires_grad) for a in args]
-              for _ in range(2))
+    a1, a2 = _fresh(args), _fresh(args)
     for u, v in zip(ref(*a1), gm(*a2), strict=True):
         assert torch.equal(u, v)
     assert [r.action for r in bnswap.plan(gm)] == ["swap", "swap"]  # both together: swapped
