@@ -56,6 +56,36 @@ def test_torch_public_behaviour_unchanged_after_ort_training():
     assert conv is None or not conv._functions._overrides  # ORT's override is scoped
 
 
+def test_ort_scope_defaults_torch_onnx_export_to_torchscript_on_its_own_thread_only(tmp_path):
+    """Guards: while ORT exported (ort_scope held), torch.onnx.export defaulted to
+    dynamo=False in every thread of the process; another thread's export got the
+    TorchScript exporter. Only the scope's own thread gets it now. The exporter is told
+    by what it returns: the dynamo exporter an ONNXProgram, the TorchScript one None."""
+    import threading
+
+    pytest.importorskip("onnxscript")
+    m, x = nn.Linear(2, 2).eval(), (torch.randn(1, 2),)
+    inside, release = threading.Event(), threading.Event()
+    got: dict = {}
+
+    def hold_the_scope():
+        with _compat.ort_scope():
+            got["owner"] = torch.onnx.export(m, x, str(tmp_path / "owner.onnx"))
+            inside.set()
+            release.wait(120)
+
+    t = threading.Thread(target=hold_the_scope)
+    t.start()
+    try:
+        assert inside.wait(120)
+        got["other"] = torch.onnx.export(m, x, str(tmp_path / "other.onnx"))  # scope held
+    finally:
+        release.set()
+        t.join(120)
+    assert got["owner"] is None  # the TorchScript exporter, as ORT needs
+    assert type(got["other"]).__name__ == "ONNXProgram"  # torch's default, dynamo=True
+
+
 def test_plain_torchscript_export_still_standard_onnx(tmp_path):
     bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend="ort")
     onnx = pytest.importorskip("onnx")

@@ -16,7 +16,9 @@ torch's public behaviour as it was:
   ``torch.onnx._internal._beartype``, ``symbolic_opset9._convolution`` /
   ``_convolution_mode``) are served by aliases that exist only inside
   :func:`ort_scope` (while ORT is imported, an ``ORTModule`` is built, or ORT exports).
-* ORT's export calls ``torch.onnx.export`` with ``dynamo=False`` inside that scope only.
+* ORT's export calls ``torch.onnx.export`` with ``dynamo=False`` inside that scope only,
+  and on the thread that holds it: another thread's ``torch.onnx.export`` meanwhile keeps
+  torch's default.
 * The custom symbolics ORT registers (``aten::convolution``, ``cross_entropy_loss``,
   contrib ops...) and bnswap's (:mod:`bnswap.ort._symbolic`) are registered inside the
   scope and the exporter's registry is restored on exit, so a later
@@ -166,8 +168,9 @@ def _restore_registry(snap: dict[str, dict]) -> None:
 @contextlib.contextmanager
 def ort_scope() -> Iterator[None]:
     """Inside: torch's old private ONNX names resolve, ``torch.onnx.export`` defaults to
-    the TorchScript exporter (``dynamo=False``), and symbolic registrations are undone
-    on exit. Re-entrant; process-global while active (hold it briefly)."""
+    the TorchScript exporter (``dynamo=False``) on this thread (other threads keep
+    torch's default), and symbolic registrations are undone on exit. Re-entrant; the
+    aliases and registrations are process-global while active (hold it briefly)."""
     global _scope_depth
     with _lock:
         _scope_depth += 1
@@ -190,8 +193,15 @@ def ort_scope() -> Iterator[None]:
             setattr(owner, name, value)
         snap = _snapshot_registry()
         real_export = torch.onnx.export
-        torch.onnx.export = functools.wraps(real_export)(
-            functools.partial(real_export, dynamo=False))
+        owner = threading.get_ident()
+
+        @functools.wraps(real_export)
+        def export(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == owner:  # ORT's export: the TorchScript exporter
+                kwargs.setdefault("dynamo", False)
+            return real_export(*args, **kwargs)
+
+        torch.onnx.export = export
         try:
             with warnings.catch_warnings():
                 _quiet_exporter_warnings()
