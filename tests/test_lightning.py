@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from datetime import timedelta
 import os
 import subprocess
 import sys
@@ -23,10 +24,11 @@ import bnswap
 
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from bnswap.app.data import DigitsDataModule  # noqa: E402
 from bnswap.lightning import BNSwap  # noqa: E402
-from tests._helpers import run_processes  # noqa: E402
+from tests._helpers import COLLECTIVE_TIMEOUT_S, run_processes  # noqa: E402
 from bnswap.app.models import ConvNet4  # noqa: E402
 
 CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
@@ -1109,7 +1111,11 @@ def test_ddp_spawn_fit_with_bnswap_like_stock(tmp_path):
         pl.seed_everything(0)
         model = SpawnClassifier(str(out))
         cbs = [BNSwap()] if variant == "bnswap" else []
-        trainer(cbs, strategy="ddp_spawn", devices=2).fit(model, data())
+        # its ranks' collectives time out in COLLECTIVE_TIMEOUT_S (a hung rank fails the
+        # test in a minute, not at the pytest timeout)
+        spawn = DDPStrategy(start_method="spawn",
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        trainer(cbs, strategy=spawn, devices=2).fit(model, data())
         states[variant] = state(model)
         ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
         for r in ranks:
