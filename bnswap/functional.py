@@ -25,7 +25,8 @@ from torch import Tensor
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["module_batch_norm", "check_batch_norm_input", "exponential_average_factor",
+__all__ = ["module_batch_norm", "check_batch_norm_input", "check_momentum",
+           "exponential_average_factor",
            "mixed_precision_params", "StandIns", "consolidated_ops_while_tracing",
            "records_consolidated_ops"]
 
@@ -134,6 +135,25 @@ def _raise_stock_momentum_error(momentum: object) -> None:
     momentum). A value its parser accepts returns (the op then takes it as stock does)."""
     probe = torch.zeros(2, 1)
     torch.batch_norm(probe, None, None, None, None, True, momentum, 1.0, False)  # type: ignore[arg-type]
+
+
+def check_momentum(momentum: object) -> None:
+    """Raise stock's ``TypeError`` (``"batch_norm(): argument 'momentum' (position 7) must
+    be float, not str"``) for a layer ``momentum`` that is no number, before any kernel or
+    collective runs; None, Python and numpy numbers, bools and 0-dim tensors pass.
+
+    Examples::
+
+        >>> from bnswap.functional import check_momentum
+        >>> check_momentum(0.1), check_momentum(None)
+        (None, None)
+        >>> check_momentum("a")
+        Traceback (most recent call last):
+        ...
+        TypeError: batch_norm(): argument 'momentum' (position 7) must be float, not str
+    """
+    if momentum is not None and not isinstance(momentum, (numbers.Real, Tensor)):
+        _raise_stock_momentum_error(momentum)
 
 
 def check_batch_norm_input(
@@ -415,9 +435,8 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         weight, bias = mixed_precision_params(input, weight, bias, running_mean, running_var)
     momentum = bn.momentum
     # (a float first: the ABC check of numbers.Real costs ~0.2 us on every forward)
-    if momentum is not None and type(momentum) is not float \
-            and not isinstance(momentum, (numbers.Real, Tensor)):
-        _raise_stock_momentum_error(momentum)
+    if momentum is not None and type(momentum) is not float:
+        check_momentum(momentum)
     compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
     if compiling and _is_exporting() and isinstance(input.numel(), torch.SymInt):
         _assert_batch_not_empty(input)

@@ -41,7 +41,6 @@ This is the only bnswap module that imports ``torch.distributed``.
 from __future__ import annotations
 
 import importlib
-import numbers
 from typing import Any
 
 import torch
@@ -49,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bnswap._swap import is_swapped
-from bnswap.functional import _raise_stock_momentum_error, check_batch_norm_input, \
+from bnswap.functional import check_batch_norm_input, check_momentum, \
     exponential_average_factor, module_batch_norm
 
 __all__ = ["FLAGS", "NO_GROUP_YET", "ONE_VALUE_MESSAGE", "ORIGINAL", "SYNC_CLASSES",
@@ -289,9 +288,10 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
     Raises:
         Before any collective (no rank is left waiting): what stock raises for the wrong
         channel count (RuntimeError), a non-floating dtype (NotImplementedError), a
-        non-positive eps (ValueError) or a momentum that is no number (TypeError). After the all_gather, on every rank, before any
-        state changes: ValueError ``"Expected more than 1 value per channel when
-        training, ..."`` when the global batch has one value per channel.
+        non-positive eps (ValueError) or a momentum that is no number (TypeError). After
+        the all_gather, on every rank, before any state changes: ValueError ``"Expected
+        more than 1 value per channel when training, ..."`` when the global batch has one
+        value per channel.
     """
     weight, bias = layer.weight, layer.bias
     tracking = layer.track_running_stats and layer.running_mean is not None
@@ -299,9 +299,7 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
     running_var = layer.running_var if tracking else None
     check_batch_norm_input(input, weight, bias, running_mean, running_var, True, layer.eps,
                            synchronized=True)
-    momentum = layer.momentum
-    if momentum is not None and not isinstance(momentum, (numbers.Real, Tensor)):
-        _raise_stock_momentum_error(momentum)  # as the unsynchronized path: before anything
+    check_momentum(layer.momentum)  # as the unsynchronized path: before anything moves
     out, mean, unbiased, total = _SyncBatchNorm.apply(
         input, weight, bias, float(layer.eps), group, input.size())
     nbt = layer.num_batches_tracked
