@@ -236,31 +236,23 @@ class _BNSwapBase:
         return bool(rows) and all(r.action == "swap" and r.synchronized for r in rows)
 
     def _take_over_layer_sync(self, trainer: Any) -> None:
-        """setup("fit"): stand in for Lightning's ``TorchSyncBatchNorm`` plugin
-        (``Trainer(sync_batchnorm=True)``) until teardown. A plugin of the user's own
-        (another ``LayerSync``) and the ORT backend (which cannot synchronize) keep
-        Lightning's behaviour."""
+        """setup("fit"), before anything changes: stand in for Lightning's
+        ``TorchSyncBatchNorm`` plugin (``Trainer(sync_batchnorm=True)``) until teardown. A
+        plugin of the user's own (another ``LayerSync``) keeps Lightning's behaviour. A
+        backend that cannot synchronize (``"ort"``) raises its error for any plugin:
+        Lightning's conversion would otherwise reach into the ORT-wrapped children in
+        strategy.setup (``ORTModule does not support adding modules to it``)."""
         strategy = getattr(trainer, "strategy", None)
         sync = getattr(strategy, "_layer_sync", None)  # Lightning 2.x ParallelStrategy
         if isinstance(sync, _LayerSyncAfterWrap):  # left by a fit that raised
             sync = sync.lightning
             strategy._layer_sync = sync
-        if (sync is None or not self._backend.synchronizes
-                or type(sync).__name__ != "TorchSyncBatchNorm"):
+        if sync is not None and not self._backend.synchronizes:
+            raise self._backend.sync_error()
+        if sync is None or type(sync).__name__ != "TorchSyncBatchNorm":
             return
         self._layer_sync = _LayerSyncAfterWrap(sync, self)
         strategy._layer_sync = self._layer_sync
-
-    def _refuse_layer_sync(self, trainer: Any) -> None:
-        """A backend that cannot synchronize (``"ort"``) with ``Trainer(sync_batchnorm=True)``
-        (any layer-sync plugin): raise its error now, before anything changes. Lightning's
-        conversion would otherwise reach into the ORT-wrapped children in strategy.setup
-        (``ORTModule does not support adding modules to it``)."""
-        sync = getattr(getattr(trainer, "strategy", None), "_layer_sync", None)
-        if isinstance(sync, _LayerSyncAfterWrap):  # left by a fit that raised
-            sync = sync.lightning
-        if sync is not None and not self._backend.synchronizes:
-            raise self._backend.sync_error()
 
     def _give_back_layer_sync(self, trainer: Any) -> None:
         strategy = getattr(trainer, "strategy", None)
@@ -343,15 +335,17 @@ class _BNSwapBase:
         self._remove_hook()
         self._backend.check_available()  # fail before anything changes (ORTNotAvailableError)
         if stage == "fit":
-            self._refuse_layer_sync(trainer)
+            self._take_over_layer_sync(trainer)  # (or its refusal, before anything changes)
         self._root = pl_module
         self._pending = True
         self._swapped = {}
         self._left_alone = weakref.WeakSet()
-        self._swap(pl_module, "swapped at setup")
+        try:
+            self._swap(pl_module, "swapped at setup")
+        except BaseException:
+            self._give_back_layer_sync(trainer)
+            raise
         self._handle = register_module_module_registration_hook(self._on_register)
-        if stage == "fit":
-            self._take_over_layer_sync(trainer)
 
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
         self._start(trainer, pl_module)
