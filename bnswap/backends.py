@@ -50,6 +50,9 @@ class Backend:
         wraps: whether a converted model runs inside a wrapper (:meth:`wrap`).
         runs_skipped: whether a model holding a layer bnswap does not swap can run on it
             (aten: the layer runs stock's forward; ORT refuses the model).
+        runs_uninitialized: whether a model holding an uninitialized lazy layer can be
+            converted (aten: the layer keeps its swap when it initializes; ORT exports the
+            model as it is and refuses it).
         runtime: what runs the wrapped model, for messages (``"ONNX Runtime"``).
         skip_note: appended to a skipped row's reason (what a skipped layer means here).
     """
@@ -60,6 +63,7 @@ class Backend:
     cannot_sync = ""
     wraps = False
     runs_skipped = True
+    runs_uninitialized = True
     runtime = "PyTorch"
     skip_note = ""
 
@@ -94,6 +98,7 @@ class _Ort(Backend):
     cannot_sync = "ONNX Runtime cannot synchronize batch statistics across processes"
     wraps = True
     runs_skipped = False
+    runs_uninitialized = False
     runtime = "ONNX Runtime"
     skip_note = ("ORT cannot run an unswapped BatchNorm: bnswap.convert(..., backend='ort') "
                  "refuses the model, BNSwap keeps its child eager")

@@ -414,18 +414,30 @@ class Plan(Rows[PlanRow]):
     @property
     def refused(self) -> bool:
         """Whether :meth:`apply` refuses the model as planned: a backend that wraps the
-        whole model and cannot run a skipped layer (``"ort"``) with a row skipped."""
+        whole model (``"ort"``) with a row it cannot run (a skipped layer, an
+        uninitialized lazy one)."""
+        return bool(self._refusal())
+
+    def _refusal(self) -> str:
+        """What the backend cannot run in this plan, or ``""``."""
         backend = backend_named(self.backend)
-        return not backend.runs_skipped and self.wrap == "model" and bool(self.skipped)
+        if self.wrap != "model":
+            return ""
+        if not backend.runs_skipped and self.skipped:
+            return "a skipped layer"
+        if not backend.runs_uninitialized and any(r.lazy for r in self.swapped):
+            return "an uninitialized lazy layer: run one forward first"
+        return ""
 
     def summary(self) -> str:
         """``"bnswap plan: N of M BatchNorm layers swapped, K skipped"``, and when
         :attr:`refused`, that convert refuses the model (so nothing would change)."""
         text = super().summary()
-        if self.refused:
+        refusal = self._refusal()
+        if refusal:
             backend = backend_named(self.backend)
             text += (f"; convert(backend={backend.name!r}) refuses this model ({backend.runtime} "
-                     "cannot run a skipped layer): nothing would change")
+                     f"cannot run {refusal}): nothing would change")
         return text
 
     def __repr__(self) -> str:

@@ -40,3 +40,8 @@ def failing_net(width: int = 4) -> nn.Module:
 def not_a_model():
     """Returns no module."""
     return 3
+
+
+def lazy_net(width: int = 4) -> nn.Module:
+    """An uninitialized LazyBatchNorm1d: aten swaps it; ORT cannot export it yet."""
+    return nn.Sequential(nn.Linear(3, width), nn.LazyBatchNorm1d())

@@ -158,3 +158,10 @@ def test_a_plan_convert_would_refuse_says_so_in_its_summary():
                        match=r"'2' is a SyncBatchNorm.*bnswap.ort.wrap only submodules"):
         bnswap.convert(model, "ort", exclude="1")
     assert not any(bnswap.is_swapped(m) for m in model)
+    # an uninitialized lazy layer: swapped (no skip), but ORT cannot export it yet
+    lazy = nn.Sequential(nn.Linear(3, 4), nn.LazyBatchNorm1d())
+    p = bnswap.plan(lazy, "ort")
+    assert p.refused and not p.skipped and p.summary().endswith(
+        "refuses this model (ONNX Runtime cannot run an uninitialized lazy layer: run one "
+        "forward first): nothing would change")
+    assert not bnswap.plan(lazy).refused  # aten: it keeps its swap when it initializes

@@ -402,3 +402,13 @@ def test_plan_for_ort_says_when_onnx_runtime_is_missing(capsys, monkeypatch):
     monkeypatch.setattr(ort, "is_available", lambda: True)
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--backend", "ort")
     assert "note" not in out
+
+
+def test_a_model_the_backend_would_refuse_exits_3(capsys):
+    """Guards: --backend ort of a model with an uninitialized lazy layer said "1 of 1
+    swapped" and exited 0, while convert(backend="ort") refuses it."""
+    code, out, _ = run(capsys, "--model", "tests.plan_models.lazy_net", "--backend", "ort")
+    assert code == plan_cli.EXIT_SOME_SKIPPED
+    assert "refuses this model (ONNX Runtime cannot run an uninitialized lazy" in out
+    code, out, _ = run(capsys, "--model", "tests.plan_models.lazy_net")
+    assert code == plan_cli.EXIT_ALL_SWAPPED and "refuses" not in out

@@ -19,7 +19,8 @@ loaded, no Trainer is built.
 model.pt2 -o model_bnswap.pt2`` does to it: :func:`convert_main`).
 
 Exit status: 0 when every BatchNorm layer (or batch-norm node) would be swapped, 3 when
-some would be skipped (so CI can gate on it), 2 on usage errors.
+some would be skipped or the backend would refuse the model (``--backend ort`` with an
+uninitialized lazy layer; so CI can gate on it), 2 on usage errors.
 """
 
 from __future__ import annotations
@@ -359,7 +360,8 @@ def main(argv: Sequence[str]) -> int:
     except BrokenPipeError:  # `bnswap plan ... | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    return EXIT_SOME_SKIPPED if plan.skipped else EXIT_ALL_SWAPPED
+    refused = getattr(plan, "refused", False)  # (a program plan has no backend to refuse)
+    return EXIT_SOME_SKIPPED if plan.skipped or refused else EXIT_ALL_SWAPPED
 
 
 class ProgramFileError(ValueError):
