@@ -75,6 +75,10 @@ class Backend:
         ``layer`` names a SyncBatchNorm layer, None means ``sync_batchnorm=True``."""
         raise AssertionError(f"backend {self.name!r} synchronizes")
 
+    def unsupported_error(self, message: str) -> Exception:
+        """The error for a model this backend cannot run as planned."""
+        return TypeError(message)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """``model`` (converted) made to run on this backend: ``model`` itself for aten."""
         return model
@@ -128,6 +132,11 @@ class _Ort(Backend):
             + ("; or convert with backend='aten' and bnswap.ort.wrap only submodules "
                "without it (BNSwap(backend='ort') keeps such children eager itself)."
                if layer is not None else "."))
+
+    def unsupported_error(self, message: str) -> Exception:
+        from bnswap.ort.errors import UnsupportedLayerError  # imports no ONNX Runtime
+
+        return UnsupportedLayerError(message)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return self._ort().wrap(model)

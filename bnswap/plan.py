@@ -357,6 +357,8 @@ class Plan(Rows[PlanRow]):
         backend = backend_named(self.backend)
         if not backend.synchronizes and self.wrap == "model":
             _refuse_sync(self.rows, backend)
+        if self.refused:  # every layer it cannot run, named, before anything changes
+            raise backend.unsupported_error(self._refusal_message(backend))
         undos: list[Callable[[], None]] = []
         model = self.model
         try:
@@ -428,6 +430,20 @@ class Plan(Rows[PlanRow]):
         if not backend.runs_uninitialized and any(r.lazy for r in self.swapped):
             return "an uninitialized lazy layer: run one forward first"
         return ""
+
+    def _refusal_message(self, backend: Backend) -> str:
+        blocking = [f"{r.name!r} ({r.reason.partition('; ')[0]})" for r in self.skipped] or [
+            f"{r.name!r} is an uninitialized {r.cls}" for r in self.swapped if r.lazy]
+        fix = ("run one forward of the model first (BNSwap(backend='ort') wraps such a "
+               "child once it has)" if not self.skipped else
+               "convert them, wrap only submodules without them (BNSwap(backend='ort') "
+               "keeps such children eager), or use backend='aten'")
+        what = ("a BatchNorm layer that is not a bnswap layer" if self.skipped
+                else "an uninitialized lazy layer")
+        return (f"bnswap.convert: backend={backend.name!r} refuses this model: "
+                f"{backend.runtime} cannot run {what}: {', '.join(blocking)}. To use it, "
+                f"{fix}. Nothing was changed; bnswap.plan(model, backend={backend.name!r}) "
+                "shows every layer.")
 
     def summary(self) -> str:
         """``"bnswap plan: N of M BatchNorm layers swapped, K skipped"``, and when

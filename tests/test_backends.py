@@ -165,3 +165,16 @@ def test_a_plan_convert_would_refuse_says_so_in_its_summary():
         "refuses this model (ONNX Runtime cannot run an uninitialized lazy layer: run one "
         "forward first): nothing would change")
     assert not bnswap.plan(lazy).refused  # aten: it keeps its swap when it initializes
+    # convert names every layer ORT cannot run (it named the first, as bnswap.ort.wrap,
+    # with five possible causes), before anything changes
+    three = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    with pytest.raises(bnswap.ort.UnsupportedLayerError,
+                       match=r"^bnswap.convert: backend='ort' refuses this model: ONNX Runtime "
+                             r"cannot run a BatchNorm layer that is not a bnswap layer: '1' "
+                             r"\(excluded by '1'\), '2' \(excluded by '2'\)\. "):
+        bnswap.convert(three, "ort", exclude=["1", "2"])
+    with pytest.raises(bnswap.ort.UnsupportedLayerError,
+                       match="'1' is an uninitialized LazyBatchNorm1d. To use it, run one "
+                             "forward of the model first"):
+        bnswap.convert(lazy, "ort")
+    assert not any(bnswap.is_swapped(m) for m in [*three, *lazy])
