@@ -2,7 +2,7 @@
 a fresh virtual environment with torch alone (no extras, no Lightning), used from a
 project folder holding the user's own ``mymodels.py``.
 
-Slow (a fresh venv and torch: about a minute) and run once: only where torch is a CPU
+Slow (a fresh venv: about 20 s) and run once: only where torch is a CPU
 build (the main environment), not again in the zoo's CUDA build of 6 GB."""
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ import os
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,6 +51,27 @@ def _pip(py: Path, *args: str) -> None:
                    env=_clean_env())
 
 
+def _torch_alone(site: Path) -> None:
+    """Make this environment's torch, and what it requires, importable in ``site`` (a fresh
+    venv's site-packages) by links, as ``pip install torch`` would have installed them:
+    the same release and build in seconds, with no 1 GB copy (a nearly full disk failed
+    the copy in CI) and no download. Nothing else of this environment is visible there."""
+    todo, seen = ["torch"], set()
+    while todo:
+        dist = distribution(todo.pop())
+        name = canonicalize_name(dist.metadata["Name"])
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [r.name for r in map(Requirement, dist.requires or [])
+                 if r.marker is None or r.marker.evaluate({"extra": ""})]
+        for top in {f.parts[0] for f in dist.files or []}:
+            target = Path(dist.locate_file(top))
+            if top in ("..", "__pycache__") or top.endswith(".pth") or (site / top).exists():
+                continue  # scripts, caches, .pth hooks; the venv's own pip / setuptools
+            (site / top).symlink_to(target, target_is_directory=target.is_dir())
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("install")
@@ -60,12 +83,10 @@ def venv(tmp_path_factory) -> Path:
     env = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)
     py = env / "bin" / "python"
-    pin = f"torch=={torch.__version__}"
-    try:  # the machine's own wheel first, else PyTorch's CPU index (as the Makefile does)
-        _pip(py, pin)
-    except subprocess.CalledProcessError:
-        _pip(py, "--extra-index-url", TORCH_INDEX, pin)
-    (tmp / "constraints.txt").write_text(pin + "\n")
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    _torch_alone(Path(site))
+    (tmp / "constraints.txt").write_text(f"torch=={torch.__version__}\n")
     _pip(py, "-c", str(tmp / "constraints.txt"), str(wheel))
     return env
 
