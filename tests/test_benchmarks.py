@@ -218,3 +218,23 @@ def test_p4_breakdown_splits_both_steps_by_kernel_family(monkeypatch):
         "status": "ok", "goal": "<= 1.00", "rows": [], "breakdown": [b], "relu_grad": m}}}
     md = to_markdown(res)
     assert "| batch norm |" in md and "ReluGrad" in md
+
+
+def test_startup_benchmark_reports_each_command_and_what_it_imported(tmp_path):
+    """benchmarks/startup.py (issue 21, item 1): one round, its report read back; the
+    figures themselves are the benchmark's, not a test's."""
+    stem = tmp_path / "startup"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--rounds", "1",
+                        "--commands", "import torch,bnswap --help,bnswap nope", "--out",
+                        str(stem)], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(stem.with_suffix(".json").read_text())
+    rows = report["commands"]
+    assert list(rows) == ["import torch", "bnswap --help", "bnswap nope"]
+    assert rows["import torch"]["imports"] == ["torch"]
+    assert rows["bnswap --help"]["imports"] == rows["bnswap nope"]["imports"] == []
+    assert rows["import torch"]["ratio_to_import_torch"] == 1.0
+    for row in rows.values():
+        assert len(row["samples_s"]) == 1 and row["median_s"] == row["min_s"] > 0
+    assert "| `bnswap --help` |" in stem.with_suffix(".md").read_text()

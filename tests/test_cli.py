@@ -36,7 +36,7 @@ def tiny(tmp: Path) -> list[str]:
 
 def test_console_script_is_installed():
     eps = importlib.metadata.entry_points(group="console_scripts", name="bnswap")
-    assert [ep.value for ep in eps] == ["bnswap.app.command:main"]
+    assert [ep.value for ep in eps] == ["_bnswap_command:main"]
 
 
 def test_configs_differ_only_by_the_callback():
@@ -208,6 +208,25 @@ def test_help_lists_every_subcommand(capsys):
     for name in ("train", "validate", "test", "predict", "compare", "plan", "convert"):
         assert name in SUBCOMMANDS
         assert any(line.strip().startswith(name + " ") for line in out.splitlines()), name
+
+
+@pytest.mark.parametrize("args, code", [(["--help"], 0), (["nope"], 2), ([], 2)])
+def test_the_front_door_imports_no_torch(args, code):
+    """Issue 21, item 1: ``bnswap --help``, a mistyped subcommand and a bare ``bnswap``
+    answer without importing torch (1.7 s here) or anything of the package; ``bnswap
+    plan`` does import both (the check can see them: benchmarks/startup.py times it)."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "_bnswap_command"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for argv, rc, must in ((args, code, False),
+                           (["plan", "--model", "torch.nn.BatchNorm1d", "--model.num_features",
+                             "3"], 0, True)):
+        p = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120, env=env,
+                           cwd=ROOT)
+        assert p.returncode == rc, p.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[1].strip() for line in p.stderr.splitlines()
+                    if line.startswith("import time:") and "cumulative" not in line}
+        assert ("torch" in imported and "bnswap" in imported) is must, sorted(imported)[:20]
+        assert ("usage: bnswap" in p.stdout + p.stderr) is (not must)
 
 
 def test_plain_pytorch_example_matches_stock():

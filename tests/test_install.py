@@ -123,8 +123,11 @@ def test_wheel_with_torch_alone(venv, tmp_path):
     assert str(venv) in file
     assert summary == "bnswap plan: 1 of 1 BatchNorm layers swapped, 0 skipped False"
 
-    r = _run(venv, exe, "--help", cwd=proj)
+    r = _run(venv, py, "-X", "importtime", exe, "--help", cwd=proj)
     assert r.returncode == 0 and "plan" in r.stdout and "pip install 'bnswap[lightning]'" in r.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "_bnswap_command" in imported and not {"torch", "bnswap"} & imported  # 0.03 s
     r = _run(venv, exe, "plan", "--model", "mymodels.net", "--model.width", "5", cwd=proj)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == "bnswap plan: 1 of 1 BatchNorm layers swapped, 0 skipped"

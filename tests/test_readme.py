@@ -53,7 +53,7 @@ def test_readme_line_runs_as_written(line, tmp_path):
         pytest.skip("the main job's config needs Lightning")
     (tmp_path / "mymodels.py").write_text(MYMODELS)
     exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
-    cmd = [exe] if exe else [sys.executable, "-m", "bnswap.app.command"]
+    cmd = [exe] if exe else [sys.executable, "-m", "_bnswap_command"]
     p = subprocess.run([*cmd, *shlex.split(line)[1:]], capture_output=True, text=True,
                        timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -41,7 +41,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
-from bnswap.app.usage import SUBCOMMANDS, help_text, import_from_cwd
+from _bnswap_command import SUBCOMMANDS, help_text, import_from_cwd
 from bnswap.app.messages import short_error
 from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier

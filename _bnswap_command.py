@@ -1,0 +1,118 @@
+"""The ``bnswap`` console script's front door: the subcommand table, the help, the dispatch.
+
+A top-level module of bnswap's wheel, outside the ``bnswap`` package on purpose: importing
+anything under ``bnswap`` runs ``bnswap/__init__.py``, which imports torch (1.7 s on a
+2-core machine), so a front door inside the package could not answer ``bnswap --help``
+without it. This module imports the standard library only: ``bnswap --help`` and a
+mistyped subcommand answer in about 0.1 s (``benchmarks/startup.py``). ``bnswap plan`` /
+``convert`` then import torch and jsonargparse (:mod:`bnswap.app.plan_cli`), and the
+Lightning subcommands Lightning (:mod:`bnswap.app.cli`); without Lightning those print
+one line naming ``pip install 'bnswap[lightning]'`` and exit 2. The current folder is
+importable for ``--model`` / ``--config`` class paths, as ``python -m`` makes it.
+
+Not an API: users run ``bnswap`` (or ``python -m _bnswap_command``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+__all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "SUBCOMMANDS", "help_text",
+           "import_from_cwd", "main"]
+
+#: Every subcommand of the console script, with its one-line help.
+SUBCOMMANDS = {
+    "train": "train the configured model (Trainer.fit) and print the final validation figures",
+    "validate": "run one validation epoch (Trainer.validate)",
+    "test": "run one test epoch (Trainer.test)",
+    "predict": "run prediction (Trainer.predict) and write the predictions to a file",
+    "compare": "train each config in turn (stock vs bnswap by default), plot them "
+               "(runs/compare.png, .json) and print seconds per epoch",
+    "plan": "show what bnswap would swap in a model, before training (exit 3 if a layer "
+            "would be skipped)",
+    "convert": "convert a torch.export program file (.pt2) to the consolidated batch-norm "
+               "ops: bnswap convert model.pt2 -o model_bnswap.pt2",
+}
+
+#: The subcommands that need the ``lightning`` extra.
+LIGHTNING_SUBCOMMANDS = ("train", "validate", "test", "predict", "compare")
+
+#: What ``pip`` installs for the Lightning subcommands.
+LIGHTNING_EXTRA = "pip install 'bnswap[lightning]'"
+
+EXIT_USAGE = 2
+
+
+def help_text() -> str:
+    """``bnswap --help``: the usage line and one line per subcommand."""
+    width = max(map(len, SUBCOMMANDS))
+    return "\n".join([
+        "usage: bnswap [-h] {" + ",".join(SUBCOMMANDS) + "} ...",
+        "",
+        "bnswap: train with BatchNorm on PyTorch's consolidated batch-norm ops (or ONNX "
+        "Runtime's), and inspect what it swaps.",
+        "",
+        "subcommands:",
+        *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()),
+        "",
+        "`bnswap SUBCOMMAND --help` lists a subcommand's options; "
+        + ", ".join(LIGHTNING_SUBCOMMANDS) + f" need Lightning ({LIGHTNING_EXTRA}).",
+    ])
+
+
+def import_from_cwd() -> None:
+    """Make the current folder importable (the user's own ``--model mymodels.Net``), as
+    ``python -m`` does."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def _has_lightning() -> bool:
+    return (importlib.util.find_spec("lightning") is not None
+            or importlib.util.find_spec("pytorch_lightning") is not None)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point: ``plan`` / ``convert`` go to :mod:`bnswap.app.plan_cli`, the
+    Lightning subcommands to :func:`bnswap.app.cli.main`.
+
+    Exits with status 2 on usage errors (an unknown subcommand, none, a Lightning
+    subcommand without Lightning installed)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:  # as argparse does for a missing subcommand: usage error
+        print(help_text(), file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    if args[0] in ("-h", "--help"):
+        print(help_text())
+        return
+    if args[0] not in SUBCOMMANDS:
+        print(help_text(), file=sys.stderr)
+        print(f"\nbnswap: error: unknown subcommand {args[0]!r}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    import_from_cwd()  # the user's own modules (`--model mymodels.Net`)
+    if args[0] == "plan":
+        from bnswap.app import plan_cli
+
+        sys.exit(plan_cli.main(args[1:]))
+    if args[0] == "convert":
+        from bnswap.app import plan_cli
+
+        sys.exit(plan_cli.convert_main(args[1:]))
+    if not _has_lightning():
+        print(f"bnswap {args[0]}: error: needs Lightning, which is not installed: "
+              f"{LIGHTNING_EXTRA}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    # Lightning 2.6 on torch 2.13 warns on every batch about torch's own pytree API.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    from bnswap.app import cli
+
+    cli.main(args if argv is not None else None)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
