@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 
 __all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "SUBCOMMANDS", "help_text",
@@ -79,7 +78,7 @@ def _has_lightning() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: ``plan`` / ``convert`` go to :mod:`bnswap.app.plan_cli`, the
-    Lightning subcommands to :func:`bnswap.app.cli.main`.
+    Lightning subcommands to :func:`bnswap.app.cli.run_lightning_subcommand`.
 
     Exits with status 2 on usage errors (an unknown subcommand, none, a Lightning
     subcommand without Lightning installed)."""
@@ -107,11 +106,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"bnswap {args[0]}: error: needs Lightning, which is not installed: "
               f"{LIGHTNING_EXTRA}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    # Lightning 2.6 on torch 2.13 warns on every batch about torch's own pytree API.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     from bnswap.app import cli
 
-    cli.main(args if argv is not None else None)
+    cli.run_lightning_subcommand(args, from_sys_argv=argv is None)
 
 
 if __name__ == "__main__":  # pragma: no cover

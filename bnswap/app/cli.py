@@ -41,14 +41,16 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
-from _bnswap_command import SUBCOMMANDS, help_text, import_from_cwd
+# the front door: its table, and `main` for `python -m bnswap.app.cli` and callers of
+# `bnswap.app.cli.main` (it dispatches the Lightning subcommands back to this module)
+from _bnswap_command import SUBCOMMANDS, main
 from bnswap.app.messages import short_error
 from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
 __all__ = ["BNSwapCLI", "CompareUsageError", "SUBCOMMANDS", "Trainer", "compare", "main", "plot",
-           "run_train"]
+           "run_lightning_subcommand", "run_train"]
 
 #: ``ckpt_path`` values Lightning resolves itself (not file names).
 _CKPT_ALIASES = ("last", "best", "hpc", "registry")
@@ -471,28 +473,14 @@ def split_compare_args(args: Sequence[str]) -> list[str]:
     return rest
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: ``plan`` goes to :mod:`bnswap.app.plan_cli`, ``compare`` to
-    :func:`compare` (jsonargparse), the rest to :class:`BNSwapCLI` (``train`` /
-    ``validate`` / ``test`` / ``predict``)."""
-    args = list(sys.argv[1:] if argv is None else argv)
+def run_lightning_subcommand(args: list[str], from_sys_argv: bool) -> None:
+    """The Lightning subcommands, as the front door (:func:`_bnswap_command.main`)
+    dispatches them: ``compare`` to :func:`compare` (jsonargparse), ``train`` /
+    ``validate`` / ``test`` / ``predict`` to :class:`BNSwapCLI`. ``args`` starts with the
+    subcommand; ``from_sys_argv``: LightningCLI reads ``sys.argv`` itself (it warns when
+    given both)."""
     # Lightning 2.6 on torch 2.13 warns on every batch about torch's own pytree API.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    if not args:  # as argparse does for a missing subcommand: usage error
-        print(help_text(), file=sys.stderr)
-        sys.exit(2)
-    if args[0] in ("-h", "--help"):
-        print(help_text())
-        return
-    import_from_cwd()  # the user's own modules (`--model mymodels.Net`)
-    if args[0] == "plan":
-        from bnswap.app import plan_cli
-
-        sys.exit(plan_cli.main(args[1:]))
-    if args[0] == "convert":
-        from bnswap.app import plan_cli
-
-        sys.exit(plan_cli.convert_main(args[1:]))
     if args[0] == "compare":
         from jsonargparse import CLI
 
@@ -502,12 +490,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         except CompareUsageError as e:  # refused before any run (not a run's own error)
             _usage_error("bnswap compare", str(e))
         return
-    if args[0] not in SUBCOMMANDS:
-        print(help_text(), file=sys.stderr)
-        print(f"\nbnswap: error: unknown subcommand {args[0]!r}", file=sys.stderr)
-        sys.exit(2)
     resolved = _resolve_configs(args)
-    if argv is None:  # LightningCLI reads sys.argv itself (it warns when given both)
+    if from_sys_argv:
         sys.argv = [sys.argv[0], *resolved]
         BNSwapCLI(args=None)
     else:
