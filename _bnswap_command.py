@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 __all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "SUBCOMMANDS", "help_text",
@@ -50,7 +51,7 @@ def help_text() -> str:
     """``bnswap --help``: the usage line and one line per subcommand."""
     width = max(map(len, SUBCOMMANDS))
     return "\n".join([
-        "usage: bnswap [-h] {" + ",".join(SUBCOMMANDS) + "} ...",
+        "usage: bnswap [-h] [-V] {" + ",".join(SUBCOMMANDS) + "} ...",
         "",
         "bnswap: train with BatchNorm on PyTorch's consolidated batch-norm ops (or ONNX "
         "Runtime's), and inspect what it swaps.",
@@ -58,7 +59,8 @@ def help_text() -> str:
         "subcommands:",
         *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()),
         "",
-        "`bnswap SUBCOMMAND --help` lists a subcommand's options; "
+        "`bnswap SUBCOMMAND --help` lists a subcommand's options, `bnswap --version` the "
+        "version; "
         + ", ".join(LIGHTNING_SUBCOMMANDS) + f" need Lightning ({LIGHTNING_EXTRA}).",
     ])
 
@@ -69,6 +71,16 @@ def import_from_cwd() -> None:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
+
+
+def _version() -> str:
+    """bnswap's installed version (its distribution's metadata: no import of the package)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bnswap")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
 
 
 def _has_lightning() -> bool:
@@ -89,11 +101,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args[0] in ("-h", "--help"):
         print(help_text())
         return
+    if args[0] in ("-V", "--version"):
+        print(f"bnswap {_version()}")
+        return
     if args[0] not in SUBCOMMANDS:
         print(help_text(), file=sys.stderr)
         print(f"\nbnswap: error: unknown subcommand {args[0]!r}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     import_from_cwd()  # the user's own modules (`--model mymodels.Net`)
+    # torch built with NumPy support, imported where NumPy is not installed (bnswap needs
+    # none), warns on every run; plan and convert use no NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     if args[0] == "plan":
         from bnswap.app import plan_cli
 

@@ -229,6 +229,18 @@ def test_the_front_door_imports_no_torch(args, code):
         assert ("usage: bnswap" in p.stdout + p.stderr) is (not must)
 
 
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_the_package_version_without_importing_torch(flag):
+    import bnswap
+
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "_bnswap_command", flag],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (p.returncode, p.stdout) == (0, f"bnswap {bnswap.__version__}\n")
+    assert importlib.metadata.version("bnswap") == bnswap.__version__
+    assert "| torch" not in p.stderr
+
+
 def test_plain_pytorch_example_matches_stock():
     spec = importlib.util.spec_from_file_location("plain_pytorch",
                                                   ROOT / "examples" / "plain_pytorch.py")
