@@ -10,6 +10,7 @@ Lightning callback) and ``bnswap.ort`` load on first use.
 from __future__ import annotations
 
 import importlib
+import types
 from typing import Any
 
 from bnswap import _compat  # noqa: F401  (registers its patches for the first swap)
@@ -45,6 +46,14 @@ __all__ = [
 
 # bnswap._compat registered its patches to apply when the first layer is swapped:
 # `import bnswap` itself changes nothing in torch or any other library (docs/patches.md).
+
+
+def __dir__() -> list[str]:
+    """The public names and submodules (``dir(bnswap)``, tab completion), without what
+    this file imports for itself."""
+    modules = [n for n, v in globals().items() if isinstance(v, types.ModuleType)
+               and not n.startswith("_") and v.__name__.startswith("bnswap.")]
+    return sorted({*__all__, "__version__", "ort", *modules})
 
 
 def __getattr__(name: str) -> Any:

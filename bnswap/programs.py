@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -432,8 +433,13 @@ def convert(program: Program, backend: str = "aten", *,
 def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A deep copy of ``ep`` (graph, state, signature) with its node names kept:
     ``copy.deepcopy`` renames a node that shadows a Python builtin (``input`` becomes
-    ``input_1``), which its signature then does not name (SpecViolationError)."""
-    new = copy.deepcopy(ep)
+    ``input_1``), which its signature then does not name (SpecViolationError). torch's
+    own deep copy of a program warns about torch's pytree API (torch 2.13: a
+    FutureWarning from ``copyreg``), which the user cannot act on: not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
+                                category=FutureWarning)
+        new = copy.deepcopy(ep)
     renamed = False
     for old, n in zip(ep.graph.nodes, new.graph.nodes, strict=True):
         if n.name != old.name:

@@ -180,3 +180,14 @@ def test_the_checker_sees_what_it_must():
         visitor = _Imports("bnswap._swap", False)
         visitor.visit(ast.parse(source))
         assert (target, lazy) in [(t, z) for t, _, z in visitor.found], source
+
+
+def test_dir_of_the_package_lists_its_public_names_only():
+    """``dir(bnswap)`` (tab completion): every public name and submodule, none of what
+    ``bnswap/__init__.py`` imports for itself (a newcomer saw Any, annotations, importlib)."""
+    import bnswap
+
+    names = dir(bnswap)
+    assert set(bnswap.__all__) | {"__version__", "ort", "programs", "layers"} <= set(names)
+    assert not {"Any", "annotations", "importlib", "types"} & set(names)
+    assert names == sorted(names)

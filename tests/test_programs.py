@@ -329,3 +329,17 @@ def test_a_program_pattern_that_matches_no_node_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         bnswap.plan(ep, include=["batch_norm*"])  # matches: no warning
+
+
+def test_convert_program_shows_no_warning_of_torchs_own_deep_copy():
+    """A newcomer's report: ``bnswap.convert(program)`` showed torch's FutureWarning about
+    its pytree API (``isinstance(treespec, LeafSpec)``), raised by torch's deep copy of
+    the program, which the user cannot act on. The converted program is still right."""
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    ep = torch.export.export(m, (torch.randn(2, 3, 8, 8),))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = bnswap.convert(ep)
+    assert not [w for w in seen if "LeafSpec" in str(w.message)], [str(w.message) for w in seen]
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(out.module()(x), m(x))
