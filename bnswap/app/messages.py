@@ -12,6 +12,11 @@ _LITERAL = re.compile(r"Expected (?:a )?typing\.Literal\[(?P<choices>.*?)\]"
                       r"(?:\. Got value: (?P<got>.*))?$")
 _EXPECTED = re.compile(r"Expected (?:a )?(?P<type>.+?)(?:\. Got value: (?P<got>.*))?$")
 _UNION = "Does not validate against any of the Union subtypes"
+#: jsonargparse refusing a class (or a function annotated to return one) whose required
+#: parameter has no annotation: it cannot tell how to parse the value.
+_UNTYPED = re.compile(r"With fail_untyped=(?:True|'all'), all (?:mandatory )?parameters must "
+                      r"have a supported type\. Parameter '(?P<name>[^']+)' from "
+                      r"'(?P<src>[^']+)' does not specify a type\.?")
 #: Longest line kept of a message jsonargparse builds from the user's input (a file
 #: that is not a config is quoted whole: "Unexpected config: <the file>").
 _MAX = 160
@@ -24,8 +29,9 @@ def short_error(message: str) -> str:
     the types accepted and the value; inside a class (``--model.num_features abc``,
     ``--model.init_args.arch foo``) the innermost option that refused the value; for a
     Union none of whose members accepts the value, its most specific reason (an error
-    raised while building the class is given as it is); otherwise the message's first
-    line (cut at 160 characters).
+    raised while building the class is given as it is); a required parameter with no type
+    annotation (jsonargparse's ``fail_untyped``), which one of which class or function
+    and how to annotate it; otherwise the message's first line (cut at 160 characters).
 
     Examples::
 
@@ -38,6 +44,16 @@ def short_error(message: str) -> str:
         ...             "  Given value type: <class 'str'>\\n"
         ...             '  Given value: abc')
         "trainer.max_epochs: expected int or None, got 'abc'"
+        >>> short_error('Parser key "model":\\n'  # doctest: +NORMALIZE_WHITESPACE
+        ...             '  Does not validate against any of the Union subtypes\\n'
+        ...             "  Subtypes: [<class 'torch.nn.modules.module.Module'>]\\n"
+        ...             '  Errors:\\n'
+        ...             '    - With fail_untyped=True, all mandatory parameters must have a '
+        ...             "supported type. Parameter 'width' from 'mymodels.Net.__init__' does "
+        ...             'not specify a type.\\n'
+        ...             '  Given value: mymodels.Net')
+        "model: parameter 'width' of mymodels.Net has no type annotation, so its value
+        cannot be parsed: annotate it (e.g. width: int)"
     """
     lines = [ln for ln in message.splitlines() if ln.strip()]
     if not lines:
@@ -115,6 +131,10 @@ def _explain(lines: list[str], path: list[str]) -> str | None:
         return _explain(rest, path) if rest else None
     if head == _UNION:
         return _union(lines, path)
+    if m := _UNTYPED.fullmatch(head):
+        name, src = m.group("name"), m.group("src").removesuffix(".__init__")
+        return (f"{_where(path)}parameter {name!r} of {src} has no type annotation, so its "
+                f"value cannot be parsed: annotate it (e.g. {name}: int)")
     if m := _LITERAL.fullmatch(head):
         got = m.group("got") or _given(lines)
         return f"{_where(path)}expected one of {m.group('choices')}" + (

@@ -10,10 +10,12 @@
 The model is any importable ``nn.Module`` class or function that returns one (from the
 current folder too, as ``python -m`` finds modules), with its arguments given the
 jsonargparse way (``--model.NAME VALUE``); a function with no return annotation is
-called and its result checked to be an ``nn.Module``. ``--config`` builds the model of a ``bnswap train``
-config (a path, or the name of a config shipped with bnswap) and takes the backend and
-patterns of its ``BNSwap`` callback unless given here. Nothing is trained, no data is
-loaded, no Trainer is built.
+called and its result checked to be an ``nn.Module`` (each of its parameters with no
+default and no annotation must be given: a usage error names it). A class's required
+parameter needs a type annotation (jsonargparse's rule; the error says so). ``--config``
+builds the model of a ``bnswap train`` config (a path, or the name of a config shipped
+with bnswap) and takes the backend and patterns of its ``BNSwap`` callback unless given
+here. Nothing is trained, no data is loaded, no Trainer is built.
 
 ``--program`` plans a ``torch.export.save`` file node by node (what ``bnswap convert
 model.pt2 -o model_bnswap.pt2`` does to it: :func:`convert_main`).
@@ -30,6 +32,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from argparse import ArgumentError
@@ -153,6 +156,31 @@ def _plain_factory(argv: Sequence[str]) -> Any:
     return fn if ret is inspect.Signature.empty else None
 
 
+def _missing_factory_args(fn: Any, argv: Sequence[str], cfg: Any) -> str | None:
+    """The usage error for a plain factory's required parameters with no annotation that
+    ``argv`` does not give (``def f(width): ...`` without ``--model.width``), or None.
+    jsonargparse (``fail_untyped=False``) makes such a parameter optional with default
+    None, which the function would then be called with."""
+    given = getattr(cfg, "model_args", None)
+    missing = []
+    for p in inspect.signature(fn).parameters.values():
+        if (p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty
+                or p.annotation is not p.empty):
+            continue  # (jsonargparse itself requires an annotated one)
+        named = any(a == f"--model_args.{p.name}" or a.startswith(f"--model_args.{p.name}=")
+                    for a in argv)
+        if not named and getattr(given, p.name, None) is None:
+            missing.append(p.name)
+    if not missing:
+        return None
+    one = len(missing) == 1
+    return (f"model: {cfg.model} needs {' and '.join(missing)}, which "
+            f"{'has' if one else 'have'} no default: give {'it' if one else 'them'} as "
+            + " ".join(f"--model.{n} VALUE" for n in missing) + " (or "
+            + " ".join(f"--model_args.{n} VALUE" for n in missing) + ", as --help lists "
+            + f"{'it' if one else 'them'})")
+
+
 def _build_factory(fn: Any, args: Any) -> nn.Module:
     given = getattr(args, "model_args", None)  # absent when the function takes nothing
     kwargs = dict(vars(given)) if given is not None else {}
@@ -265,6 +293,36 @@ def _pattern_error(cfg: Any) -> str | None:
     return None
 
 
+_UNTYPED = re.compile(r"parameter '(?P<name>[^']+)' of (?P<src>[\w.]+) has no type annotation")
+
+
+def _untyped_hint(text: str) -> str | None:
+    """:func:`short_error`'s line for a ``--model`` whose required parameter has no
+    annotation (a class's ``__init__(self, width)``), with what ``bnswap plan`` offers
+    besides annotating it: a function with no return annotation is called as it is."""
+    m = _UNTYPED.search(text)
+    if m is None:
+        return None
+    name, src = m.group("name"), m.group("src")
+    if inspect.isclass(_import(src)):
+        short = src.rsplit(".", 1)[-1]
+        return (f"{text}, or wrap the class in a function with no return annotation "
+                f"(def make({name}): return {short}({name})), which bnswap plan calls with "
+                f"--model.{name} VALUE")
+    return (f"{text}, or drop the function's return annotation: bnswap plan then calls it "
+            f"with --model.{name} VALUE as given")
+
+
+_WARNING_PREFIX = re.compile(r"^bnswap(?:\.convert)?: ")
+
+
+def _print_warnings(caught: Sequence[warnings.WarningMessage], command: str) -> None:
+    """Each warning once, in one line, ``bnswap COMMAND: warning: ...`` (without the
+    library's own ``bnswap:`` / ``bnswap.convert:`` prefix), not Python's format."""
+    for text in dict.fromkeys(_WARNING_PREFIX.sub("", str(w.message)) for w in caught):
+        print(f"bnswap {command}: warning: {text}", file=sys.stderr)
+
+
 def _usage_error(message: str, command: str = "plan") -> int:
     """Print ``bnswap plan: error: message`` to stderr; the usage-error exit status."""
     print(f"bnswap {command}: error: {message}", file=sys.stderr)
@@ -289,12 +347,17 @@ def main(argv: Sequence[str]) -> int:
                 "bnswap plan --help)"
                 if "does not correspond to a subclass of Module" in str(e)
                 else "(bnswap plan --help lists every option)")
-        return _usage_error(f"{short_error(str(e)).replace('model_args.', 'model.')}\n{hint}")
+        text = short_error(str(e)).replace('model_args.', 'model.')
+        if (untyped := _untyped_hint(text)) is not None:  # the help would not help
+            return _usage_error(untyped)
+        return _usage_error(f"{text}\n{hint}")
     if (error := _pattern_error(cfg)) is not None:
         return _usage_error(f"{error}\n(bnswap plan --help lists every option)")
     if sum(v is not None for v in (cfg.model, cfg.config, cfg.program)) != 1:
         return _usage_error("give exactly one of --model, --config or --program (see bnswap "
                             "plan --help)")
+    if factory is not None and (error := _missing_factory_args(factory, argv, cfg)):
+        return _usage_error(error)
     if cfg.program is not None and cfg.backend not in (None, "aten"):
         return _usage_error(f"--backend {cfg.backend} runs modules; a program converts to "
                             "the aten backend's ops only")
@@ -309,6 +372,8 @@ def main(argv: Sequence[str]) -> int:
             model, swap = _instantiate(parser, cfg).model, {}
     except ProgramFileError as e:
         return _usage_error(str(e))
+    except ArgumentError as e:  # a config's model that jsonargparse refuses
+        return _usage_error(f"{cfg.config}: {short_error(str(e))}")
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] in ("lightning", "pytorch_lightning", "sklearn"):
             return _usage_error(f"{cfg.config or cfg.model} needs {e.name.split('.')[0]}, "
@@ -334,9 +399,7 @@ def main(argv: Sequence[str]) -> int:
                                device=cfg.device)  # (a program: one row per node)
     except (RuntimeError, ValueError, TypeError) as e:
         return _usage_error(str(e))
-    for w in caught:  # a pattern that matches nothing: one line, not Python's format
-        print(f"bnswap plan: warning: {str(w.message).removeprefix('bnswap: ')}",
-              file=sys.stderr)
+    _print_warnings(caught, "plan")  # a pattern that matches nothing: one line
     note = ""
     kernels = {r.kernel for r in plan.swapped}
     if any(k.endswith("(predicted)") for k in kernels):
@@ -364,6 +427,12 @@ def main(argv: Sequence[str]) -> int:
     return EXIT_SOME_SKIPPED if plan.skipped or refused else EXIT_ALL_SWAPPED
 
 
+#: torch.export.load's pointer to the warnings it logged (silenced here: the traceback of
+#: its zip reader), which the one-line error would point to in vain
+_NO_WARNINGS_ABOVE = re.compile(r"\s*Please check the warnings above for possible errors\.?",
+                                re.IGNORECASE)
+
+
 class ProgramFileError(ValueError):
     """A file that is no ``torch.export`` program (the message is one line)."""
 
@@ -378,7 +447,7 @@ def load_program(path: str) -> torch.export.ExportedProgram:
     try:
         return torch.export.load(path)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a foreign file
-        first = (str(e).strip().splitlines() or [""])[0][:160]
+        first = _NO_WARNINGS_ABOVE.sub("", (str(e).strip().splitlines() or [""])[0])[:160]
         raise ProgramFileError(f"{path}: not a torch.export program (torch.export.load: "
                                f"{type(e).__name__}{': ' + first if first else ''})") from None
     finally:
@@ -456,13 +525,13 @@ def convert_main(argv: Sequence[str]) -> int:
         warnings.simplefilter("always")
         plan = bnswap.plan(ep, include=cfg.include, exclude=cfg.exclude)
         new = plan.apply()
-    for w in caught:  # bnswap's own (no batch-norm node...), in one line
-        if str(w.message).startswith("bnswap"):
-            print("bnswap convert: warning: "
-                  f"{str(w.message).removeprefix('bnswap.convert: ')}", file=sys.stderr)
+    # bnswap's own (no batch-norm node, a pattern that matches none), each once: plan and
+    # apply (which plans again) both warn of a pattern that matches nothing
+    _print_warnings([w for w in caught if str(w.message).startswith("bnswap")], "convert")
     try:
         torch.export.save(new, cfg.output)
     except OSError as e:
         return _usage_error(f"{cfg.output}: {e.strerror or e}", "convert")
-    print(render(plan, "table", f"wrote {cfg.output}"))
+    table = render(plan, "table", f"wrote {cfg.output}")  # named for the command that ran
+    print(re.sub(r"^bnswap plan:", "bnswap convert:", table, count=1))
     return EXIT_SOME_SKIPPED if plan.skipped else EXIT_ALL_SWAPPED
