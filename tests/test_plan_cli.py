@@ -575,18 +575,19 @@ def test_a_plain_factorys_missing_argument_is_named_before_the_call(capsys, user
     code, out, err = front_door(capsys, "plan", "--model", "mymodels.f")
     assert (code, out) == (2, "") and _user_module().CALLS == []
     assert err == ("bnswap plan: error: model: mymodels.f needs width, which has no "
-                   "default: give it as --model.width VALUE (or --model_args.width VALUE, "
-                   "as --help lists it)\n")
+                   "default: give it as --model.width VALUE\n")
+    # the help spells the factory's arguments as they are given, under the factory's name
     code, help_text, _ = front_door(capsys, "plan", "--model", "mymodels.f", "--help")
-    assert code == 0 and "--model_args.width WIDTH" in help_text  # the spelling it names
+    assert code == 0 and "arguments of mymodels.f (--model.NAME VALUE):" in help_text
+    assert "--model.width WIDTH" in help_text and "model_args" not in help_text
+    assert "<function" not in help_text and help_text.startswith("usage: bnswap plan ")
     code, out, err = front_door(capsys, "plan", "--model", "mymodels.two", "--model.depth", "2")
     assert (code, out) == (2, "") and _user_module().CALLS == []
     assert err == ("bnswap plan: error: model: mymodels.two needs width, which has no "
-                   "default: give it as --model.width VALUE (or --model_args.width VALUE, "
-                   "as --help lists it)\n")
+                   "default: give it as --model.width VALUE\n")
     code, _, err = front_door(capsys, "plan", "--model", "mymodels.two")
     assert code == 2 and "needs width and depth, which have no default: give them as " \
-        "--model.width VALUE --model.depth VALUE (" in err
+        "--model.width VALUE --model.depth VALUE\n" in err
     for option in ("--model.width", "--model_args.width"):
         code, out, err = front_door(capsys, "plan", "--model", "mymodels.f", option, "3",
                                     "--format", "json")

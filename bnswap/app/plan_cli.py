@@ -156,6 +156,17 @@ def _plain_factory(argv: Sequence[str]) -> Any:
     return fn if ret is inspect.Signature.empty else None
 
 
+def _factory_help(parser: Any, path: str) -> str:
+    """``--help`` with ``--model`` naming a plain factory: jsonargparse's help with the
+    factory's arguments spelled as they are given, ``--model.NAME`` (the parser holds
+    them as ``--model_args.NAME``), under a title naming the factory, not its repr."""
+    text = re.sub(r"\[--model_args CONFIG\]\s*", "", parser.format_help())
+    text = re.sub(r"\n  --model_args CONFIG +[^\n]*", "", text)
+    text = re.sub(r"^<function [^\n]*>:$", f"arguments of {path} (--model.NAME VALUE):", text,
+                  flags=re.MULTILINE)
+    return text.replace("--model_args.", "--model.").rstrip("\n")
+
+
 def _missing_factory_args(fn: Any, argv: Sequence[str], cfg: Any) -> str | None:
     """The usage error for a plain factory's required parameters with no annotation that
     ``argv`` does not give (``def f(width): ...`` without ``--model.width``), or None.
@@ -176,9 +187,7 @@ def _missing_factory_args(fn: Any, argv: Sequence[str], cfg: Any) -> str | None:
     one = len(missing) == 1
     return (f"model: {cfg.model} needs {' and '.join(missing)}, which "
             f"{'has' if one else 'have'} no default: give {'it' if one else 'them'} as "
-            + " ".join(f"--model.{n} VALUE" for n in missing) + " (or "
-            + " ".join(f"--model_args.{n} VALUE" for n in missing) + ", as --help lists "
-            + f"{'it' if one else 'them'})")
+            + " ".join(f"--model.{n} VALUE" for n in missing))
 
 
 def _build_factory(fn: Any, args: Any) -> nn.Module:
@@ -338,6 +347,9 @@ def main(argv: Sequence[str]) -> int:
         argv = [a.replace("--model.", "--model_args.", 1) if a.startswith("--model.")
                 else a for a in argv]
     parser = _parser(factory)
+    if factory is not None and ("-h" in argv or "--help" in argv):
+        print(_factory_help(parser, _model_path(argv) or ""))
+        return EXIT_ALL_SWAPPED
     try:
         cfg = parser.parse_args(argv)
     except SystemExit as e:  # --help (0)
