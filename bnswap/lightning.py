@@ -219,8 +219,7 @@ class _BNSwapBase:
             when = self._swapped.get(id(r.module))
             if when is not None and r.action == "swap":
                 # when it was swapped, then where it runs (an eager child's note)
-                eager = r.reason.find("eager")
-                r = replace(r, reason=when + ("; " + r.reason[eager:] if eager >= 0 else ""))
+                r = replace(r, reason=when + (f"; {r.placement}" if r.placement else ""))
             rows.append(r)
         return Plan(rows, pl_module, self.backend, wrap="children")
 

@@ -748,7 +748,10 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager():
     rows = {r.name: r for r in cb.plan.rows}
     assert rows["net.features.1"].kernel == "BatchNormInternal (ORT)"
     assert (rows["side.1"].backend, rows["side.1"].kernel) == ("aten", "Native")
-    assert "eager" in rows["side.1"].reason
+    # when it was swapped, then where it runs (the plan's placement note)
+    assert rows["side.1"].reason == ("swapped at setup; eager: its top-level module holds a "
+                                     "layer that is not swapped")
+    assert rows["net.features.1"].reason == "swapped at setup"
     assert rows["side.2"].action == "skip"
 
 
@@ -792,7 +795,9 @@ def test_ort_backend_keeps_a_child_with_a_syncbatchnorm_eager_and_synchronized_o
     assert type(model.synced) is nn.Sequential and bnswap.is_swapped(model.synced[1])
     row = next(r for r in cb.plan.rows if r.name == "synced.1")
     assert (row.backend, row.adapter_name) == ("aten", "bnswap.sync.sync_batch_norm_forward")
-    assert "eager, synchronized on aten" in row.reason and row.reason.startswith("swapped at")
+    assert row.reason == ("swapped at setup; eager, synchronized on aten: its top-level "
+                          "module holds a SyncBatchNorm (ONNX Runtime cannot synchronize "
+                          "batch statistics across processes)")
     x = torch.randn(4, 1, 3, 3)  # one process, no process group: stock's local batch norm
     torch.testing.assert_close(model.synced(x), stock(x))
     torch.testing.assert_close(model.synced[1].running_var, stock[1].running_var)
