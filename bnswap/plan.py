@@ -646,6 +646,30 @@ def plan(
 
         return programs.plan(module, backend, include=include,  # type: ignore[return-value]
                              exclude=exclude, device=device)  # type: ignore[arg-type]
+    todo, unmatched = _plan_layers(module, backend, include=include, exclude=exclude,
+                                   device=device, sync_batchnorm=sync_batchnorm,
+                                   process_group=process_group, wrap=wrap)
+    for kind, p in unmatched:
+        warn(f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
+             UnmatchedPatternWarning)
+    return todo
+
+
+def _plan_layers(
+    module: nn.Module,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> tuple[Plan, list[tuple[str, Pattern]]]:
+    """:func:`plan` of a module's BatchNorm layers, warning nothing: the plan, and each
+    include / exclude pattern that matches no layer as ``("include" | "exclude",
+    pattern)``, which :func:`plan` warns about (``bnswap.convert`` of a GraphModule holding
+    batch-norm nodes too warns only about a pattern that matches neither)."""
     check_module(module, "plan")
     be = backend_named(backend)
     if wrap not in WRAP_SCOPES:
@@ -725,11 +749,8 @@ def plan(
                 f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
                 f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
                 "see docs/adapters.md"))
-    for kind, pats in (("include", inc), ("exclude", exc)):
-        for i, p in enumerate(pats):
-            if i not in used[kind]:
-                warn(f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
-                     UnmatchedPatternWarning)
+    unmatched = [(kind, p) for kind, pats in (("include", inc), ("exclude", exc))
+                 for i, p in enumerate(pats) if i not in used[kind]]
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
     if any(r.sync_class is not None for r in rows):
         for parent in module.modules():
@@ -739,7 +760,7 @@ def plan(
     to_wrap: list[str] = []
     if be.wraps and wrap == "children":
         rows, to_wrap = _place(rows, module, be)
-    return Plan(rows, wrapper, be.name, parents, wrap, to_wrap)
+    return Plan(rows, wrapper, be.name, parents, wrap, to_wrap), unmatched
 
 
 _NOT_SYNCED = ("not synchronized: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact "

@@ -580,6 +580,35 @@ def test_sync_batchnorm_layer_sync_is_deferred_past_the_ddp_wrap_and_reverts_exa
     assert global_registration_hooks() == 0
 
 
+def test_sync_batchnorm_deferred_fit_warns_once_for_a_pattern_that_matches_nothing():
+    """Guards: with Trainer(sync_batchnorm=True) the stage start converted the model
+    (``bnswap.convert(..., sync_batchnorm=True)``, warning about a pattern that matches
+    nothing) and then planned it for the log (warning again): two warnings for one fit.
+    The strategy's steps of a fit by hand, as above: one warning, at the caller's line, and
+    every layer a swapped SyncBatchNorm sharing the original Parameters."""
+    t = trainer(strategy="ddp", devices=2, sync_batchnorm=True)
+    model = Classifier()
+    originals = bn_layers(model)
+    cb = BNSwap(exclude=["nomatch*"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            cb.setup(t, model, "fit")
+            t.strategy._layer_sync.apply(model)  # deferred: the model is left as it is
+            cb.on_fit_start(t, model)
+            layers = bn_layers(model)
+            t.strategy._layer_sync.revert(model)
+        finally:
+            cb.teardown(t, model, "fit")
+    ours = [w for w in caught if str(w.message).startswith("bnswap")]
+    assert [str(w.message) for w in ours] == [
+        "bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer"]
+    assert ours[0].filename == __file__
+    assert all(type(m) is nn.SyncBatchNorm and bnswap.is_swapped(m) for m in layers.values())
+    assert [m.weight for m in layers.values()] == [m.weight for m in originals.values()]
+    assert bn_layers(model) == originals
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
