@@ -13,11 +13,12 @@ import logging
 
 from torch import nn
 from torch.fx import GraphModule
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from bnswap import programs
 from bnswap._swap import unswap
-from bnswap._warn import warn
-from bnswap.plan import Patterns, check_backend, check_module, plan
+from bnswap._warn import UnmatchedPatternWarning, warn
+from bnswap.plan import Patterns, _plan_layers, check_backend, check_module, plan
 from bnswap.sync import original_of
 
 __all__ = ["convert", "revert"]
@@ -123,9 +124,22 @@ def convert(
         return programs.convert(module, backend, include=include, exclude=exclude)
     check_module(module, "convert")
     be = check_backend(backend)
-    todo = plan(module, backend, include=include, exclude=exclude,
-                sync_batchnorm=sync_batchnorm, process_group=process_group)
     graph = isinstance(module, GraphModule) and programs.stock_nodes(module) > 0
+    nodes = None
+    if graph and any(isinstance(m, _BatchNorm) for m in module.modules()):
+        # its BatchNorm layers and its stock batch-norm call_function nodes: a pattern
+        # may name either, so it warns only when it matches neither (once)
+        todo, unmatched = _plan_layers(module, backend, include=include, exclude=exclude,
+                                       sync_batchnorm=sync_batchnorm,
+                                       process_group=process_group)
+        nodes, no_node = programs._plan_nodes(module, include=include, exclude=exclude)
+        for kind, p in unmatched:
+            if (kind, p) in no_node:
+                warn(f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and no "
+                     "batch-norm node", UnmatchedPatternWarning)
+    else:
+        todo = plan(module, backend, include=include, exclude=exclude,
+                    sync_batchnorm=sync_batchnorm, process_group=process_group)
     if not todo.rows and not graph:
         warn("bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
              + (f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
@@ -135,9 +149,8 @@ def convert(
         warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers can be "
              "swapped; see bnswap.plan(model) for why", UserWarning)
     out = todo.apply()
-    if graph and not isinstance(todo, programs.ProgramPlan):  # (else apply() did them)
-        # its stock batch-norm call_function nodes too, in place
-        programs.convert(module, include=include, exclude=exclude)
+    if nodes is not None:  # its stock batch-norm call_function nodes too, in place
+        programs._apply(nodes)
     _log(todo)
     return out
 

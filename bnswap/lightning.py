@@ -219,8 +219,7 @@ class _BNSwapBase:
             when = self._swapped.get(id(r.module))
             if when is not None and r.action == "swap":
                 # when it was swapped, then where it runs (an eager child's note)
-                eager = r.reason.find("eager")
-                r = replace(r, reason=when + ("; " + r.reason[eager:] if eager >= 0 else ""))
+                r = replace(r, reason=when + (f"; {r.placement}" if r.placement else ""))
             rows.append(r)
         return Plan(rows, pl_module, self.backend, wrap="children")
 
@@ -266,7 +265,12 @@ class _BNSwapBase:
         if self._layer_sync is None or not self._layer_sync.deferred:
             return
         before = {id(m) for m in pl_module.modules()}
-        convert(pl_module, include=self.include, exclude=self.exclude, sync_batchnorm=True)
+        with warnings.catch_warnings():
+            # the stage start's plan, right after this, warns about a pattern that
+            # matches nothing (once: not here too)
+            warnings.simplefilter("ignore", UnmatchedPatternWarning)
+            convert(pl_module, include=self.include, exclude=self.exclude,
+                    sync_batchnorm=True)
         for m in pl_module.modules():
             if isinstance(m, nn.SyncBatchNorm) and id(m) not in before:
                 self._swapped[id(m)] = ("synchronized at fit start, after the DDP wrap "

@@ -206,6 +206,15 @@ class PlanRow:
         sync_class: the synchronized class the layer becomes (``nn.SyncBatchNorm``)
             with ``sync_batchnorm=True``, else None.
         process_group: the ``process_group`` it gets then (None: WORLD).
+        placement: why a swapped layer runs eager on aten although the plan's backend
+            wraps (``plan(..., wrap="children")``, whose child holding it is not
+            wrapped): one of ``"eager: its top-level module holds a layer that is not
+            swapped"``, ``"eager, synchronized on aten: its top-level module holds a
+            SyncBatchNorm (...)"`` (the backend cannot synchronize), ``"eager until a
+            forward initializes its top-level module's lazy layer (then wrapped)"``; the
+            reason ends with it (the table shows it there, not as a column of its own).
+            None when the row runs where the plan's backend puts it, for a skipped
+            layer, and in a plan that wraps the whole model or nothing (``"aten"``).
 
     Examples::
 
@@ -214,6 +223,10 @@ class PlanRow:
         >>> row = bnswap.plan(nn.Sequential(nn.BatchNorm1d(4)))[0]
         >>> row.name, row.cls, row.action, row.backend, row.kernel, row.adapter_name
         ('0', 'BatchNorm1d', 'swap', 'aten', 'Native', 'bnswap.layers.batch_norm_forward')
+        >>> model = nn.Sequential(nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4)))
+        >>> row = bnswap.plan(model, "ort", exclude="0.1", wrap="children")[0]
+        >>> row.backend, row.placement
+        ('aten', 'eager: its top-level module holds a layer that is not swapped')
     """
 
     name: str
@@ -228,6 +241,7 @@ class PlanRow:
     device: torch.device | str | None = field(default=None, repr=False, compare=False)
     sync_class: type | None = None
     process_group: object = field(default=None, repr=False, compare=False)
+    placement: str | None = field(default=None, repr=False)  # (the reason ends with it)
 
     @property
     def synchronized(self) -> bool:
@@ -277,7 +291,8 @@ class PlanRow:
         return kernel
 
     def to_dict(self) -> dict[str, str]:
-        """The table's columns as plain strings (for logging or JSON)."""
+        """The table's columns as plain strings (for logging or JSON); :attr:`placement`
+        is no key of its own: the reason holds it, as the table does."""
         return {"name": self.name, "cls": self.cls, "action": self.action,
                 "reason": self.reason, "backend": self.backend, "kernel": self.kernel,
                 "adapter": self.adapter_name, "sync": self.sync}
@@ -512,7 +527,8 @@ def _place(rows: list[PlanRow], model: nn.Module, backend: Backend
     """``wrap="children"``: which direct children of ``model`` get wrapped (each whose
     BatchNorm layers are all swapped and initialized, and synchronize none unless the
     backend can, not wrapped yet), and the rows of swapped layers in the other children,
-    which run eager on aten (the reason says why)."""
+    which run eager on aten (:attr:`PlanRow.placement` says why, and the reason ends
+    with it)."""
     by_child: dict[str, list[PlanRow]] = {}
     for r in rows:
         by_child.setdefault(r.name.partition(".")[0], []).append(r)
@@ -534,7 +550,7 @@ def _place(rows: list[PlanRow], model: nn.Module, backend: Backend
                 else _EAGER_LAZY if lazy else _EAGER)
         for r in mine:
             if r.action == "swap":
-                placed[id(r)] = replace(r, backend=aten.name, reason=(
+                placed[id(r)] = replace(r, backend=aten.name, placement=note, reason=(
                     r.reason + "; " if r.reason != "-" else "") + note)
     for rest in by_child.values():  # the model itself is a BatchNorm layer: never wrapped
         for r in rest:
@@ -630,6 +646,30 @@ def plan(
 
         return programs.plan(module, backend, include=include,  # type: ignore[return-value]
                              exclude=exclude, device=device)  # type: ignore[arg-type]
+    todo, unmatched = _plan_layers(module, backend, include=include, exclude=exclude,
+                                   device=device, sync_batchnorm=sync_batchnorm,
+                                   process_group=process_group, wrap=wrap)
+    for kind, p in unmatched:
+        warn(f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
+             UnmatchedPatternWarning)
+    return todo
+
+
+def _plan_layers(
+    module: nn.Module,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> tuple[Plan, list[tuple[str, Pattern]]]:
+    """:func:`plan` of a module's BatchNorm layers, warning nothing: the plan, and each
+    include / exclude pattern that matches no layer as ``("include" | "exclude",
+    pattern)``, which :func:`plan` warns about (``bnswap.convert`` of a GraphModule holding
+    batch-norm nodes too warns only about a pattern that matches neither)."""
     check_module(module, "plan")
     be = backend_named(backend)
     if wrap not in WRAP_SCOPES:
@@ -709,11 +749,8 @@ def plan(
                 f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
                 f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
                 "see docs/adapters.md"))
-    for kind, pats in (("include", inc), ("exclude", exc)):
-        for i, p in enumerate(pats):
-            if i not in used[kind]:
-                warn(f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
-                     UnmatchedPatternWarning)
+    unmatched = [(kind, p) for kind, pats in (("include", inc), ("exclude", exc))
+                 for i, p in enumerate(pats) if i not in used[kind]]
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
     if any(r.sync_class is not None for r in rows):
         for parent in module.modules():
@@ -723,7 +760,7 @@ def plan(
     to_wrap: list[str] = []
     if be.wraps and wrap == "children":
         rows, to_wrap = _place(rows, module, be)
-    return Plan(rows, wrapper, be.name, parents, wrap, to_wrap)
+    return Plan(rows, wrapper, be.name, parents, wrap, to_wrap), unmatched
 
 
 _NOT_SYNCED = ("not synchronized: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact "

@@ -225,11 +225,14 @@ class ProgramPlan(Rows[NodeRow]):
 
     def apply(self) -> Program:
         """:func:`convert` the program with the plan's patterns: a new ExportedProgram
-        (a GraphModule is rewritten in place and returned)."""
+        (a GraphModule is rewritten in place and returned). A pattern that matches no
+        node does not warn again (:func:`plan` did)."""
         if self.program is None:
             raise ValueError("this ProgramPlan has no program to apply to (build it with "
                              "bnswap.plan)")
-        return convert(self.program, include=self._patterns[0], exclude=self._patterns[1])
+        # planned again (the program may have changed), without the warnings plan gave
+        return _apply(_plan_nodes(self.program, include=self._patterns[0],
+                                  exclude=self._patterns[1])[0])
 
     def __str__(self) -> str:
         header = ("node", "op", "action", "becomes", "kernel", "reason")
@@ -293,6 +296,22 @@ def plan(program: Program, backend: str = "aten", *,
         >>> print(bnswap.plan(ep, device="cuda").summary())
         bnswap plan: 1 of 1 batch-norm nodes swapped, 0 skipped
     """
+    todo, unmatched = _plan_nodes(program, backend, include=include, exclude=exclude,
+                                  device=device)
+    for kind, p in unmatched:  # as plan() does for layers
+        warn(f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program patterns "
+             "match node names, e.g. 'batch_norm_1')", UnmatchedPatternWarning)
+    return todo
+
+
+def _plan_nodes(program: Program, backend: str = "aten", *,
+                include: Iterable[str] | str | None = None,
+                exclude: Iterable[str] | str | None = None,
+                device: torch.device | str | None = None
+                ) -> tuple[ProgramPlan, list[tuple[str, str]]]:
+    """:func:`plan`, warning nothing: the plan, and each include / exclude pattern that
+    matches no batch-norm node as ``("include" | "exclude", pattern)``, which :func:`plan`
+    warns about (and :meth:`ProgramPlan.apply`, planning again, does not)."""
     gm = _graph_module(program, "plan")
     _check_backend(backend)
     dev = torch.device(device) if device is not None else None
@@ -326,12 +345,9 @@ def plan(program: Program, backend: str = "aten", *,
             rows.append(NodeRow(n.name, str(n.target), "swap" if target else "skip",
                                 str(target) if target else "-", reason,
                                 _kernel_before(n, dev), node=n, device=dev))
-    for kind, pats in (("include", inc), ("exclude", exc)):  # as plan() does for layers
-        for p in pats:
-            if not any(fnmatch.fnmatchcase(r.name, p) for r in rows):
-                warn(f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program "
-                     "patterns match node names, e.g. 'batch_norm_1')", UnmatchedPatternWarning)
-    return ProgramPlan(rows, program, include, exclude)
+    unmatched = [(kind, p) for kind, pats in (("include", inc), ("exclude", exc))
+                 for p in pats if not any(fnmatch.fnmatchcase(r.name, p) for r in rows)]
+    return ProgramPlan(rows, program, include, exclude), unmatched
 
 
 # -------------------------------------------------------------------------- convert
@@ -402,9 +418,19 @@ def convert(program: Program, backend: str = "aten", *,
         >>> new is not ep
         True
     """
-    gm = _graph_module(program, "convert")
+    _graph_module(program, "convert")
     _check_backend(backend)
-    todo = plan(program, include=include, exclude=exclude)
+    return _apply(plan(program, include=include, exclude=exclude))
+
+
+def _apply(todo: ProgramPlan) -> Program:
+    """What :func:`convert` does once it has planned: ``todo.program`` with the nodes
+    ``todo`` swaps rewritten (warning about a program with nothing to convert, not about
+    the patterns: planning did)."""
+    program = todo.program
+    assert program is not None
+    gm = _graph_module(program, "convert")
+    include, exclude = todo._patterns
     kind = "program" if is_program(program) else "graph"
     if not todo.rows:
         if is_program(program):

@@ -86,6 +86,40 @@ def test_plan_wrap_children_places_each_row_where_it_runs():
         bnswap.plan(model, "ort", wrap="child")
 
 
+def test_plan_row_placement_holds_the_eager_note_as_a_field():
+    """Guards the structured field: the Lightning callback found an eager child's note by
+    searching the reason for "eager". Each of the three notes ``wrap="children"`` gives is
+    ``row.placement`` (the reason ends with it, as before: the reasons below are the texts
+    the plan gave); None for a row that runs where the plan's backend puts it, a skipped
+    row, a plan without children placement, and a model that is itself a layer."""
+    eager = "eager: its top-level module holds a layer that is not swapped"
+    lazy = ("eager until a forward initializes its top-level module's lazy layer (then "
+            "wrapped)")
+    synced = ("eager, synchronized on aten: its top-level module holds a SyncBatchNorm "
+              "(ONNX Runtime cannot synchronize batch statistics across processes)")
+    skip_note = ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
+                 "backend='ort') refuses the model, BNSwap keeps its child eager")
+    p = bnswap.plan(_Model(), "ort", exclude="side.1", wrap="children")
+    assert [(r.name, r.backend, r.placement, r.reason) for r in p] == [
+        ("net.1", "ort", None, "-"),
+        ("side.0", "aten", eager, eager),
+        ("side.1", "-", None, "excluded by 'side.1'" + skip_note),
+        ("lazy.0", "aten", lazy, "uninitialized LazyBatchNorm1d: swapped now, keeps the "
+                                 "swap when it initializes; " + lazy),
+        ("synced.0", "aten", synced, synced)]
+    # the table and the JSON keep the note in the reason only
+    assert [d["reason"] for d in p.to_dicts()] == [r.reason for r in p]
+    assert all("placement" not in d for d in p.to_dicts())
+    side = str(p).splitlines()[4]  # (after the summary, the header and the rule)
+    assert side.startswith("side.0") and side.endswith(eager)
+    for other in (bnswap.plan(_Model(), "ort", exclude="side.1"),  # wraps the whole model
+                  bnswap.plan(_Model(), exclude="side.1", wrap="children"),  # aten
+                  bnswap.plan(nn.BatchNorm2d(2), "ort", wrap="children")):  # a layer itself
+        assert [r.placement for r in other] == [None] * len(other)
+    root = bnswap.plan(nn.BatchNorm2d(2), "ort", wrap="children")[0]
+    assert (root.backend, root.reason) == ("aten", "-")
+
+
 def _ort_available() -> bool:
     import bnswap.ort
 

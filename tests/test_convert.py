@@ -377,6 +377,42 @@ def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
              "bnswap: include pattern 'x*' matches no BatchNorm layer", True)]
 
 
+def test_plan_apply_and_convert_of_a_model_warn_once_for_a_pattern_that_matches_nothing():
+    """Each call the user makes warns once about a pattern that matches no layer:
+    ``plan`` (and then ``apply``, which does not plan again, not at all), ``convert``
+    (which plans once), ``plan(...).apply()`` in one line; and the layers are swapped as
+    without the pattern: the same outputs and statistics as stock on an identical copy."""
+    from bnswap.plan import UnmatchedPatternWarning
+
+    text = "bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer"
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                             nn.BatchNorm2d(4))
+
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    calls = [lambda m: bnswap.plan(m, exclude=["nomatch*"]),
+             lambda m: bnswap.plan(m, exclude=["nomatch*"]).apply(),
+             lambda m: bnswap.convert(m, exclude=["nomatch*"])]
+    for i, call in enumerate(calls):
+        model, stock = net(), net()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = call(model)
+        assert [str(w.message) for w in caught
+                if issubclass(w.category, UnmatchedPatternWarning)] == [text], i
+        if isinstance(out, bnswap.Plan):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = out.apply()
+            assert caught == []
+        assert out is model and bnswap.is_swapped(model[1]) and bnswap.is_swapped(model[3])
+        assert torch.equal(model(x), stock(x))
+        for k, v in stock.state_dict().items():
+            assert torch.equal(model.state_dict()[k], v), k
+
+
 def test_a_swapped_layer_takes_its_input_by_keyword():
     """Guards the swapped forward passing keyword arguments on: ``bn(input=x)`` works on
     stock's layer, so it must on a swapped one (same output and statistics)."""

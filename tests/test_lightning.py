@@ -580,6 +580,35 @@ def test_sync_batchnorm_layer_sync_is_deferred_past_the_ddp_wrap_and_reverts_exa
     assert global_registration_hooks() == 0
 
 
+def test_sync_batchnorm_deferred_fit_warns_once_for_a_pattern_that_matches_nothing():
+    """Guards: with Trainer(sync_batchnorm=True) the stage start converted the model
+    (``bnswap.convert(..., sync_batchnorm=True)``, warning about a pattern that matches
+    nothing) and then planned it for the log (warning again): two warnings for one fit.
+    The strategy's steps of a fit by hand, as above: one warning, at the caller's line, and
+    every layer a swapped SyncBatchNorm sharing the original Parameters."""
+    t = trainer(strategy="ddp", devices=2, sync_batchnorm=True)
+    model = Classifier()
+    originals = bn_layers(model)
+    cb = BNSwap(exclude=["nomatch*"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            cb.setup(t, model, "fit")
+            t.strategy._layer_sync.apply(model)  # deferred: the model is left as it is
+            cb.on_fit_start(t, model)
+            layers = bn_layers(model)
+            t.strategy._layer_sync.revert(model)
+        finally:
+            cb.teardown(t, model, "fit")
+    ours = [w for w in caught if str(w.message).startswith("bnswap")]
+    assert [str(w.message) for w in ours] == [
+        "bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer"]
+    assert ours[0].filename == __file__
+    assert all(type(m) is nn.SyncBatchNorm and bnswap.is_swapped(m) for m in layers.values())
+    assert [m.weight for m in layers.values()] == [m.weight for m in originals.values()]
+    assert bn_layers(model) == originals
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
@@ -748,7 +777,10 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager():
     rows = {r.name: r for r in cb.plan.rows}
     assert rows["net.features.1"].kernel == "BatchNormInternal (ORT)"
     assert (rows["side.1"].backend, rows["side.1"].kernel) == ("aten", "Native")
-    assert "eager" in rows["side.1"].reason
+    # when it was swapped, then where it runs (the plan's placement note)
+    assert rows["side.1"].reason == ("swapped at setup; eager: its top-level module holds a "
+                                     "layer that is not swapped")
+    assert rows["net.features.1"].reason == "swapped at setup"
     assert rows["side.2"].action == "skip"
 
 
@@ -792,7 +824,9 @@ def test_ort_backend_keeps_a_child_with_a_syncbatchnorm_eager_and_synchronized_o
     assert type(model.synced) is nn.Sequential and bnswap.is_swapped(model.synced[1])
     row = next(r for r in cb.plan.rows if r.name == "synced.1")
     assert (row.backend, row.adapter_name) == ("aten", "bnswap.sync.sync_batch_norm_forward")
-    assert "eager, synchronized on aten" in row.reason and row.reason.startswith("swapped at")
+    assert row.reason == ("swapped at setup; eager, synchronized on aten: its top-level "
+                          "module holds a SyncBatchNorm (ONNX Runtime cannot synchronize "
+                          "batch statistics across processes)")
     x = torch.randn(4, 1, 3, 3)  # one process, no process group: stock's local batch norm
     torch.testing.assert_close(model.synced(x), stock(x))
     torch.testing.assert_close(model.synced[1].running_var, stock[1].running_var)

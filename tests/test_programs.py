@@ -331,6 +331,108 @@ def test_a_program_pattern_that_matches_no_node_warns():
         bnswap.plan(ep, include=["batch_norm*"])  # matches: no warning
 
 
+def _unmatched_warnings(fn):
+    """The UnmatchedPatternWarning messages ``fn()`` gives (every one: "always"), and its
+    result."""
+    from bnswap.plan import UnmatchedPatternWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return [str(w.message) for w in caught if issubclass(w.category, UnmatchedPatternWarning)], out
+
+
+def test_each_call_warns_once_for_a_program_pattern_that_matches_nothing():
+    """Guards (a newcomer's report): ``bnswap.plan(ep, exclude=["nomatch*"]).apply()``
+    warned twice (once at plan, once because apply planned again), and so did
+    ``bnswap.convert(ep.module(), ...)`` (convert planned, then apply planned again). Each
+    call the user makes warns once (apply of a plan that warned, not at all), and the
+    program converts as before: bitwise the original's outputs and statistics."""
+    text = ("bnswap: exclude pattern 'nomatch*' matches no batch-norm node (program patterns "
+            "match node names, e.g. 'batch_norm_1')")
+    ep = torch.export.export(model(), (X,))
+    seen, p = _unmatched_warnings(lambda: bnswap.plan(ep, exclude=["nomatch*"]))
+    assert seen == [text]
+    seen, new = _unmatched_warnings(p.apply)
+    assert seen == []  # plan said it
+    assert len(bn_ops(new.graph_module)) == 4 and set(bn_ops(new.graph_module)) <= CONSOLIDATED
+    same_runs(ep.module(), new.module())
+    for call in (lambda: bnswap.plan(ep, exclude=["nomatch*"]).apply(),
+                 lambda: bnswap.convert(ep, exclude=["nomatch*"]),
+                 lambda: bnswap.plan(ep.module(), exclude=["nomatch*"]).apply(),
+                 lambda: bnswap.convert(ep.module(), exclude=["nomatch*"])):
+        seen, out = _unmatched_warnings(call)
+        assert seen == [text]
+        runs = out.module() if isinstance(out, torch.export.ExportedProgram) else out
+        assert len(bn_ops(runs)) == 4 and set(bn_ops(runs)) <= CONSOLIDATED
+        same_runs(ep.module(), runs)
+    # a pattern that matches a node: no warning, from plan, apply or convert
+    seen, out = _unmatched_warnings(
+        lambda: bnswap.plan(ep, exclude=["batch_norm_1", "nomatch*"]).apply())
+    assert seen == [text] and bn_ops(out.graph_module).count("aten.batch_norm.default") == 1
+
+
+def _layer_and_node_graph() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """A GraphModule holding both a BatchNorm layer and a stock batch-norm node: make_fx's
+    native_batch_norm (training, statistics updated in place), then a call to its ``bn``
+    submodule (a BatchNorm2d) on the output; and its arguments (x, w, b, rm, rv)."""
+    def f(x, w, b, rm, rv):
+        return torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
+
+    g = torch.Generator().manual_seed(4)
+    args = [torch.randn(4, 3, 5, 5, generator=g), torch.rand(3, generator=g),
+            torch.randn(3, generator=g), torch.zeros(3), torch.ones(3)]
+    gm = make_fx(f)(*args)
+    gm.add_submodule("bn", nn.BatchNorm2d(3))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        bn = gm.graph.call_module("bn", (out.args[0],))
+    out.args = (bn,)
+    gm.recompile()
+    return gm, args
+
+
+@pytest.mark.parametrize("pattern, warned", [
+    ("nomatch*", ["bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer and no "
+                  "batch-norm node"]),
+    ("bn", []),  # the layer (no node is named so)
+    ("native_batch_norm", []),  # the node (no layer is named so)
+])
+def test_convert_of_a_graph_with_layers_and_nodes_warns_once_for_a_pattern_matching_neither(
+        pattern, warned):
+    """Guards: convert of a GraphModule holding BatchNorm layers and stock batch-norm nodes
+    planned the layers (warning for a pattern that matched no layer) and then the nodes
+    (warning again for one that matched no node): a pattern that matched neither warned
+    twice, and one that named the layer (or the node) warned that it matched nothing. It
+    warns once now, for a pattern matching neither, and converts what the pattern leaves:
+    outputs and statistics bitwise the unconverted graph's."""
+    gm, args = _layer_and_node_graph()
+    ref = copy.deepcopy(gm)
+    seen, out = _unmatched_warnings(lambda: bnswap.convert(gm, exclude=pattern))
+    assert out is gm and seen == warned
+    assert bnswap.is_swapped(gm.bn) is (pattern != "bn")
+    assert bn_ops(gm) == (["aten.native_batch_norm.default"] if pattern == "native_batch_norm"
+                          else ["aten._batch_norm_with_update.default"])
+    a1 = [a.clone() for a in args]
+    a2 = [a.clone() for a in args]
+    for _ in range(2):
+        assert torch.equal(gm(*a2), ref(*a1))
+    for s, t in zip([*a1, *ref.bn.state_dict().values()], [*a2, *gm.bn.state_dict().values()],
+                    strict=True):
+        assert torch.equal(s, t)
+
+
+def test_convert_of_a_graph_with_layers_and_nodes_refuses_a_class_pattern_before_any_swap():
+    """A node pattern is a name: a class (which layers take) is refused for the graph's
+    nodes, now before any layer is swapped (the layers were swapped first, then the error
+    left them so)."""
+    gm, _ = _layer_and_node_graph()
+    with pytest.raises(TypeError, match=r"include takes glob patterns \(str\) on node names"):
+        bnswap.convert(gm, include=[nn.BatchNorm2d])
+    assert not bnswap.is_swapped(gm.bn)
+    assert bn_ops(gm) == ["aten.native_batch_norm.default"]
+
+
 def test_convert_program_shows_no_warning_of_torchs_own_deep_copy():
     """A newcomer's report: ``bnswap.convert(program)`` showed torch's FutureWarning about
     its pytree API (``isinstance(treespec, LeafSpec)``), raised by torch's deep copy of
