@@ -418,8 +418,9 @@ def _to_consolidated(graph: torch.fx.Graph, node: Node, target: object, fake,  #
     xv = _val(x)
     _assert_not_empty(graph, x, meta)
     with graph.inserting_before(node):
-        ref = next((t for t in (w, b, mean) if isinstance(_val(t), torch.Tensor)), None)
-        dtype = _val(ref).dtype if ref is not None else xv.dtype  # type: ignore[union-attr]
+        if w is None or b is None or mean is None:  # (plan checked x's metadata then)
+            ref = next((t for t in (w, b, mean) if isinstance(_val(t), torch.Tensor)), None)
+            dtype = _val(ref).dtype if ref is not None else xv.dtype  # type: ignore[union-attr]
         if w is None:
             w = _stand_in(graph, x, 1.0, dtype, meta, fake)
         if b is None:

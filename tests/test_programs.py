@@ -445,3 +445,34 @@ def test_convert_program_shows_no_warning_of_torchs_own_deep_copy():
     assert not [w for w in seen if "LeafSpec" in str(w.message)], [str(w.message) for w in seen]
     x = torch.randn(2, 3, 8, 8)
     assert torch.equal(out.module()(x), m(x))
+
+
+def test_convert_of_a_graph_without_shape_metadata_when_no_stand_in_is_needed():
+    """Guards (a helper's find): a ``symbolic_trace`` graph calling
+    ``aten.native_batch_norm`` with weight, bias and statistics has no ``meta['val']``;
+    plan said swap, and convert crashed reading a dtype only the stand-ins need
+    (AttributeError: 'NoneType' object has no attribute 'dtype'). It now converts and
+    runs bitwise like the original, running statistics included."""
+
+    class Direct(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.rand(4) + 0.5)
+            self.b = nn.Parameter(torch.randn(4))
+            self.register_buffer("rm", torch.zeros(4))
+            self.register_buffer("rv", torch.ones(4))
+
+        def forward(self, x):
+            return torch.ops.aten.native_batch_norm.default(x, self.w, self.b, self.rm,
+                                                            self.rv, True, 0.1, 1e-5)[0]
+
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(Direct())
+    ref = copy.deepcopy(gm)
+    assert [r.action for r in bnswap.plan(gm).rows] == ["swap"]
+    bnswap.convert(gm)
+    assert bn_ops(gm) == ["aten._batch_norm_with_update.default"]
+    for _ in range(2):
+        x = torch.randn(3, 4, 5, 5)
+        assert torch.equal(gm(x), ref(x))
+    assert torch.equal(gm.rm, ref.rm) and torch.equal(gm.rv, ref.rv)
