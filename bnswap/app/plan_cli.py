@@ -455,7 +455,8 @@ def load_program(path: str) -> torch.export.ExportedProgram:
     if not os.path.isfile(path):
         raise ProgramFileError(f"{path}: no such file")
     quiet = logging.getLogger("torch.export")  # it logs the traceback it then raises
-    level, quiet.level = quiet.level, logging.CRITICAL
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         return torch.export.load(path)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a foreign file
