@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -340,6 +341,32 @@ def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_pat
     assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
 
 
+def test_convert_to_a_folder_or_an_unwritable_place_is_a_one_line_usage_error(capsys, tmp_path):
+    """Guards (a newcomer's report): ``-o`` naming an existing folder, or a place torch's
+    zip writer cannot open (``/proc/...``), ended in torch.export.save's RuntimeError
+    traceback, exit 1; a folder given as the program said "no such file"."""
+    path, _, _ = _program_file(tmp_path)
+    folder = tmp_path / "outdir"
+    folder.mkdir()
+    code = plan_cli.convert_main([str(path), "-o", str(folder)])
+    cap = capsys.readouterr()
+    assert (code, cap.out, list(folder.iterdir())) == (2, "", [])
+    assert cap.err == (f"bnswap convert: error: -o/--output {folder} is a folder; give a "
+                       f"file name, e.g. -o {folder / 'model_bnswap.pt2'}\n")
+    for cmd in (lambda: run(capsys, "--program", str(folder)),
+                lambda: (plan_cli.convert_main([str(folder), "-o", str(tmp_path / "o.pt2")]),
+                         *capsys.readouterr())):
+        code, out, err = cmd()
+        assert (code, out) == (2, "") and err.endswith(
+            f"error: {folder}: is a folder, not a program file (.pt2)\n")
+    if pathlib.Path("/proc/self").is_dir():  # Linux: a folder no file can be made in
+        code = plan_cli.convert_main([str(path), "-o", "/proc/bnswap_o.pt2"])
+        cap = capsys.readouterr()
+        assert (code, cap.out) == (2, "") and cap.err.startswith(
+            "bnswap convert: error: /proc/bnswap_o.pt2: cannot be written (")
+        assert len(cap.err.splitlines()) == 1 and "Traceback" not in cap.err
+
+
 @pytest.mark.parametrize("args, missing", [
     (["m.pt2"], "-o/--output (where to write the converted program)"),
     (["-o", "o.pt2"], "the program to convert (a .pt2 file)"),
@@ -601,6 +628,21 @@ def test_a_plain_factorys_missing_argument_is_named_before_the_call(capsys, user
     assert (code, out) == (2, "") and err == (
         "bnswap plan: error: the following arguments are required: model.width\n"
         "(bnswap plan --help lists every option)\n")
+
+
+def test_a_factory_that_raises_on_its_arguments_is_named_with_the_values(capsys, user_models):
+    """Guards (a newcomer's report): ``--model mymodels.f --model.width abc`` (no
+    annotation: jsonargparse passes the string) said only the model's own TypeError;
+    the error now names the call it came from, with the values as given."""
+    user_models(USER_MODELS)
+    code, out, err = front_door(capsys, "plan", "--model", "mymodels.f", "--model.width", "abc")
+    try:
+        _user_module().f("abc")
+    except TypeError as e:
+        reference = str(e)
+    assert (code, out) == (2, "")
+    assert err == (f"bnswap plan: error: model: mymodels.f(width='abc') raised TypeError: "
+                   f"{reference}\n")
 
 
 def test_a_class_parameter_without_annotation_says_what_to_do(capsys, user_models, tmp_path):

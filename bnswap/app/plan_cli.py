@@ -193,7 +193,11 @@ def _missing_factory_args(fn: Any, argv: Sequence[str], cfg: Any) -> str | None:
 def _build_factory(fn: Any, args: Any) -> nn.Module:
     given = getattr(args, "model_args", None)  # absent when the function takes nothing
     kwargs = dict(vars(given)) if given is not None else {}
-    model = fn(**kwargs)
+    try:
+        model = fn(**kwargs)
+    except (ValueError, TypeError) as e:  # say which call: its values may be unparsed
+        call = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise type(e)(f"{args.model}({call}) raised {type(e).__name__}: {e}") from e
     if not isinstance(model, nn.Module):
         raise TypeError(f"{args.model} returned {type(model).__name__}, not an nn.Module")
     return model
@@ -452,6 +456,8 @@ class ProgramFileError(ValueError):
 def load_program(path: str) -> torch.export.ExportedProgram:
     """``torch.export.load(path)``; a missing file or one that is no program raises
     :class:`ProgramFileError` with one line naming the file and the reason."""
+    if os.path.isdir(path):
+        raise ProgramFileError(f"{path}: is a folder, not a program file (.pt2)")
     if not os.path.isfile(path):
         raise ProgramFileError(f"{path}: no such file")
     quiet = logging.getLogger("torch.export")  # it logs the traceback it then raises
@@ -526,6 +532,9 @@ def convert_main(argv: Sequence[str]) -> int:
         return _usage_error(f"-o/--output {cfg.output} is the input program ({cfg.program}): "
                             "bnswap convert never overwrites its input; write to another "
                             "file, e.g. -o model_bnswap.pt2", "convert")
+    if os.path.isdir(cfg.output):
+        return _usage_error(f"-o/--output {cfg.output} is a folder; give a file name, e.g. "
+                            f"-o {os.path.join(cfg.output, 'model_bnswap.pt2')}", "convert")
     try:
         ep = load_program(cfg.program)
     except ProgramFileError as e:
@@ -545,6 +554,9 @@ def convert_main(argv: Sequence[str]) -> int:
         torch.export.save(new, cfg.output)
     except OSError as e:
         return _usage_error(f"{cfg.output}: {e.strerror or e}", "convert")
+    except RuntimeError as e:  # torch's zip writer: a place that cannot be written
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return _usage_error(f"{cfg.output}: cannot be written ({reason[:160]})", "convert")
     table = render(plan, "table", f"wrote {cfg.output}")  # named for the command that ran
     print(re.sub(r"^bnswap plan:", "bnswap convert:", table, count=1))
     return EXIT_SOME_SKIPPED if plan.skipped else EXIT_ALL_SWAPPED
