@@ -180,3 +180,9 @@ def run_processes(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.C
             pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
+
+
+def imported_modules(importtime_stderr: str) -> set[str]:
+    """The modules a ``python -X importtime`` run imported, read from its stderr."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()
+            if line.startswith("import time:") and "cumulative" not in line}

@@ -17,6 +17,8 @@ import pytest
 import torch
 import yaml
 
+from tests._helpers import imported_modules
+
 pytest.importorskip("lightning.pytorch")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,8 +225,7 @@ def test_the_front_door_imports_no_torch(args, code):
         p = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120, env=env,
                            cwd=ROOT)
         assert p.returncode == rc, p.stderr[-2000:]
-        imported = {line.rsplit("|", 1)[1].strip() for line in p.stderr.splitlines()
-                    if line.startswith("import time:") and "cumulative" not in line}
+        imported = imported_modules(p.stderr)
         assert ("torch" in imported and "bnswap" in imported) is must, sorted(imported)[:20]
         assert ("usage: bnswap" in p.stdout + p.stderr) is (not must)
 

@@ -19,6 +19,8 @@ import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests._helpers import imported_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [
@@ -125,8 +127,7 @@ def test_wheel_with_torch_alone(venv, tmp_path):
 
     r = _run(venv, py, "-X", "importtime", exe, "--help", cwd=proj)
     assert r.returncode == 0 and "plan" in r.stdout and "pip install 'bnswap[lightning]'" in r.stdout
-    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = imported_modules(r.stderr)
     assert "_bnswap_command" in imported and not {"torch", "bnswap"} & imported  # 0.03 s
     r = _run(venv, exe, "plan", "--model", "mymodels.net", "--model.width", "5", cwd=proj)
     assert r.returncode == 0, r.stderr
