@@ -175,21 +175,6 @@ def _eager_step(model: nn.Module, x, y, forward=None, lr: float = 0.05) -> Calla
     return step
 
 
-def _retarget(gm: torch.fx.GraphModule, device: str) -> torch.fx.GraphModule:
-    """Move an FX graph module captured on the CPU to ``device``: its tensor attributes
-    and any ``device=`` keyword that names the CPU."""
-    gm = gm.to(device)
-    changed = False
-    for node in gm.graph.nodes:
-        dev = node.kwargs.get("device")
-        if dev is not None and torch.device(dev).type == "cpu":
-            node.kwargs = {**node.kwargs, "device": torch.device(device)}
-            changed = True
-    if changed:
-        gm.recompile()
-    return gm
-
-
 class _Loss(nn.Module):
     def __init__(self, net: nn.Module):
         super().__init__()
@@ -230,7 +215,7 @@ class JointStep:
 
     def __init__(self, model: nn.Module, x_cpu, y_cpu, device: str, lr: float = 0.05, key=None):
         gm, sig, self.ops = joint_export(model, x_cpu, y_cpu, key)
-        self.gm = _retarget(copy.deepcopy(gm), device)
+        self.gm = copy.deepcopy(gm).to(device)  # as a user moves a graph module
         wrapper = _Loss(model)
         named_p = dict(wrapper.named_parameters())
         named_b = dict(wrapper.named_buffers())
@@ -299,6 +284,9 @@ class Check:
         self.net = net or ("convnet4" if dry else "mobilenetv2")
         self.shape = (8, 16) if dry else (32, 64 if self.net == "mobilenetv2" else 32)
         self.compile_shape = (8, 16) if dry else (32, 32)
+        # where graphs captured on the CPU are moved to: the GPU, or in dry mode the meta
+        # device (the same moves and code; a tensor or device left on the CPU fails there)
+        self.target = "meta" if dry else device
         self._ep: dict = {}
 
     def _export(self, variant: str, model: nn.Module, x_cpu) -> torch.export.ExportedProgram:
@@ -410,37 +398,57 @@ class Check:
         torch._dynamo.reset()
         return res
 
+    def _profile_on_target(self, fn: Callable[[], object]) -> dict:
+        """``fn`` once under the profiler on the target device (the meta device records
+        the CPU side's aten ops only)."""
+        return profile_names(fn, "cuda" if self.target == "cuda" else "cpu")
+
+    def _expect_moved(self, res: dict, bnswap_kind: str, stock_kind: str,
+                      keys: tuple[str, ...] = ("bnswap", "stock")) -> None:
+        """``res[k]["kinds"]`` against the expected kernel kind on CUDA; on the meta
+        device (dry) the moved graphs must have run there."""
+        if self.target != "cuda":
+            res["ok"] = all(res[k].get("ran_on") == self.target for k in keys)
+            res["note"] = "kernel names need CUDA; the graphs were moved to meta and ran there"
+            return
+        res["expected"] = {k: bnswap_kind if k.startswith("bnswap") else stock_kind
+                           for k in keys}
+        res["ok"] = all(res[k]["kinds"] == [res["expected"][k]] for k in keys)
+
     def exported(self) -> dict:
-        """Graphs captured on the CPU, moved to the device, profiled there."""
+        """Graphs captured on the CPU, moved to the target device as a user moves them
+        (``ep.module().to(device)``, ``graph_module.to(device)``), profiled there."""
         a, b = _pair(self.nets[self.net])
         n, hw = self.shape
         x_cpu, y_cpu = _batch(n, hw, "cpu")
-        x, y = x_cpu.to(self.device), y_cpu.to(self.device)
-        res: dict = {"net": self.net, "forward_decomposed": {}, "joint": {}}
+        x, y = x_cpu.to(self.target), y_cpu.to(self.target)
+        res: dict = {"net": self.net, "moved_to": self.target,
+                     "forward_decomposed": {}, "joint": {}}
         for name, m in (("bnswap", a), ("stock", b)):
-            ep = self._export(name, m, x_cpu).run_decompositions({})  # bnswap's ops kept
-            fwd = _retarget(ep.module(), self.device)
+            # a fresh program: moving its module moves the program's own state too
+            ep = torch.export.export(copy.deepcopy(m), (x_cpu,)).run_decompositions({})
+            fwd = ep.module().to(self.target)  # bnswap's ops kept by the empty table
             with torch.no_grad():
                 fwd(x)
-                res["forward_decomposed"][name] = profile_names(lambda: fwd(x), self.device)
-            js = JointStep(m, x_cpu, y_cpu, self.device, key=self._joint_key(name))
+                r = self._profile_on_target(lambda: fwd(x))
+                r["ran_on"] = fwd(x).device.type
+            res["forward_decomposed"][name] = r
+            js = JointStep(m, x_cpu, y_cpu, self.target, key=self._joint_key(name))
             js.step(x, y)
-            res["joint"][name] = profile_names(lambda: js.step(x, y), self.device)
-            res["joint"][name]["graph_ops"] = js.ops
-        if self.device == "cpu":
-            res["moved_to_meta"] = self._move_check(a, b, x_cpu, y_cpu)
-        self._expect(res["forward_decomposed"], "cudnn", "native")
-        self._expect(res["joint"], "cudnn", "native")
-        oks = [res[k].get("ok") for k in ("forward_decomposed", "joint")]
-        res["ok"] = None if None in oks else all(oks)
-        if "moved_to_meta" in res:
-            res["ok"] = all(v == "ok" for v in res["moved_to_meta"].values())
-            res["note"] = "kernel names need CUDA; graphs moved to the meta device and run there"
+            r = self._profile_on_target(lambda: js.step(x, y))
+            r["ran_on"] = js.step(x, y).device.type
+            r["graph_ops"] = js.ops
+            res["joint"][name] = r
+        self._expect_moved(res["forward_decomposed"], "cudnn", "native")
+        self._expect_moved(res["joint"], "cudnn", "native")
+        res["ok"] = res["forward_decomposed"]["ok"] and res["joint"]["ok"]
         return res
 
     def converted_program(self) -> dict:
         """A stock model exported on the CPU, ``bnswap.convert`` of the program, both
-        moved to the device; a training forward of each under the profiler."""
+        moved to the target device with ``torch.export.passes.move_to_device_pass``; a
+        training forward of each under the profiler. On the CPU (dry) the two programs
+        also agree bitwise before they move."""
         from torch.export.passes import move_to_device_pass
 
         _, stock = _pair(self.nets[self.net])
@@ -448,49 +456,111 @@ class Check:
         x_cpu, _ = _batch(n, hw, "cpu")
         original = torch.export.export(stock, (x_cpu,))
         converted = bnswap.convert(original)  # a new program; the original unchanged
-        res: dict = {"net": self.net, "graph_ops": {"stock": _bn_ops(original.graph),
-                                                    "bnswap": _bn_ops(converted.graph)}}
+        res: dict = {"net": self.net, "moved_to": self.target,
+                     "graph_ops": {"stock": _bn_ops(original.graph),
+                                   "bnswap": _bn_ops(converted.graph)}}
         ops_ok = (res["graph_ops"]["stock"] == ["aten.batch_norm.default"]
                   and all("_batch_norm_with_update" in o or "_batch_norm_no_update" in o
                           for o in res["graph_ops"]["bnswap"]))
-        if self.device == "cpu":  # the same CPU kernel: bitwise, outputs and statistics
-            a, b = original.module(), converted.module()
-            same = all(torch.equal(a(x_cpu), b(x_cpu)) for _ in range(2)) and all(
+        if self.target != "cuda":  # the same CPU kernel: bitwise, outputs and statistics
+            a, b = copy.deepcopy(original.module()), copy.deepcopy(converted.module())
+            res["bitwise_equal_on_cpu"] = all(
+                torch.equal(a(x_cpu), b(x_cpu)) for _ in range(2)) and all(
                 torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
-            res["bitwise_equal_on_cpu"] = same
-            try:  # what a GPU run does: the move must leave nothing on the CPU
-                y = move_to_device_pass(converted, "meta").module()(x_cpu.to("meta"))
-                res["moved_to_meta"] = "ok" if y.device.type == "meta" else "wrong device"
-            except Exception as e:
-                res["moved_to_meta"] = f"error: {type(e).__name__}: {e}"[:300]
-            res["ok"] = ops_ok and same and res["moved_to_meta"] == "ok"
-            res["note"] = "kernel names need CUDA; bitwise on the CPU, moved to meta"
-            return res
-        x = x_cpu.to(self.device)
+            ops_ok = ops_ok and res["bitwise_equal_on_cpu"]
+        x = x_cpu.to(self.target)
         for name, prog in (("bnswap", converted), ("stock", original)):
-            run = move_to_device_pass(prog, self.device).module()
+            run = move_to_device_pass(prog, self.target).module()
             run(x)
-            res[name] = profile_names(lambda: run(x), self.device)
-        self._expect(res, "cudnn", "native")
+            res[name] = self._profile_on_target(lambda: run(x))
+            res[name]["ran_on"] = run(x).device.type
+        self._expect_moved(res, "cudnn", "native")
         res["ok"] = bool(res["ok"]) and ops_ok
         return res
 
-    def _move_check(self, a: nn.Module, b: nn.Module, x_cpu, y_cpu) -> dict:
-        """Without a GPU: move the CPU-captured graphs to the meta device and run them
-        there, which fails on any tensor or device argument left on the CPU (the moves a
-        GPU run makes)."""
-        out = {}
-        for name, m in (("bnswap", a), ("stock", b)):
-            try:
-                fwd = _retarget(self._export(name, m, x_cpu).run_decompositions({}).module(),
-                                "meta")
-                r = fwd(x_cpu.to("meta"))
-                js = JointStep(m, x_cpu, y_cpu, "meta", key=self._joint_key(name))
-                loss = js.step(x_cpu.to("meta"), y_cpu.to("meta"))
-                out[name] = "ok" if r.device.type == "meta" and loss.device.type == "meta" else "wrong device"
-            except Exception as e:
-                out[name] = f"error: {type(e).__name__}: {e}"[:300]
-        return out
+    def moved_programs(self) -> dict:
+        """Every ``affine`` x ``track_running_stats`` combination of a BatchNorm2d, in
+        training and in evaluation: a conv + batch-norm net captured on the CPU, as three
+        programs (``stock``: stock's; ``bnswap_exported``: a converted model exported;
+        ``bnswap_converted``: ``bnswap.convert`` of stock's program), each moved to the
+        target device the two ways users move programs (``ep.module().to(device)``;
+        ``move_to_device_pass(ep, device).module()``), plus in training the joint
+        forward + backward graph (``aot_export_module(trace_joint=True)``, then
+        ``graph_module.to(device)``); the batch-norm kernel (profiler name) each runs. On
+        CUDA bnswap's should run cuDNN and stock's the native kernel; outputs are compared
+        with stock's moved program (the kernels round differently). Dry: the meta device,
+        where each must run and match stock's output shape, dtype and device."""
+        from torch.export.passes import move_to_device_pass
+
+        c, n, hw = (8, 4, 8) if self.dry else (64, 32, 32)
+        g = torch.Generator().manual_seed(7)
+        x_cpu = torch.randn(n, 3, hw, hw, generator=g)
+        y_cpu = torch.randint(0, 10, (n,), generator=g)
+        x, y = x_cpu.to(self.target), y_cpu.to(self.target)
+        keys = ("bnswap_exported", "bnswap_converted", "stock")
+        res: dict = {"moved_to": self.target, "cases": {}}
+        oks = []
+        for affine in (True, False):
+            for trs in (True, False):
+                for train in (True, False):
+                    torch.manual_seed(0)
+                    stock = nn.Sequential(
+                        nn.Conv2d(3, c, 3, padding=1),
+                        nn.BatchNorm2d(c, affine=affine, track_running_stats=trs),
+                        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(c, 10)).train(train)
+                    makers = {
+                        "stock": lambda: torch.export.export(copy.deepcopy(stock), (x_cpu,)),
+                        "bnswap_exported": lambda: torch.export.export(
+                            bnswap.convert(copy.deepcopy(stock)), (x_cpu,)),
+                        "bnswap_converted": lambda: bnswap.convert(
+                            torch.export.export(copy.deepcopy(stock), (x_cpu,)))}
+                    case: dict = {}
+                    outs: dict = {}
+                    for move in ("module_to", "move_to_device_pass"):
+                        row: dict = {}
+                        for name in keys:
+                            ep = makers[name]()  # fresh: a move moves the program's state
+                            run = (ep.module().to(self.target) if move == "module_to"
+                                   else move_to_device_pass(ep, self.target).module())
+                            with torch.no_grad():
+                                run(x)
+                                row[name] = self._profile_on_target(lambda: run(x))
+                                outs[(move, name)] = run(x)
+                            row[name]["ran_on"] = outs[(move, name)].device.type
+                        self._expect_moved(row, "cudnn", "native", keys)
+                        case[move] = row
+                    if train:
+                        row = {}
+                        for name, m in (("bnswap_exported", bnswap.convert(copy.deepcopy(stock))),
+                                        ("stock", stock)):
+                            js = JointStep(m, x_cpu, y_cpu, self.target)
+                            js.step(x, y)
+                            row[name] = self._profile_on_target(lambda: js.step(x, y))
+                            row[name]["ran_on"] = js.step(x, y).device.type
+                        self._expect_moved(row, "cudnn", "native", ("bnswap_exported", "stock"))
+                        case["joint"] = row
+                    # bnswap's moved outputs against stock's moved program
+                    diffs = {}
+                    for (move, name), out in outs.items():
+                        ref = outs[(move, "stock")]
+                        if name == "stock":
+                            continue
+                        same = out.shape == ref.shape and out.dtype == ref.dtype and \
+                            out.device == ref.device
+                        diffs[f"{move}/{name}"] = (
+                            ("same shape, dtype, device" if same else "differs")
+                            if out.device.type == "meta" else float((out - ref).abs().max()))
+                    case["vs_stock"] = diffs
+                    case["ok"] = all(case[k]["ok"] for k in case if isinstance(case[k], dict)
+                                     and "ok" in case[k]) and all(
+                        v == "same shape, dtype, device" or (isinstance(v, float) and v < 1e-3)
+                        for v in diffs.values())
+                    oks.append(case["ok"])
+                    res["cases"][f"affine={affine},track_running_stats={trs},"
+                                 f"{'train' if train else 'eval'}"] = case
+        res["ok"] = all(oks)
+        return res
 
     def sync(self) -> dict:
         """Synchronized BatchNorm on the device (issue 18): bnswap's one portable
@@ -689,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                          "mobilenetv2 on the GPU, convnet4 in dry mode)")
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
-                         "compile_inductor,exported,training,sync,fsdp2_bf16")
+                         "compile_inductor,exported,converted_program,moved_programs,training,"
+                         "sync,fsdp2_bf16")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dry = args.dry or args.rehearse or not cuda
@@ -713,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         ("compile_aot_eager", chk.compile_aot_eager, True),
         ("exported", chk.exported, True),
         ("converted_program", chk.converted_program, True),
+        ("moved_programs", chk.moved_programs, True),
         ("training", chk.training, True),
         ("sync", chk.sync, True),
         ("fsdp2_bf16", chk.fsdp2_bf16, True),
@@ -795,17 +867,23 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
                   f"{t['stock_ms']:.3f} ms, ratio {t['ratio_median']:.3f}")
     elif name == "exported":
         f, j = s["forward_decomposed"], s["joint"]
-        detail = (f"fwd: bnswap {_kinds(f['bnswap'])}, stock {_kinds(f['stock'])}; joint: bnswap "
-                  f"{_kinds(j['bnswap'])}, stock {_kinds(j['stock'])}")
-        if "moved_to_meta" in s:
-            detail += f"; moved to meta: {s['moved_to_meta']}"
+        detail = (f"moved to {s['moved_to']}: fwd: bnswap {_kinds(f['bnswap'])}, stock "
+                  f"{_kinds(f['stock'])}; joint: bnswap {_kinds(j['bnswap'])}, stock "
+                  f"{_kinds(j['stock'])}")
     elif name == "converted_program":
-        if "bnswap" in s:
-            detail = f"converted: {_kinds(s['bnswap'])}; original: {_kinds(s['stock'])}"
-        else:
-            detail = (f"ops {s['graph_ops']}; bitwise on cpu {s['bitwise_equal_on_cpu']}; "
-                      f"moved to meta: {s['moved_to_meta']}")
-        detail = detail.replace("aten.", "").replace(".default", "").replace("'", "")
+        detail = (f"moved to {s['moved_to']}: converted {_kinds(s['bnswap'])}; original "
+                  f"{_kinds(s['stock'])}")
+        if "bitwise_equal_on_cpu" in s:
+            detail += f"; bitwise on cpu {s['bitwise_equal_on_cpu']}"
+    elif name == "moved_programs":
+        kinds: dict[str, set[str]] = {}
+        for case in s["cases"].values():
+            for move in ("module_to", "move_to_device_pass", "joint"):
+                for prog, r in case.get(move, {}).items():
+                    if isinstance(r, dict) and "ran_on" in r:
+                        kinds.setdefault(prog, set()).add(_kinds(r))
+        detail = f"{len(s['cases'])} cases moved to {s['moved_to']}: " + "; ".join(
+            f"{prog} {'/'.join(sorted(k))}" for prog, k in kinds.items())
     elif name == "sync":
         detail = f"{s['backend']}: bnswap {_kinds(s['bnswap'])}"
         if "torch_sync" in s:

@@ -24,7 +24,9 @@ stock's layer records, node for node:
   the statistics they are given in place with ``momentum`` and the unbiased batch
   variance: the semantics are the same. Only the first output of the consolidated ops is
   ever used (save_mean / save_invstd / reserve feed autograd).
-* The constant ones / zeros bnswap passes for a missing weight / bias
+* The stand-in ones / zeros bnswap passes for a missing weight / bias
+  (``aten.full_like`` of the layer's tensor or of the input's channel view; in programs
+  bnswap saved before, ``aten.full`` / ``ones`` / ``zeros``)
   (``affine=False``) and the throw-away statistics of ``track_running_stats=False``
   become ``None`` again, as stock passes them (also for the functional op
   ``bnswap.convert(program)`` records for such a node: ``aten.batch_norm`` without
@@ -69,11 +71,17 @@ def _export_cudnn_enabled() -> bool:
         return bool(torch.backends.cudnn.enabled)
 
 
-_FILLS = {_aten.full.default: None, _aten.ones.default: 1.0, _aten.zeros.default: 0.0}
+#: The ops a stand-in can be (their fill value; None: the op's second argument):
+#: ``full_like(like, value)`` is what bnswap's layers and ``bnswap.convert(program)``
+#: record (it follows the tensor it is made like: :func:`bnswap.functional._stand_ins`);
+#: full / ones / zeros with a literal device and dtype are what bnswap recorded before
+#: (programs saved then still load and turn back into stock's).
+_FILLS = {_aten.full_like.default: None, _aten.full.default: None,
+          _aten.ones.default: 1.0, _aten.zeros.default: 0.0}
 
 
 def _fill_value(arg: object) -> float | None:
-    """The constant ``arg`` is filled with, when it is a fresh full / ones / zeros node
+    """The constant ``arg`` is filled with, when it is a fresh fill node (:data:`_FILLS`)
     used only once (bnswap's stand-ins), else None."""
     if not isinstance(arg, Node) or arg.op != "call_function" or arg.target not in _FILLS:
         return None
@@ -99,6 +107,19 @@ def _stand_ins(node: Node, training: bool) -> tuple[list, list[Node]]:
         constants += [mean, var]  # track_running_stats=False: stock passes no statistics
         mean = var = None
     return [x, w, b, mean, var], constants
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes: list) -> None:
+    """Erase each of ``nodes`` that nothing uses any more, and what computed it when
+    nothing else uses that either (a stand-in's channel view of its input, an
+    assertion's condition). Placeholders and impure nodes (in-place updates) stay."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Node) and n.op == "call_function" and not n.users \
+                and n.graph is graph and not n.is_impure():
+            stack.extend(a for a in n.all_input_nodes)
+            graph.erase_node(n)
 
 
 def _rewrite(graph: torch.fx.Graph, node: Node, core_aten: bool,
@@ -156,9 +177,7 @@ def _rewrite(graph: torch.fx.Graph, node: Node, core_aten: bool,
         else:
             graph.erase_node(u)
     graph.erase_node(node)
-    for c in constants:
-        if not c.users:
-            graph.erase_node(c)
+    _erase_unused(graph, constants)
     return True
 
 
@@ -169,12 +188,68 @@ def _drop_empty_batch_asserts(graph: torch.fx.Graph) -> None:
             cond = node.args[0]
             graph.erase_node(node)
             # its condition (numel != 0) and what computed it, when nothing else uses them
-            stack = [cond]
-            while stack:
-                n = stack.pop()
-                if isinstance(n, Node) and n.op == "call_function" and not n.users:
-                    stack.extend(a for a in n.args if isinstance(a, Node))
-                    graph.erase_node(n)
+            _erase_unused(graph, [cond])
+
+
+def _signature_renames(ep: torch.export.ExportedProgram) -> list[tuple[Node, str]]:
+    """The placeholders and outputs of ``ep`` whose names its graph signature spells
+    otherwise, as (node, the signature's name), when each such name is free in the graph;
+    [] otherwise (nothing a rename alone would mend)."""
+    graph = ep.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    outs = output.args[0] if output is not None and output.args else ()
+    sig = ep.graph_signature
+    if len(sig.input_specs) != len(placeholders) or not isinstance(outs, (tuple, list)) \
+            or len(sig.output_specs) != len(outs):
+        return []
+    taken = {n.name: n for n in graph.nodes}
+    renames = []
+    for node, spec in (*zip(placeholders, sig.input_specs), *zip(outs, sig.output_specs)):
+        name = getattr(spec.arg, "name", None)
+        if not isinstance(node, Node) or not isinstance(name, str) or node.name == name:
+            continue
+        if taken.get(name, node) is not node:
+            return []
+        renames.append((node, name))
+    return renames
+
+
+def check_program(ep: torch.export.ExportedProgram, *, repair: bool) -> None:
+    """Raise torch's error (``ep.validate()``'s ``SpecViolationError``) for a program that
+    is not valid, unless renaming nodes to the names its graph signature gives makes it
+    valid: ``copy.deepcopy(ep)`` renames a node that shadows a Python builtin (the
+    placeholder ``input`` of an ``nn.Sequential`` program becomes ``input_1``), which its
+    signature does not follow; such a copy still runs (``.module()``,
+    ``run_decompositions``), so bnswap takes it. With ``repair`` the renames are kept (the
+    program is then valid); without, ``ep`` is left exactly as it was. Nothing is changed
+    when the error is raised."""
+    from torch._export.verifier import SpecViolationError
+
+    try:
+        ep.validate()
+        return
+    except SpecViolationError as err:
+        error = err
+    renames = _signature_renames(ep)
+    before = [(n, n.name, n.target) for n, _ in renames]
+    for node, name in renames:
+        node.name = name  # (torch.export names its placeholders so, past the namespace)
+        if node.op == "placeholder":
+            node.target = name
+    try:
+        if not renames:
+            raise error
+        ep.validate()
+    except SpecViolationError:
+        for node, name, target in before:
+            node.name, node.target = name, target
+        raise error from None
+    if repair:
+        ep.graph_module.recompile()
+    else:
+        for node, name, target in before:
+            node.name, node.target = name, target
 
 
 def to_stock_ops(module: GraphModule | torch.export.ExportedProgram, *,
@@ -220,6 +295,7 @@ def to_stock_ops(module: GraphModule | torch.export.ExportedProgram, *,
     """
     renamed = None
     if isinstance(module, torch.export.ExportedProgram):
+        check_program(module, repair=True)
         gm = module.graph_module
         renamed = module.graph_signature.replace_all_uses
     elif isinstance(module, GraphModule):
@@ -308,9 +384,9 @@ def consolidated_target(node: Node) -> tuple[object | None, str]:
         return None, "evaluation without running statistics (stock raises)"
     if not training and functional:
         return None, "a functional op in evaluation (no consolidated counterpart)"
-    if (w is None or b is None or mean is None) and _channels(x) is None:
-        return None, ("no static shape metadata (node.meta['val']) for the stand-in "
-                      "weight / bias / statistics")
+    if w is None and b is None and mean is None and _rank(x) is None:
+        return None, ("no shape metadata (node.meta['val']) for the input's channel "
+                      "view the stand-in weight / bias / statistics are made like")
     if not training:
         return _NO_UPDATE, "-"
     if functional or mean is None:
@@ -333,11 +409,10 @@ def _val(node: object) -> object:
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
-def _channels(x: object) -> int | None:
+def _rank(x: object) -> int | None:
+    """The number of dimensions of ``x``'s value (>= 2), None without metadata."""
     v = _val(x)
-    if isinstance(v, torch.Tensor) and v.dim() >= 2 and isinstance(v.shape[1], int):
-        return int(v.shape[1])
-    return None
+    return v.dim() if isinstance(v, torch.Tensor) and v.dim() >= 2 else None
 
 
 def _fake_mode(graph: torch.fx.Graph):  # noqa: ANN202 - torch's FakeTensorMode or None
@@ -350,18 +425,27 @@ def _fake_mode(graph: torch.fx.Graph):  # noqa: ANN202 - torch's FakeTensorMode 
         return None
 
 
-def _stand_in(graph: torch.fx.Graph, x: Node, value: float, dtype: torch.dtype,
-              meta: dict, fake) -> Node:  # noqa: ANN001
-    """``aten.full([C], value)`` on x's device, as bnswap's layers record their stand-ins
-    (so :func:`to_stock_ops` turns them back into ``None``)."""
-    c, dev = _channels(x), _val(x).device  # type: ignore[union-attr]
-    kwargs = {"dtype": dtype, "device": dev, "pin_memory": False}
-    node = graph.call_function(_aten.full.default, ([c], value), kwargs)
+def _fill_like(graph: torch.fx.Graph, like: Node, value: float, meta: dict,
+               fake) -> Node:  # noqa: ANN001
+    """``aten.full_like(like, value)``, as bnswap's layers record their stand-ins (no
+    device or dtype of its own: it follows ``like``; :func:`to_stock_ops` turns it back
+    into ``None``)."""
+    node = graph.call_function(_aten.full_like.default, (like, value), {"pin_memory": False})
     node.meta.update({k: v for k, v in meta.items() if k != "val"})
-    if fake is not None:
-        with fake:
-            node.meta["val"] = torch.full([c], value, dtype=dtype, device=dev)
+    _set_val(node, fake)
     return node
+
+
+def _channel_view(graph: torch.fx.Graph, x: Node, meta: dict, fake) -> Node:  # noqa: ANN001
+    """The (C,) view of ``x`` (N, C, *) a layer without any (C,) tensor of its own makes
+    its stand-ins like, as bnswap's core does (``select(0, 0)``, then ``select(1, 0)``
+    down to one dimension: no kernel, no copy)."""
+    view = x
+    for i in range(_val(x).dim() - 1):  # type: ignore[union-attr]
+        view = graph.call_function(_aten.select.int, (view, 0 if i == 0 else 1, 0))
+        view.meta.update({k: v for k, v in meta.items() if k != "val"})
+        _set_val(view, fake)
+    return view
 
 
 def _getitem(graph: torch.fx.Graph, node: Node, i: int, meta: dict) -> Node:
@@ -415,19 +499,21 @@ def _to_consolidated(graph: torch.fx.Graph, node: Node, target: object, fake,  #
                      renamed: Callable[[str, str], None] | None) -> Node:
     (x, w, b, mean, var, training, momentum, eps), _ = stock_call(node)  # type: ignore[misc]
     meta = dict(node.meta)
-    xv = _val(x)
     _assert_not_empty(graph, x, meta)
     with graph.inserting_before(node):
-        if w is None or b is None or mean is None:  # (plan checked x's metadata then)
-            ref = next((t for t in (w, b, mean) if isinstance(_val(t), torch.Tensor)), None)
-            dtype = _val(ref).dtype if ref is not None else xv.dtype  # type: ignore[union-attr]
+        if w is None or b is None or mean is None:
+            # what the stand-ins are made like: the layer's first (C,) tensor, else a view
+            # of the input (plan checked its metadata then), as bnswap's core does
+            like = next((t for t in (w, b, mean) if t is not None), None)
+            if like is None:
+                like = _channel_view(graph, x, meta, fake)
         if w is None:
-            w = _stand_in(graph, x, 1.0, dtype, meta, fake)
+            w = _fill_like(graph, like, 1.0, meta, fake)
         if b is None:
-            b = _stand_in(graph, x, 0.0, dtype, meta, fake)
+            b = _fill_like(graph, like, 0.0, meta, fake)
         if mean is None:  # batch statistics only: throw-away statistics, as bnswap's core
-            mean = _stand_in(graph, x, 0.0, dtype, meta, fake)
-            var = _stand_in(graph, x, 1.0, dtype, meta, fake)
+            mean = _fill_like(graph, like, 0.0, meta, fake)
+            var = _fill_like(graph, like, 1.0, meta, fake)
         new = graph.call_function(target, (x, w, b, mean, var, float(momentum), float(eps)))
         new.meta.update({k: v for k, v in meta.items() if k != "val"})
         _set_val(new, fake)

@@ -14,6 +14,7 @@ gets stock's graph. Why this design and what it costs (shallow copies share the 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -137,6 +138,18 @@ class SwappedForward:
 
     def __reduce__(self) -> tuple:
         return (SwappedForward, (self.module, self.adapter))
+
+    # What code that inspects a module's ``forward`` reads sees the class's own forward:
+    # torch.export of a converted layer as the root module reads ``forward.__code__``
+    # (its fake-input names) and ``inspect.signature(forward)`` (the program's input
+    # names: ``input``, as stock's program).
+    @property
+    def __code__(self) -> Any:
+        return type(self.module).forward.__code__
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __deepcopy__(self, memo: dict) -> SwappedForward:
         return SwappedForward(copy.deepcopy(self.module, memo), self.adapter)

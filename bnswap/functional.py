@@ -53,12 +53,12 @@ def consolidated_ops_while_tracing(stand_ins: StandIns | None = None) -> Iterato
 
     Args:
         stand_ins: optional ``stand_ins(bn) -> (weight, bias)``. The ops need a weight
-            and a bias; a layer without them (affine=False) gets fresh (C,) ones / zeros,
-            which the tracer records as constants. While the tracer records a layer
+            and a bias; a layer without them (affine=False) gets (C,) ones / zeros made
+            like its first (C,) tensor (``full_like``). While the tracer records a layer
             inside the block, a tensor ``stand_ins(bn)`` returns is used instead (e.g. a
             per-layer buffer, which the tracer records as a graph input of that layer);
-            None keeps the fresh constant. Called only then: never in eager, compiled or
-            exported code, never outside the block. None: fresh constants.
+            None keeps the core's own. Called only then: never in eager, compiled or
+            exported code, never outside the block. None: the core's own.
 
     Blocks nest: the innermost block's ``stand_ins`` applies (None included), and the
     enclosing block's applies again when it ends. Per thread.
@@ -300,19 +300,6 @@ def mixed_precision_params(input: Tensor, weight: Tensor | None, bias: Tensor | 
     return weight, bias
 
 
-def _param_dtype(input: Tensor, *refs: Tensor | None) -> torch.dtype:
-    for r in refs:
-        if r is not None:
-            return r.dtype
-    if input.device.type == "cpu":
-        # Stock passes no parameters and no statistics here, so the CPU kernel runs in
-        # the input's dtype; float32 constants with half input would select its
-        # mixed-dtype path, which rounds differently.
-        return input.dtype
-    # Elsewhere float32 constants with half input keep cuDNN selectable.
-    return torch.float64 if input.dtype == torch.float64 else torch.float32
-
-
 def exponential_average_factor(momentum: float | None, num_batches_tracked: Tensor | None,
                                *, traced: bool = False,
                                dtype: torch.dtype | None = None) -> float | Tensor:
@@ -461,13 +448,17 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if input.numel() == 0:
         return _empty_batch(input, weight, bias)
     if weight is None or bias is None or (use_batch_stats and not update):
-        weight, bias = _stand_ins(bn, input, weight, bias, running_mean)
+        # what bnswap's stand-ins are made like: a (C,) tensor of the layer, else a view
+        # of the input (nothing of their own a captured graph would carry)
+        like = next((t for t in (weight, bias, running_mean) if t is not None), None)
+        like = _channel_view(input) if like is None else like
+        weight, bias = _stand_ins(bn, like, weight, bias)
 
     if not use_batch_stats:
         return _normalize_with_running_stats(
             input, weight, bias, running_mean, running_var, factor, bn.eps, compiling)
     if not update:
-        return _normalize_with_batch_stats(input, weight, bias, factor, bn.eps)
+        return _normalize_with_batch_stats(input, weight, bias, like, factor, bn.eps)
     if counts and momentum is None and compiling:
         return _update_cumulative_traced(
             input, weight, bias, running_mean, running_var, factor, bn.eps)
@@ -496,25 +487,46 @@ def _empty_batch(input: Tensor, weight: Tensor | None, bias: Tensor | None) -> T
     return out
 
 
-def _stand_ins(bn: _BatchNorm, input: Tensor, weight: Tensor | None, bias: Tensor | None,
-               running_mean: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The weight and bias the ops need: the layer's own, or (n,) ones / zeros in the
-    dtype :func:`_param_dtype` picks (``docs/architecture.md``, "The core"); while the
-    TorchScript tracer records the layer, the stand-ins of the enclosing
-    :func:`consolidated_ops_while_tracing` block, if it has a provider."""
+#: The index of :func:`_channel_view` by input rank: ``x[0, :, 0, ...]``.
+_CHANNEL_INDEX = {rank: (0, slice(None)) + (0,) * (rank - 2) for rank in range(2, 9)}
+
+
+def _channel_view(input: Tensor) -> Tensor:
+    """A (C,) view of ``input`` (N, C, *): the first element of each channel. No kernel
+    runs and nothing is copied; it is what a layer without any (C,) tensor of its own
+    makes its stand-ins like (:func:`_stand_ins`). One indexing call (a graph records
+    ``aten.select`` nodes): a loop of ``select`` calls cost several times as much on
+    every forward."""
+    rank = input.dim()
+    return input[_CHANNEL_INDEX.get(rank) or (0, slice(None)) + (0,) * (rank - 2)]
+
+
+def _stand_ins(bn: _BatchNorm, like: Tensor, weight: Tensor | None, bias: Tensor | None
+               ) -> tuple[Tensor, Tensor]:
+    """The weight and bias the ops need: the layer's own, or ``full_like(like, 1.0)`` /
+    ``full_like(like, 0.0)``; while the TorchScript tracer records the layer, the
+    stand-ins of the enclosing :func:`consolidated_ops_while_tracing` block, if it has a
+    provider.
+
+    ``like`` is the layer's first (C,) tensor (weight, bias, running_mean) or, for a layer
+    with none (affine=False, track_running_stats=False), :func:`_channel_view` of the
+    input: the stand-ins take its dtype and device when they are computed. A captured
+    graph records ``aten.full_like(like, value)`` and no device or dtype of its own, so
+    it moves (``.to("cuda")``, ``.double()``, ``move_to_device_pass``) as stock's
+    program, which passes None, moves (issue 25; ``docs/design.md``, "Programs that
+    move"). The same dtype rule as stock's kernel: float32 running statistics with half
+    input select the mixed-dtype path stock's layer runs; a layer with no tensor of its
+    own runs in the input's dtype, as stock's kernel with no parameters does."""
     if (weight is None or bias is None) and torch.jit.is_tracing():
         provider = getattr(_tracing, "stand_ins", None)  # consolidated_ops_while_tracing
         if provider is not None:
             traced_weight, traced_bias = provider(bn)
             weight = traced_weight if weight is None else weight
             bias = traced_bias if bias is None else bias
-    if weight is None or bias is None:
-        n, dtype, device = input.shape[1], _param_dtype(input, weight, bias, running_mean), \
-            input.device
-        if weight is None:
-            weight = torch.full((n,), 1.0, dtype=dtype, device=device)
-        if bias is None:
-            bias = torch.full((n,), 0.0, dtype=dtype, device=device)
+    if weight is None:
+        weight = torch.full_like(like, 1.0)
+    if bias is None:
+        bias = torch.full_like(like, 0.0)
     return weight, bias
 
 
@@ -528,15 +540,15 @@ def _normalize_with_running_stats(input: Tensor, weight: Tensor, bias: Tensor,
     )[0]
 
 
-def _normalize_with_batch_stats(input: Tensor, weight: Tensor, bias: Tensor,
+def _normalize_with_batch_stats(input: Tensor, weight: Tensor, bias: Tensor, like: Tensor,
                                 factor: float, eps: float) -> Tensor:
     """Batch statistics only (``track_running_stats=False``): the op needs statistics to
-    write to; these throw-away ones are dropped. ``factor`` is stock's F.batch_norm
-    momentum (it only moves the scratch statistics): bnswap.to_stock_ops maps the node
-    back to stock's call argument for argument."""
-    n = input.shape[1]
-    scratch_mean = torch.zeros(n, dtype=weight.dtype, device=input.device)
-    scratch_var = torch.ones(n, dtype=weight.dtype, device=input.device)
+    write to; these throw-away ones, made like the stand-ins (:func:`_stand_ins`), are
+    dropped. ``factor`` is stock's F.batch_norm momentum (it only moves the scratch
+    statistics): bnswap.to_stock_ops maps the node back to stock's call argument for
+    argument."""
+    scratch_mean = torch.full_like(like, 0.0)
+    scratch_var = torch.full_like(like, 1.0)
     return _with_update(input, weight, bias, scratch_mean, scratch_var, factor, eps)[0]
 
 

@@ -109,10 +109,14 @@ def _layer_device(m: nn.Module) -> torch.device:
 
 
 def _probe_dtype(m: nn.Module) -> torch.dtype:
-    """The dtype the core passes the kernel for ``m``: its weight's (floating), else
-    float32."""
-    ref = m._parameters.get("weight")
-    return ref.dtype if ref is not None and ref.is_floating_point() else torch.float32
+    """The dtype of the weight the core passes the kernel for ``m``: its first floating
+    (C,) tensor's (weight, bias, running_mean: the stand-ins are made like it), else the
+    input's, taken to be float32."""
+    for ref in (m._parameters.get("weight"), m._parameters.get("bias"),
+                m._buffers.get("running_mean")):
+        if ref is not None and ref.is_floating_point():
+            return ref.dtype
+    return torch.float32
 
 
 def _probe_args(m: nn.Module, dev: torch.device) -> tuple:

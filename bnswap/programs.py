@@ -37,6 +37,7 @@ from bnswap._graph import (
     CONSOLIDATED_TARGETS,
     STOCK_TARGETS,
     _forward_of,
+    check_program,
     consolidated_target,
     stock_call,
     to_consolidated_ops,
@@ -314,6 +315,8 @@ def _plan_nodes(program: Program, backend: str = "aten", *,
     warns about (and :meth:`ProgramPlan.apply`, planning again, does not)."""
     gm = _graph_module(program, "plan")
     _check_backend(backend)
+    if is_program(program):
+        check_program(program, repair=False)  # torch's error for a program not valid
     dev = torch.device(device) if device is not None else None
     inc, exc = _names(include, exclude)
     rows = []
@@ -371,10 +374,12 @@ def convert(program: Program, backend: str = "aten", *,
       ``_native_batch_norm_legit_no_training`` -> ``_batch_norm_no_update``;
     * no running statistics (``track_running_stats=False``,
       ``_native_batch_norm_legit.no_stats``) -> ``_batch_norm_with_update_functional`` on
-      throw-away statistics; a missing weight / bias (``affine=False``) -> constant ones /
+      throw-away statistics; a missing weight / bias (``affine=False``) -> stand-in ones /
       zeros (cuDNN is chosen only when both are defined; ``batch_norm_backward`` needs a
-      weight), ``aten.full`` nodes on the input's device, exactly what bnswap's own layers
-      record (so :func:`to_stock_ops` turns them back);
+      weight): ``aten.full_like`` of the node's first (C,) tensor or of a (C,) view of its
+      input (``aten.select``), exactly what bnswap's own layers record, so the program
+      carries no device or dtype of its own and moves as the original does, and
+      :func:`to_stock_ops` turns them back;
     * ``native_batch_norm_backward`` (joint / backward graphs) -> ``batch_norm_backward``
       with its forward's reserve (output 3);
     * an input whose size is dynamic (``Dim("batch")`` admits 0) gets bnswap's empty-batch
@@ -384,7 +389,8 @@ def convert(program: Program, backend: str = "aten", *,
       ``aten.batch_norm`` returns early. :func:`to_stock_ops` removes it again.
 
     A node is left as it is (:func:`plan` says why) when its training flag or momentum is
-    not a constant, or it has no shape metadata for the stand-ins it needs.
+    not a constant, or it has neither a weight, a bias nor statistics and its input no
+    shape metadata (the rank of the view its stand-ins are made like).
 
     Args:
         program: a ``torch.export.ExportedProgram`` (not changed: a new program is
@@ -402,6 +408,12 @@ def convert(program: Program, backend: str = "aten", *,
     Raises:
         TypeError: ``program`` is neither; a pattern is not a str.
         ValueError: ``backend`` is not ``"aten"``.
+        torch._export.verifier.SpecViolationError: ``program`` is not a valid
+            ``ExportedProgram`` (``program.validate()``'s error), raised before anything
+            changes. A program whose graph signature spells a placeholder or output
+            otherwise only because torch renamed the node (``copy.deepcopy(ep)`` of an
+            ``nn.Sequential`` program names its input ``input_1``) is taken: the result
+            has the signature's names and is valid.
 
     Warns:
         UserWarning: the program has no batch-norm node, or none can be converted.
@@ -457,11 +469,14 @@ def _apply(todo: ProgramPlan) -> Program:
 
 
 def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """A deep copy of ``ep`` (graph, state, signature) with its node names kept:
+    """A deep copy of ``ep`` (graph, state, signature) with its node names kept, and
+    valid (:func:`bnswap._graph.check_program`: a program whose signature spells a
+    placeholder or output otherwise, because a deep copy of it renamed one, is mended; any
+    other invalid program raises torch's error here, before anything is rewritten).
     ``copy.deepcopy`` renames a node that shadows a Python builtin (``input`` becomes
-    ``input_1``), which its signature then does not name (SpecViolationError). torch's
-    own deep copy of a program warns about torch's pytree API (torch 2.13: a
-    FutureWarning from ``copyreg``), which the user cannot act on: not shown."""
+    ``input_1``). torch's own deep copy of a program warns about torch's pytree API
+    (torch 2.13: a FutureWarning from ``copyreg``), which the user cannot act on: not
+    shown."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
                                 category=FutureWarning)
@@ -470,9 +485,12 @@ def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     for old, n in zip(ep.graph.nodes, new.graph.nodes, strict=True):
         if n.name != old.name:
             n.name = old.name  # (torch.export names its placeholders the same way)
+            if n.op == "placeholder":
+                n.target = old.target
             renamed = True
     if renamed:
         new.graph_module.recompile()
+    check_program(new, repair=True)
     return new
 
 

@@ -70,14 +70,21 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     assert "aten::_batch_norm_with_update_functional" in s["compile_aot_eager"]["bnswap"]["aten_ops"]
     assert "aten::_native_batch_norm_legit_functional" in s["compile_aot_eager"]["stock"]["aten_ops"]
     assert s["eager"]["ok"] is None and "need CUDA" in s["eager"]["note"]
-    # graphs captured on the CPU run on another device (meta) without CPU leftovers
-    assert s["exported"]["moved_to_meta"] == {"bnswap": "ok", "stock": "ok"}
+    # graphs captured on the CPU, moved as users move them (ep.module().to(device),
+    # graph_module.to(device)), run on another device (meta) without CPU leftovers
+    e = s["exported"]
+    assert e["moved_to"] == "meta" and e["ok"] is True
+    for part in ("forward_decomposed", "joint"):
+        assert {k: e[part][k]["ran_on"] for k in ("bnswap", "stock")} == {
+            "bnswap": "meta", "stock": "meta"}
+    assert "aten::batch_norm_backward" in e["joint"]["bnswap"]["aten_ops"]
     # a stock program converted by bnswap.convert: the consolidated ops, bitwise on the
-    # CPU, and movable to another device
+    # CPU, and moved with move_to_device_pass
     c = s["converted_program"]
     assert c["graph_ops"]["stock"] == ["aten.batch_norm.default"]
     assert c["graph_ops"]["bnswap"] == ["aten._batch_norm_with_update.default"]
-    assert c["bitwise_equal_on_cpu"] is True and c["moved_to_meta"] == "ok" and c["ok"]
+    assert c["bitwise_equal_on_cpu"] is True and c["ok"] is True
+    assert c["bnswap"]["ran_on"] == c["stock"]["ran_on"] == "meta"
     # the exported joint graph trains exactly like eager on the CPU (same native kernel)
     t = s["training"]["summary"]
     assert t["exported_bnswap"]["max_abs_diff_vs_eager"] == 0.0
@@ -86,6 +93,39 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     assert s["sync"]["backend"] == "gloo" and s["sync"]["ok"] is True
     assert s["sync"]["bnswap"]["aten_ops"] == ["aten::_batch_norm_no_update"]
     assert gpu_dry["all_ok"] is True
+
+
+def test_gpu_check_dry_moves_every_kind_of_layer_as_users_do(gpu_dry):
+    """Guards issue 25's GPU check: every affine x track_running_stats combination, train
+    and eval, three programs (stock's, a converted model exported, bnswap.convert of
+    stock's), moved with ep.module().to(device) and move_to_device_pass, and the joint
+    graph with graph_module.to(device): each runs on the meta device (dry) with stock's
+    output shape, dtype and device, recording the batch-norm ops it ran. With bnswap's
+    stand-ins on a literal device (the defect) the section errs."""
+    m = gpu_dry["sections"]["moved_programs"]
+    assert m["status"] == "ok" and m["ok"] is True and m["moved_to"] == "meta"
+    assert len(m["cases"]) == 8
+    for key, case in m["cases"].items():
+        moves = ("module_to", "move_to_device_pass") + (("joint",) if "train" in key else ())
+        for move in moves:
+            progs = ("bnswap_exported", "stock") if move == "joint" else (
+                "bnswap_exported", "bnswap_converted", "stock")
+            for prog in progs:
+                assert case[move][prog]["ran_on"] == "meta", (key, move, prog)
+            bn_ops = case[move]["bnswap_exported"]["aten_ops"]
+            assert any("_batch_norm_with_update" in o or "_batch_norm_no_update" in o
+                       for o in bn_ops), (key, move, bn_ops)
+        assert set(case["vs_stock"].values()) == {"same shape, dtype, device"}, key
+
+
+def test_gpu_check_moves_graphs_as_users_do_and_rewrites_no_device_keyword():
+    """Issue 25: nothing in the GPU check (or the package) rewrites a graph's device
+    keywords before running it; the GPU check moves programs as users do."""
+    text = (ROOT / "benchmarks" / "gpu_check.py").read_text()
+    assert "_retarget" not in text and 'kwargs["device"]' not in text
+    assert ".module().to(self.target)" in text and "move_to_device_pass(" in text
+    for path in (ROOT / "bnswap").rglob("*.py"):
+        assert '"device":' not in path.read_text(), path
 
 
 def test_gpu_check_dry_fsdp2_bfloat16_step(gpu_dry):

@@ -150,8 +150,13 @@ def test_cuda_prediction_follows_torchs_rule_at_its_edges():
     # half input takes cuDNN only with float32 parameters (torch's rule): a float16 layer
     # runs native (it said Cudnn; a fresh user's review)
     assert plan_module.select_kernel(nn.BatchNorm2d(4).half(), "cuda") == "Native (predicted)"
+    # the core's stand-ins are made like the layer's running_mean (float16 here), so a
+    # float16 layer without affine parameters runs native too (it said Cudnn), and a
+    # float32 one fed half input (autocast) keeps cuDNN
     assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False).half(), "cuda") == \
-        "Cudnn (predicted)"  # the core passes float32 constants with half input on CUDA
+        "Native (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda") == \
+        "Cudnn (predicted)"
     assert plan_module.select_kernel(nn.BatchNorm2d(4).bfloat16(), "cuda") == "Native (predicted)"
     with torch.backends.cudnn.flags(enabled=False):
         assert plan_module.select_kernel(nn.BatchNorm2d(4), "cuda") == "Native (predicted)"
@@ -161,19 +166,29 @@ def test_cuda_prediction_follows_torchs_rule_at_its_edges():
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_constants_of_a_layer_without_tensors_follow_the_input(dtype, device):
     """Guards the dtype and device of the ones / zeros standing in for a missing weight,
-    bias and statistics (affine=False, track_running_stats=False): on the CPU the input's
-    dtype (stock's kernel runs in it); elsewhere float32, float64 for float64 input, so
-    half input keeps cuDNN selectable. The meta device stands in for a GPU here."""
+    bias and statistics (affine=False, track_running_stats=False): the input's, on every
+    device (stock's kernel runs in it; a graph captured from the layer must carry no
+    dtype or device of bnswap's own, issue 25). A float16 layer of this kind runs the
+    native kernel on a GPU, as stock's (cuDNN wants float32 parameters for half input,
+    and stock passes none). The meta device stands in for a GPU here."""
     bn = bnswap.convert(nn.BatchNorm2d(3, affine=False, track_running_stats=False))
     with Recorder() as rec:
         out = bn(torch.randn(4, 3, 2, 2, device=device).to(dtype))
     (_, args), = rec.calls
-    if device == "cpu":
-        expect = dtype
-    else:
-        expect = torch.float64 if dtype == torch.float64 else torch.float32
-    assert [(a.dtype, a.device.type) for a in args[1:5]] == [(expect, device)] * 4
+    assert [(a.dtype, a.device.type) for a in args[1:5]] == [(dtype, device)] * 4
     assert out.dtype == dtype and out.device.type == device
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_constants_of_a_layer_with_statistics_follow_them(dtype):
+    """Guards: an affine=False layer's stand-in weight and bias take its running_mean's
+    dtype and device (float32 statistics with half input: stock's mixed-dtype path, and
+    cuDNN selectable on a GPU), whatever the input's dtype."""
+    bn = bnswap.convert(nn.BatchNorm2d(3, affine=False).to("meta"))
+    with Recorder() as rec:
+        bn(torch.randn(4, 3, 2, 2, device="meta").to(dtype))
+    (_, args), = rec.calls
+    assert [(a.dtype, a.device.type) for a in args[1:3]] == [(torch.float32, "meta")] * 2
 
 
 @pytest.mark.parametrize("missing", ["weight", "bias"])
