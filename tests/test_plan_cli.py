@@ -15,6 +15,7 @@ pytest.importorskip("lightning.pytorch")
 import bnswap  # noqa: E402
 from bnswap.app import plan_cli  # noqa: E402
 from tests import plan_models  # noqa: E402
+from tests._helpers import run_bnswap  # noqa: E402
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -118,12 +119,7 @@ def test_usage_errors_exit_2(capsys, args):
 
 
 def test_the_console_script_exits_with_the_plans_status(tmp_path):
-    cmd = [sys.executable, "-m", "bnswap.app.cli", "plan", "--model",
-           "tests.plan_models.mixed_net"]
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    proc = run_bnswap(["plan", "--model", "tests.plan_models.mixed_net"])
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "bnswap plan: 2 of 4 BatchNorm layers swapped, 2 skipped" in proc.stdout
 
@@ -168,7 +164,7 @@ def test_a_closed_pipe_is_not_an_error(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "bnswap.app.cli", "plan", "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "_bnswap_command", "plan", "--config",
                              "digits_mobilenetv2.yaml"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=root)
     proc.stdout.close()  # the reader leaves before the table is written
