@@ -15,6 +15,7 @@ Not an API: users run ``bnswap`` (or ``python -m _bnswap_command``).
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import sys
@@ -22,7 +23,7 @@ import warnings
 from collections.abc import Sequence
 
 __all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "SUBCOMMANDS", "help_text",
-           "import_from_cwd", "main"]
+           "import_from_cwd", "main", "unknown_subcommand", "usage_line"]
 
 #: Every subcommand of the console script, with its one-line help.
 SUBCOMMANDS = {
@@ -33,7 +34,7 @@ SUBCOMMANDS = {
     "compare": "train each config in turn (stock vs bnswap by default), plot them "
                "(runs/compare.png, .json) and print seconds per epoch",
     "plan": "show what bnswap would swap in a model, before training (exit 3 if a layer "
-            "would be skipped)",
+            "would be skipped that was not excluded)",
     "convert": "convert a torch.export program file (.pt2) to the consolidated batch-norm "
                "ops: bnswap convert model.pt2 -o model_bnswap.pt2",
 }
@@ -51,7 +52,7 @@ def help_text() -> str:
     """``bnswap --help``: the usage line and one line per subcommand."""
     width = max(map(len, SUBCOMMANDS))
     return "\n".join([
-        "usage: bnswap [-h] [-V] {" + ",".join(SUBCOMMANDS) + "} ...",
+        usage_line(),
         "",
         "bnswap: train with BatchNorm on PyTorch's consolidated batch-norm ops (or ONNX "
         "Runtime's), and inspect what it swaps.",
@@ -63,6 +64,30 @@ def help_text() -> str:
         "version; "
         + ", ".join(LIGHTNING_SUBCOMMANDS) + f" need Lightning ({LIGHTNING_EXTRA}).",
     ])
+
+
+def usage_line() -> str:
+    """The first line of ``bnswap --help`` (argparse's ``usage:``)."""
+    return "usage: bnswap [-h] [-V] {" + ",".join(SUBCOMMANDS) + "} ..."
+
+
+def unknown_subcommand(name: str) -> str:
+    """The error for ``bnswap NAME`` with no such subcommand: the closest one
+    (:func:`difflib.get_close_matches`, as argparse does from Python 3.12 and git does),
+    else the choices.
+
+    Examples::
+
+        >>> unknown_subcommand("plann")
+        "bnswap: error: unknown subcommand 'plann'; did you mean 'plan'?"
+        >>> unknown_subcommand("nope")
+        "bnswap: error: unknown subcommand 'nope' (choose from train, validate, test, \
+predict, compare, plan, convert)"
+    """
+    close = difflib.get_close_matches(name.lower(), SUBCOMMANDS, n=1)
+    if close:
+        return f"bnswap: error: unknown subcommand {name!r}; did you mean {close[0]!r}?"
+    return f"bnswap: error: unknown subcommand {name!r} (choose from {', '.join(SUBCOMMANDS)})"
 
 
 def import_from_cwd() -> None:
@@ -92,8 +117,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: ``plan`` / ``convert`` go to :mod:`bnswap.app.plan_cli`, the
     Lightning subcommands to :func:`bnswap.app.cli.run_lightning_subcommand`.
 
-    Exits with status 2 on usage errors (an unknown subcommand, none, a Lightning
-    subcommand without Lightning installed)."""
+    Exits with status 2 on usage errors (an unknown subcommand: the usage line and a
+    "did you mean"; none: the help; a Lightning subcommand without Lightning
+    installed)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:  # as argparse does for a missing subcommand: usage error
         print(help_text(), file=sys.stderr)
@@ -104,9 +130,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args[0] in ("-V", "--version"):
         print(f"bnswap {_version()}")
         return
-    if args[0] not in SUBCOMMANDS:
-        print(help_text(), file=sys.stderr)
-        print(f"\nbnswap: error: unknown subcommand {args[0]!r}", file=sys.stderr)
+    if args[0] not in SUBCOMMANDS:  # argparse's two lines: the usage, the error
+        print(f"{usage_line()}\n{unknown_subcommand(args[0])}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     import_from_cwd()  # the user's own modules (`--model mymodels.Net`)
     # torch built with NumPy support, imported where NumPy is not installed (bnswap needs

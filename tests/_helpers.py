@@ -186,3 +186,20 @@ def imported_modules(importtime_stderr: str) -> set[str]:
     """The modules a ``python -X importtime`` run imported, read from its stderr."""
     return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()
             if line.startswith("import time:") and "cumulative" not in line}
+
+
+def run_bnswap(args: list[str], cwd: Any = ROOT, timeout: float = 300,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``bnswap ARGS`` through the installed console script (the ``bnswap`` executable
+    next to this interpreter; ``python -m _bnswap_command`` where there is none), with
+    this checkout first on ``PYTHONPATH`` (so its ``bnswap`` and front door run, from any
+    ``cwd``) and one OpenMP thread; ``capture_output``, ``text``, within ``timeout``."""
+    import shutil
+
+    exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "_bnswap_command"]
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env=env)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests._helpers import imported_modules
+from tests._helpers import imported_modules, run_bnswap
 
 pytest.importorskip("lightning.pytorch")
 
@@ -55,7 +55,7 @@ def test_configs_differ_only_by_the_callback():
 
 def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
-    cmd = [exe] if exe else [sys.executable, "-m", "bnswap.app.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "_bnswap_command"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, "train", "--config", str(CONFIG), *tiny(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
@@ -83,7 +83,7 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
                                                                  monkeypatch):
     """From a folder with no configs/ (the shipped ones are used), without LightningCLI's
     "args parameter" warning; the legend names the backend; seconds per epoch printed."""
-    from bnswap.app.cli import main
+    from _bnswap_command import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["bnswap", "compare", "--out", "cmp.png"])
@@ -142,9 +142,8 @@ def test_csv_logs_follow_default_root_dir(tmp_path):
 def test_a_wrong_backend_fails_while_parsing_in_two_lines(tmp_path):
     """Guards: `--trainer.callbacks.init_args.backend cuda` printed 83 lines of traceback
     after `Seed set to 0`."""
-    proc = subprocess.run([sys.executable, "-m", "bnswap.app.cli", "train", "--config",
-                           "digits_mobilenetv2.yaml", "--trainer.callbacks.init_args.backend",
-                           "cuda"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_bnswap(["train", "--config", "digits_mobilenetv2.yaml",
+                       "--trainer.callbacks.init_args.backend", "cuda"], cwd=tmp_path)
     assert proc.returncode == 2
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) <= 2, lines
@@ -167,7 +166,7 @@ def test_wrong_values_fail_while_parsing_in_two_lines(capsys, monkeypatch, tmp_p
     """Guards: a wrong max_epochs or a stock config given a backend printed 9-12 lines of
     jsonargparse's Union report; an unknown arch failed after `Seed set to 0` with a
     74-line traceback (exit 1)."""
-    from bnswap.app.cli import main
+    from _bnswap_command import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
@@ -190,7 +189,7 @@ def test_the_callbacks_patterns_take_a_bare_pattern_or_a_list(capsys, monkeypatc
     """BNSwap(include=..., exclude=...) take one pattern or a list (``Patterns``); the
     train CLI gives the callback either form as typed (``bnswap plan`` refused a bare one
     until its options took the same forms: tests/test_plan_cli.py)."""
-    from bnswap.app.cli import main
+    from _bnswap_command import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
@@ -203,7 +202,7 @@ def test_the_callbacks_patterns_take_a_bare_pattern_or_a_list(capsys, monkeypatc
 
 
 def test_help_lists_every_subcommand(capsys):
-    from bnswap.app.cli import SUBCOMMANDS, main
+    from _bnswap_command import SUBCOMMANDS, main
 
     main(["--help"])
     out = capsys.readouterr().out
@@ -212,7 +211,7 @@ def test_help_lists_every_subcommand(capsys):
         assert any(line.strip().startswith(name + " ") for line in out.splitlines()), name
 
 
-@pytest.mark.parametrize("args, code", [(["--help"], 0), (["nope"], 2), ([], 2)])
+@pytest.mark.parametrize("args, code", [(["--help"], 0), (["nope"], 2), (["plann"], 2), ([], 2)])
 def test_the_front_door_imports_no_torch(args, code):
     """Issue 21, item 1: ``bnswap --help``, a mistyped subcommand and a bare ``bnswap``
     answer without importing torch (1.7 s here) or anything of the package; ``bnswap
@@ -345,7 +344,7 @@ def test_values_refused_after_parsing_fail_before_training_in_two_lines(
     checkpoint passed parsing and ended in 29-70-line tracebacks (exit 1); no config said
     "bnswap: error: ... required: train.data, train.model"; a file that is not a config was
     echoed whole; compare trained its first config before finding the second missing."""
-    from bnswap.app.cli import main
+    from _bnswap_command import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("root:x:0:0:root:/root:/bin/bash\n" * 30)
@@ -361,7 +360,7 @@ def test_values_refused_after_parsing_fail_before_training_in_two_lines(
 
 def test_compare_takes_configs_one_by_one_or_as_a_list(capsys):
     """Guards the README's ``--configs A.yaml B.yaml``: only a JSON list parsed."""
-    from bnswap.app.cli import main
+    from _bnswap_command import main
 
     for configs in (["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"],
                     ['["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"]']):
@@ -375,7 +374,7 @@ def test_compare_takes_configs_one_by_one_or_as_a_list(capsys):
 
 def test_no_subcommand_is_a_usage_error(capsys):
     """argparse's convention: help on stderr, exit 2 (it exited 0)."""
-    from bnswap.app.cli import SUBCOMMANDS, main
+    from _bnswap_command import SUBCOMMANDS, main
 
     with pytest.raises(SystemExit) as exit_:
         main([])
@@ -432,7 +431,7 @@ def test_ort_config_without_onnx_runtime_is_a_usage_error(capsys, monkeypatch, t
     installed ended in a 41-line ORTNotAvailableError traceback (exit 1) once fit began."""
     import importlib
 
-    from bnswap.app.cli import main
+    from _bnswap_command import main
 
     ort = importlib.import_module("bnswap.ort")
     monkeypatch.setattr(ort, "is_available", lambda: False)
@@ -446,3 +445,41 @@ def test_ort_config_without_onnx_runtime_is_a_usage_error(capsys, monkeypatch, t
         "bnswap train: error: trainer.callbacks: BNSwap(backend='ort') needs ONNX Runtime "
         f"training and torch-ort: {ort.INSTALL}", "(bnswap train --help lists every option)"]
     assert not list(tmp_path.rglob("*.csv"))  # nothing trained
+
+
+def test_a_mistyped_subcommand_gets_a_did_you_mean_not_the_whole_help():
+    """Guards issue 26: ``bnswap plann`` printed the whole help (13 lines) and "unknown
+    subcommand". argparse's two lines instead: the usage, then the closest subcommand
+    (difflib, as argparse does from Python 3.12 and git does) or the choices."""
+    import _bnswap_command
+
+    usage = _bnswap_command.usage_line()
+    assert _bnswap_command.help_text().splitlines()[0] == usage
+    for typed, error in (("plann", "unknown subcommand 'plann'; did you mean 'plan'?"),
+                         ("trian", "unknown subcommand 'trian'; did you mean 'train'?"),
+                         ("nope", "unknown subcommand 'nope' (choose from "
+                                  + ", ".join(_bnswap_command.SUBCOMMANDS) + ")")):
+        p = run_bnswap([typed], timeout=120)
+        assert (p.returncode, p.stdout, p.stderr) == (2, "", f"{usage}\nbnswap: error: {error}\n")
+
+
+def test_the_front_door_alone_holds_the_subcommand_table():
+    """Guards issue 26's house row: ``bnswap.app.cli`` imported the front door (its table
+    and ``main``) while the front door imports it to dispatch. Nothing in the package
+    imports ``_bnswap_command``; the Lightning parser knows its own subcommands, which
+    are the front door's Lightning ones."""
+    import ast
+
+    import _bnswap_command
+    from bnswap.app.cli import BNSwapCLI
+
+    importers = []
+    for path in sorted((ROOT / "bnswap").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) else
+                     [node.value] if isinstance(node, ast.Constant) else [])
+            if "_bnswap_command" in names:  # (a static import, or import_module's string)
+                importers.append(str(path.relative_to(ROOT)))
+    assert importers == []
+    assert [*BNSwapCLI.subcommands(), "compare"] == list(_bnswap_command.LIGHTNING_SUBCOMMANDS)

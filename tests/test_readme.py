@@ -2,7 +2,8 @@
 ``bnswap --help`` line of its ``bash`` blocks, from a folder holding the user's own
 ``mymodels.py`` (the README's example). Lines naming torchvision or timm run where those
 are installed (``.venv-zoo``). The exit status is the value checked: 0 means every
-BatchNorm layer of that model is swapped (3 if one is skipped, 2 on a usage error)."""
+BatchNorm layer of that model is swapped, or left out by the line's ``--include`` /
+``--exclude`` (3 if one is skipped that bnswap cannot swap, 2 on a usage error)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ def test_readme_line_runs_as_written(line, tmp_path):
     first = p.stdout.lstrip("*").splitlines()[0]
     if "--help" in line:
         assert first.startswith("usage: bnswap")
+    elif "--exclude" in line or "--include" in line:  # exit 0: skipped only on purpose
+        n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers swapped, (\d+) skipped",
+                     first)
+        assert n and int(n.group(1)) + int(n.group(3)) == int(n.group(2)), first
+        skipped = [ln for ln in p.stdout.splitlines()[3:] if ln.split()[2:3] == ["skip"]]
+        assert len(skipped) == int(n.group(3)) > 0 and all(
+            "excluded by" in ln or "not matched by include" in ln for ln in skipped), skipped
     else:
         n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers swapped, 0 skipped", first)
         assert n and n.group(1) == n.group(2) and int(n.group(1)) > 0, first

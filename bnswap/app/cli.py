@@ -1,4 +1,10 @@
-"""The ``bnswap`` console script (``bnswap --help`` lists the subcommands).
+"""The Lightning subcommands of the ``bnswap`` console script (``bnswap --help`` lists
+every subcommand).
+
+The console script's front door, ``_bnswap_command`` (outside the package: it imports
+no torch), holds the subcommand table and dispatches here (:func:`run_lightning_subcommand`)
+and to :mod:`bnswap.app.plan_cli`; this module never imports it back. Run them as
+``bnswap SUBCOMMAND`` (or ``python -m _bnswap_command SUBCOMMAND``).
 
 ``bnswap train --config configs/digits_mobilenetv2.yaml``
     LightningCLI (jsonargparse): trains the configured model on the configured data.
@@ -41,15 +47,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
-# the front door: its table, and `main` for `python -m bnswap.app.cli` and callers of
-# `bnswap.app.cli.main` (it dispatches the Lightning subcommands back to this module)
-from _bnswap_command import SUBCOMMANDS, main
 from bnswap.app.messages import short_error
 from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
-__all__ = ["BNSwapCLI", "CompareUsageError", "SUBCOMMANDS", "Trainer", "compare", "main", "plot",
+__all__ = ["BNSwapCLI", "CompareUsageError", "Trainer", "compare", "plot",
            "run_lightning_subcommand", "run_train"]
 
 #: ``ckpt_path`` values Lightning resolves itself (not file names).
@@ -96,7 +99,7 @@ class _Parser(LightningArgumentParser):
             # the top parser reports a subcommand's missing options as "train.model"
             keys = [k.strip() for k in missing.group("keys").split(",")]
             sub = keys[0].split(".", 1)[0]
-            if sub in SUBCOMMANDS and all(k.startswith(sub + ".") for k in keys):
+            if sub in BNSwapCLI.subcommands() and all(k.startswith(sub + ".") for k in keys):
                 prog = f"bnswap {sub}"
                 message = ("missing " + ", ".join("--" + k.split(".", 1)[1] for k in keys)
                            + " (a config gives them: --config digits_mobilenetv2.yaml)")
@@ -502,5 +505,7 @@ def run_lightning_subcommand(args: list[str], from_sys_argv: bool) -> None:
             sys.argv = saved
 
 
-if __name__ == "__main__":  # pragma: no cover
-    main()
+if __name__ == "__main__":  # pragma: no cover - the entry point is the front door
+    print("bnswap.app.cli: error: no command of its own: run bnswap SUBCOMMAND (bnswap "
+          "--help lists them), or python -m _bnswap_command SUBCOMMAND", file=sys.stderr)
+    sys.exit(2)

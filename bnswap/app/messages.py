@@ -54,6 +54,13 @@ def short_error(message: str) -> str:
         ...             '  Given value: mymodels.Net')
         "model: parameter 'width' of mymodels.Net has no type annotation, so its value
         cannot be parsed: annotate it (e.g. width: int)"
+        >>> short_error('Does not validate against any of the Union subtypes\\n'
+        ...             "Subtypes: [<class 'torch.nn.modules.module.Module'>]\\n"
+        ...             'Errors:\\n'  # a class that asserts on its argument
+        ...             "  - Problem with given class_path 'mymodels.Checked':\\n"
+        ...             '      width must be positive, got -2\\n'
+        ...             "Given value: Namespace(class_path='mymodels.Checked')")
+        'width must be positive, got -2'
     """
     lines = [ln for ln in message.splitlines() if ln.strip()]
     if not lines:
@@ -128,7 +135,11 @@ def _explain(lines: list[str], path: list[str]) -> str | None:
         return _explain(rest, [*path, m.group("key")]) if rest else None
     if m := _CLASS_PATH.fullmatch(head):
         rest = ([m.group("rest")] if m.group("rest") else []) + _body(lines)
-        return _explain(rest, path) if rest else None
+        if not rest:
+            return None
+        # what the class raised (an AssertionError: "width must be positive"), when
+        # nothing more specific names an option
+        return _explain(rest, path) or f"{_where(path)}{_first_line(rest[0])}"
     if head == _UNION:
         return _union(lines, path)
     if m := _UNTYPED.fullmatch(head):

@@ -20,9 +20,15 @@ here. Nothing is trained, no data is loaded, no Trainer is built.
 ``--program`` plans a ``torch.export.save`` file node by node (what ``bnswap convert
 model.pt2 -o model_bnswap.pt2`` does to it: :func:`convert_main`).
 
-Exit status: 0 when every BatchNorm layer (or batch-norm node) would be swapped, 3 when
-some would be skipped or the backend would refuse the model (``--backend ort`` with an
-uninitialized lazy layer; so CI can gate on it), 2 on usage errors.
+``--sync_batchnorm`` plans ``bnswap.plan(..., sync_batchnorm=True)``: every
+``BatchNorm1d/2d/3d`` becomes a synchronized ``SyncBatchNorm`` (the table's ``sync``
+column); with ``--config``, the config's ``trainer.sync_batchnorm`` unless given here.
+
+Exit status: 0 when every BatchNorm layer (or batch-norm node) would be swapped or was
+left out on purpose (``--include`` / ``--exclude``, or the config's callback's patterns),
+3 when bnswap would skip one it cannot swap or the backend would refuse the model
+(``--backend ort`` with an uninitialized lazy layer, or with any layer left stock; so CI
+can gate on it), 2 on usage errors.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import sys
 import warnings
 from argparse import ArgumentError
 from collections.abc import Sequence
-from typing import Any, Literal
+from types import ModuleType
+from typing import Any, Literal, get_type_hints
 
 import torch
 import yaml
@@ -74,8 +81,9 @@ def _parser(factory: Any = None) -> ArgumentParser:
     p = ArgumentParser(
         prog="bnswap plan", exit_on_error=False, formatter_class=_HelpFormatter,
         description="Show what bnswap would swap in a model (no training, no data). Exit "
-                    "status 0: every BatchNorm layer swapped; 3: some skipped; 2: usage "
-                    "error.")
+                    "status 0: every BatchNorm layer swapped or excluded on purpose "
+                    "(--include / --exclude); 3: some skipped that bnswap cannot swap, or "
+                    "the backend would refuse the model; 2: usage error.")
     if factory is not None:
         p.add_argument("--model", type=str)
         p.add_function_arguments(factory, "model_args", fail_untyped=False)
@@ -105,6 +113,11 @@ def _parser(factory: Any = None) -> ArgumentParser:
     p.add_argument("--device", type=str | None, default=None,
                    help="the device for the kernel column (e.g. cuda); one that is not "
                         "present here is predicted from torch's rule, and the output says so")
+    p.add_argument("--sync_batchnorm", type=bool, nargs="?", const=True, default=None,
+                   help="plan bnswap.plan(..., sync_batchnorm=True): every BatchNorm1d/2d/3d "
+                        "becomes a synchronized SyncBatchNorm (the sync column); "
+                        "--sync_batchnorm alone is true; default: the config's "
+                        "trainer.sync_batchnorm, else false")
     p.add_argument("--format", type=Format, default="table",
                    help="table (aligned text), json (one object per layer and a summary), "
                         "markdown (for pull requests)")
@@ -190,17 +203,104 @@ def _missing_factory_args(fn: Any, argv: Sequence[str], cfg: Any) -> str | None:
             + " ".join(f"--model.{n} VALUE" for n in missing))
 
 
+class _FactoryError(ValueError):
+    """A plain factory (``--model`` naming a function with no return annotation) raised
+    while building the model: the message names the call and the values it got."""
+
+
 def _build_factory(fn: Any, args: Any) -> nn.Module:
+    """Call the plain factory ``fn`` with the parsed ``--model.NAME`` values.
+
+    Raises:
+        _FactoryError: (a ValueError) ``fn`` raised any Exception but an ImportError (a
+            missing package: :func:`main` names it), as jsonargparse reports what a
+            class raises while it is built (one line, exit 2, not a traceback).
+        TypeError: ``fn`` returned no ``nn.Module``.
+    """
     given = getattr(args, "model_args", None)  # absent when the function takes nothing
     kwargs = dict(vars(given)) if given is not None else {}
     try:
         model = fn(**kwargs)
-    except (ValueError, TypeError) as e:  # say which call: its values may be unparsed
+    except ImportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - say which call: its values may be unparsed
         call = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise type(e)(f"{args.model}({call}) raised {type(e).__name__}: {e}") from e
+        raise _FactoryError(f"{args.model}({call}) raised {type(e).__name__}: {e}") from e
     if not isinstance(model, nn.Module):
         raise TypeError(f"{args.model} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+#: Most names listed for a ``--model`` that is a module (``torch.nn`` holds hundreds).
+_MAX_LISTED = 6
+
+
+def _returns_no_module(fn: Any) -> bool:
+    """Whether ``fn``'s return annotation names a class that is no ``nn.Module`` (an
+    unannotated or unresolvable one may return a module)."""
+    try:
+        ret = get_type_hints(fn).get("return")
+    except Exception:  # noqa: BLE001 - a string annotation that does not resolve
+        return False
+    return inspect.isclass(ret) and not issubclass(ret, nn.Module)
+
+
+def _models_in(module: ModuleType) -> list[str]:
+    """The dotted paths of what ``module`` holds that ``--model`` takes: its public
+    ``nn.Module`` classes and functions (its ``__all__``, else those defined in it or
+    its submodules), a function annotated to return something else left out."""
+    exported = getattr(module, "__all__", None)
+    names = list(exported) if exported is not None else [n for n in vars(module)
+                                                         if not n.startswith("_")]
+    found = []
+    for name in names:
+        obj = getattr(module, name, None)
+        home = getattr(obj, "__module__", None) or ""
+        if exported is None and home != module.__name__ and not home.startswith(
+                module.__name__ + "."):
+            continue  # imported into it (from torch import nn: nn.Module)
+        if (inspect.isclass(obj) and issubclass(obj, nn.Module)) or (
+                inspect.isfunction(obj) and not _returns_no_module(obj)):
+            found.append(f"{module.__name__}.{name}")
+    return found
+
+
+def _module_error(argv: Sequence[str]) -> str | None:
+    """The usage error for ``--model`` naming a module (``--model mymodels``), which
+    jsonargparse reports as "expected Module or None": it is a module, and the classes
+    and functions in it that ``--model`` takes. None when ``--model`` names no module."""
+    path = _model_path(argv)
+    if not path or path.lstrip().startswith("{"):
+        return None
+    try:
+        module = importlib.import_module(path)
+    except Exception:  # noqa: BLE001 - not a module (mymodels.Net), or it fails to
+        return None   # import: jsonargparse reports it as for any path
+    found = _models_in(module)
+    if not found:
+        return (f"model: {path} is a module, not a model, and holds no nn.Module class or "
+                "function; give a class, or a function that returns a module: --model "
+                f"{path}.NAME")
+    more = f", ... ({len(found)} in all)" if len(found) > _MAX_LISTED else ""
+    return (f"model: {path} is a module, not a model; give a class or function in it: "
+            f"{', '.join(found[:_MAX_LISTED])}{more}")
+
+
+#: Device types named in the error for one torch does not know (torch lists 20).
+_DEVICE_EXAMPLES = "cpu, cuda, cuda:1, mps, xpu, meta"
+
+
+def _device_error(device: str) -> str | None:
+    """The usage error for a ``--device`` torch does not read (``tpu``, ``cuda:x``), in
+    one line (torch's names all 20 device types), or None."""
+    try:
+        torch.device(device)
+    except RuntimeError as e:
+        if str(e).startswith("Expected one of"):
+            return (f"device: {device.partition(':')[0]!r} is not a device type torch knows "
+                    f"(e.g. {_DEVICE_EXAMPLES})")
+        return f"device: {device!r}: {short_error(str(e))} (e.g. {_DEVICE_EXAMPLES})"
+    return None
 
 
 def _instantiate(parser: Any, cfg: Any) -> Any:
@@ -209,9 +309,10 @@ def _instantiate(parser: Any, cfg: Any) -> Any:
     return getattr(parser, "instantiate", parser.instantiate_classes)(cfg)
 
 
-def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None]:
-    """The model of a ``bnswap train`` config, and its BNSwap callback's arguments (None
-    when the config has no BNSwap callback: training it swaps nothing)."""
+def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None, bool]:
+    """The model of a ``bnswap train`` config, its BNSwap callback's arguments (None
+    when the config has no BNSwap callback: training it swaps nothing), and its
+    ``trainer.sync_batchnorm`` (with BNSwap, training synchronizes every layer)."""
     with open(resolve_config(path)) as f:
         try:
             cfg = yaml.safe_load(f) or {}
@@ -229,10 +330,11 @@ def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None]:
     if callable(configure):  # a LightningModule that builds its layers there
         configure()
     swap: dict[str, Any] | None = None
-    for cb in (cfg.get("trainer") or {}).get("callbacks") or []:
+    trainer = cfg.get("trainer") or {}
+    for cb in trainer.get("callbacks") or []:
         if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("BNSwap"):
             swap = dict(cb.get("init_args") or {})
-    return model, swap
+    return model, swap, trainer.get("sync_batchnorm") is True
 
 
 def _null(cell: str) -> str | None:
@@ -342,10 +444,37 @@ def _usage_error(message: str, command: str = "plan") -> int:
     return EXIT_USAGE
 
 
+def _left_out_on_purpose(row: Any) -> bool:
+    """Whether a skipped row (a layer's :class:`bnswap.PlanRow` or a program's
+    ``NodeRow``) was left out by the patterns given (``--include`` / ``--exclude``, a
+    config callback's), as its reason says: ``"excluded by 'head.*'"``, ``"not matched
+    by include"``, or a backward node whose forward node was (``"its forward node 'bn'
+    is left as it is (excluded by ...)"``); not a layer bnswap cannot swap."""
+    return _ON_PURPOSE.match(row.reason) is not None
+
+
+_ON_PURPOSE = re.compile(r"(?:its forward node '[^']*' is left as it is \()?"
+                         r"(?:excluded by |not matched by include)")
+
+
+def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
+    """:data:`EXIT_SOME_SKIPPED` when a row is skipped that was not left out on purpose
+    (:func:`_left_out_on_purpose`) or the backend refuses the model as planned (ORT with a
+    layer left stock, even an excluded one: ``Plan.refused``), else
+    :data:`EXIT_ALL_SWAPPED`."""
+    refused = getattr(plan, "refused", False)  # (a program plan has no backend to refuse)
+    if refused or not all(_left_out_on_purpose(r) for r in plan.skipped):
+        return EXIT_SOME_SKIPPED
+    return EXIT_ALL_SWAPPED
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``bnswap plan`` with ``argv`` (the arguments after ``plan``); return the exit
-    status (0 all swapped, 3 some skipped, 2 usage errors: printed to stderr)."""
+    status (0 all swapped or left out on purpose, 3 some skipped that bnswap cannot swap,
+    2 usage errors: printed to stderr; :func:`_exit_status`)."""
     argv = list(argv)
+    if "-h" not in argv and "--help" not in argv and (error := _module_error(argv)):
+        return _usage_error(error)
     factory = _plain_factory(argv)
     if factory is not None:  # its arguments: --model.NAME VALUE, as for a class
         argv = [a.replace("--model.", "--model_args.", 1) if a.startswith("--model.")
@@ -377,11 +506,18 @@ def main(argv: Sequence[str]) -> int:
     if cfg.program is not None and cfg.backend not in (None, "aten"):
         return _usage_error(f"--backend {cfg.backend} runs modules; a program converts to "
                             "the aten backend's ops only")
+    if cfg.program is not None and cfg.sync_batchnorm:
+        return _usage_error("--sync_batchnorm converts a model's BatchNorm layers; a "
+                            "program's batch-norm nodes have no process group (convert the "
+                            "model with sync_batchnorm=True, then export it)")
+    if cfg.device is not None and (error := _device_error(cfg.device)):
+        return _usage_error(error)  # (before the model is built)
+    synced = False
     try:
         if cfg.program is not None:
             model, swap = load_program(cfg.program), {}
         elif cfg.config is not None:
-            model, swap = _from_config(cfg.config)
+            model, swap, synced = _from_config(cfg.config)
         elif factory is not None:
             model, swap = _build_factory(factory, cfg), {}
         else:
@@ -398,23 +534,20 @@ def main(argv: Sequence[str]) -> int:
     except (OSError, ValueError, TypeError, ImportError) as e:
         # building --model raised: jsonargparse's Union report holds the reason
         return _usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
-    if cfg.device is not None:
-        try:
-            torch.device(cfg.device)
-        except RuntimeError as e:
-            return _usage_error(f"device: {e}")
     no_callback = swap is None
     swap = swap or {}
     backend = cfg.backend or swap.get("backend", "aten")
     include = cfg.include if cfg.include is not None else swap.get("include")
     exclude = cfg.exclude if cfg.exclude is not None else swap.get("exclude")
+    sync = {} if cfg.program is not None else {  # (programs.plan takes no such argument)
+        "sync_batchnorm": synced if cfg.sync_batchnorm is None else cfg.sync_batchnorm}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plan = bnswap.plan(model, backend, include=include, exclude=exclude,
-                               device=cfg.device)  # (a program: one row per node)
+                               device=cfg.device, **sync)  # (a program: one row per node)
     except (RuntimeError, ValueError, TypeError) as e:
-        return _usage_error(str(e))
+        return _usage_error(_WARNING_PREFIX.sub("", str(e)))  # (one "bnswap" prefix)
     _print_warnings(caught, "plan")  # a pattern that matches nothing: one line
     note = ""
     kernels = {r.kernel for r in plan.swapped}
@@ -439,8 +572,7 @@ def main(argv: Sequence[str]) -> int:
     except BrokenPipeError:  # `bnswap plan ... | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    refused = getattr(plan, "refused", False)  # (a program plan has no backend to refuse)
-    return EXIT_SOME_SKIPPED if plan.skipped or refused else EXIT_ALL_SWAPPED
+    return _exit_status(plan)
 
 
 #: torch.export.load's pointer to the warnings it logged (silenced here: the traceback of
@@ -478,8 +610,9 @@ def _convert_parser() -> ArgumentParser:
         prog="bnswap convert", exit_on_error=False,
         description="Convert a torch.export program file so that its batch-norm nodes run "
                     "PyTorch's consolidated ops (cuDNN on CUDA); prints the plan. Exit "
-                    "status 0: every node converted; 3: some left as they were; 2: usage "
-                    "error.")
+                    "status 0: every node converted or excluded on purpose (--include / "
+                    "--exclude); 3: some left as they were that bnswap cannot convert; 2: "
+                    "usage error.")
     p.add_argument("program", type=str, help="the program (torch.export.save, .pt2)")
     p.add_argument("-o", "--output", type=str, required=True,
                    help="where to write the converted program (.pt2)")
@@ -509,7 +642,8 @@ def _same_file(a: str, b: str) -> bool:
 def convert_main(argv: Sequence[str]) -> int:
     """Run ``bnswap convert PROGRAM -o OUTPUT`` with ``argv`` (the arguments after
     ``convert``): load, :func:`bnswap.convert`, ``torch.export.save``, print the plan.
-    Returns the exit status (0 all converted, 3 some left, 2 usage errors on stderr: a
+    Returns the exit status (0 all converted or left out by the patterns, 3 some left
+    that bnswap cannot convert (:func:`_exit_status`), 2 usage errors on stderr: a
     missing PROGRAM or ``-o/--output`` (named, with an example), an ``-o`` that is the
     input file (refused before anything is read: never overwritten), a file that is no
     program, a missing folder)."""
@@ -559,4 +693,4 @@ def convert_main(argv: Sequence[str]) -> int:
         return _usage_error(f"{cfg.output}: cannot be written ({reason[:160]})", "convert")
     table = render(plan, "table", f"wrote {cfg.output}")  # named for the command that ran
     print(re.sub(r"^bnswap plan:", "bnswap convert:", table, count=1))
-    return EXIT_SOME_SKIPPED if plan.skipped else EXIT_ALL_SWAPPED
+    return _exit_status(plan)
