@@ -45,3 +45,8 @@ def not_a_model():
 def lazy_net(width: int = 4) -> nn.Module:
     """An uninitialized LazyBatchNorm1d: aten swaps it; ORT cannot export it yet."""
     return nn.Sequential(nn.Linear(3, width), nn.LazyBatchNorm1d())
+
+
+def two_kinds() -> nn.Module:
+    """Two swappable layers (names 0 and 1), for include patterns."""
+    return nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm1d(2))

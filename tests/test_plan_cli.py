@@ -219,10 +219,20 @@ def test_a_pattern_that_matches_nothing_warns_in_one_line(capsys):
     """Guards the warning's form: Python's default printed the source path and line."""
     code, out, err = run(capsys, "--model", "tests.plan_models.plain_net", "--include",
                          '["nothing*"]')
-    # (exit 0: the layers were left out by the pattern given, which the warning names;
-    # issue 26)
-    assert code == 0 and "not matched by include" in out
+    # (exit 3: an include that matches no layer swaps nothing, a typo a CI gate must
+    # not pass; an include that matches some layers exits 0, issue 26)
+    assert code == 3 and "not matched by include" in out
     assert err == "bnswap plan: warning: include pattern 'nothing*' matches no BatchNorm layer\n"
+
+
+def test_an_include_that_chooses_some_layers_exits_0_and_one_that_chooses_none_3(capsys):
+    """Guards the include half of issue 26's exit rule: the layers an include leaves out
+    are left out on purpose (exit 0) when it chose some; an include that matched no
+    layer swaps nothing (exit 3, with its warning)."""
+    code, out, _ = run(capsys, "--model", "tests.plan_models.two_kinds", "--include", "0")
+    assert code == 0 and "not matched by include" in out, out
+    code, out, _ = run(capsys, "--model", "tests.plan_models.two_kinds", "--include", "9")
+    assert code == 3, out
 
 
 def test_a_config_that_is_no_yaml_is_a_usage_error(capsys, tmp_path):

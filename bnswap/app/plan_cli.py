@@ -459,12 +459,16 @@ _ON_PURPOSE = re.compile(r"(?:its forward node '[^']*' is left as it is \()?"
 
 def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
     """:data:`EXIT_SOME_SKIPPED` when a row is skipped that was not left out on purpose
-    (:func:`_left_out_on_purpose`) or the backend refuses the model as planned (ORT with a
-    layer left stock, even an excluded one: ``Plan.refused``), else
+    (:func:`_left_out_on_purpose`), the backend refuses the model as planned (ORT with a
+    layer left stock, even an excluded one: ``Plan.refused``), or ``--include`` matched
+    no layer at all (nothing would be swapped: a CI gate must not pass a typo), else
     :data:`EXIT_ALL_SWAPPED`."""
     refused = getattr(plan, "refused", False)  # (a program plan has no backend to refuse)
     if refused or not all(_left_out_on_purpose(r) for r in plan.skipped):
         return EXIT_SOME_SKIPPED
+    if not plan.swapped and any(r.reason.startswith("not matched by include")
+                                for r in plan.skipped):
+        return EXIT_SOME_SKIPPED  # an include that chose nothing: a typo, not a choice
     return EXIT_ALL_SWAPPED
 
 
