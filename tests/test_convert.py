@@ -131,8 +131,35 @@ def test_convert_is_idempotent():
     bnswap.convert(model)
     assert [type(m) for m in model.modules()] == classes
     rows = bnswap.plan(model)
-    assert all(r.action == "swap" for r in rows)
+    assert all(r.action == "keep" for r in rows)  # (issue 26: was "swap")
     assert {r.reason for r in rows} >= {"already swapped"}
+    assert rows.summary() == ("bnswap plan: 3 of 3 BatchNorm layers swapped, 0 skipped; 3 "
+                              "already swapped (keep): nothing would change")
+    assert repr(rows) == "Plan(0 swap, 3 keep, 0 skip)"
+
+
+def test_plan_of_a_converted_model_says_keep_and_apply_changes_only_what_is_new():
+    """Issue 26: the plan of an already converted model said ``swap`` ("already
+    swapped"), as if something would change. Its rows say ``keep``; a layer added since
+    says ``swap``; apply and convert swap only that one, keeping the others' forwards."""
+    model = net()
+    bnswap.convert(model)
+    forwards = [vars(m)["forward"] for m in bns(model)]
+    model.add_module("extra", nn.BatchNorm1d(4))
+    p = bnswap.plan(model)
+    assert [(r.action, r.reason, r.already) for r in p] == [
+        ("keep", "already swapped", True)] * 3 + [("swap", "-", False)]
+    assert [d["action"] for d in p.to_dicts()] == ["keep", "keep", "keep", "swap"]
+    assert [r.backend for r in p] == ["aten"] * 4 and len(p.swapped) == 4 and len(p.kept) == 3
+    assert p.summary() == ("bnswap plan: 4 of 4 BatchNorm layers swapped, 0 skipped; 3 "
+                           "already swapped (keep)")
+    assert str(p).splitlines()[3].split()[2] == "keep"
+    assert p.apply() is model
+    assert [vars(m)["forward"] for m in bns(model)][:3] == forwards
+    assert bnswap.is_swapped(model.extra)
+    assert [r.action for r in bnswap.plan(model)] == ["keep"] * 4
+    assert bnswap.convert(model) is model  # nothing to do, nothing said
+    assert [vars(m)["forward"] for m in bns(model)][:3] == forwards
 
 
 def test_root_batchnorm_is_converted():
@@ -507,9 +534,9 @@ def test_plan_rows_of_already_swapped_and_excluded_layers_hold_everything():
             r.device) for r in rows]
     cudnn = "Cudnn (predicted)" if not torch.cuda.is_available() else "Cudnn"
     assert got == [
-        ("0", "swap", "aten", "already swapped", batch_norm_forward, False, True, cudnn,
+        ("0", "keep", "aten", "already swapped", batch_norm_forward, False, True, cudnn,
          "cuda"),
-        ("1", "swap", "aten", "already swapped; uninitialized LazyBatchNorm2d: keeps the swap "
+        ("1", "keep", "aten", "already swapped; uninitialized LazyBatchNorm2d: keeps the swap "
          "when it initializes", batch_norm_forward, True, True, cudnn, "cuda"),
         ("2", "skip", "-", "excluded by '2'", None, False, False, "-", "cuda")]
     assert [r.module for r in rows] == list(model)
