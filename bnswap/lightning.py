@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from bnswap.backends import Backend, backend_named
 from bnswap.convert import convert, revert
+from bnswap.extras import install_hint
 from bnswap.layers import is_swapped
 from bnswap.plan import (
     Patterns,
@@ -47,8 +48,8 @@ except ImportError:  # exercised only without `lightning` (the install test)
         from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn  # type: ignore
     except ImportError:
         raise ModuleNotFoundError(
-            "bnswap.BNSwap needs Lightning, which is not installed: pip install "
-            "'bnswap[lightning]'", name="lightning") from None
+            "bnswap.BNSwap needs Lightning, which is not installed: "
+            + install_hint("lightning"), name="lightning") from None
 
 __all__ = ["BNSwap"]
 

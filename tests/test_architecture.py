@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "_warn": set(),
     "_rows": set(),
     "_log": set(),
+    "extras": set(),
     "_swap": {"functional"},
     "_graph": {"functional"},
     "layers": {"functional", "_swap"},
@@ -30,14 +31,14 @@ ALLOWED: dict[str, set[str]] = {
     "_compat": {"functional", "_swap", "_graph"},
     "programs": {"_graph", "_warn", "_rows", "_compat"},
     "registry": {"_swap", "layers", "adapters", "sync"},
-    "ort": {"functional", "_swap", "_log"},
+    "ort": {"functional", "_swap", "_log", "extras"},
     "backends": {"_swap", "ort"},
     "plan": {"_swap", "_warn", "_rows", "registry", "sync", "backends", "programs"},
     "convert": {"_swap", "_warn", "_log", "plan", "sync", "programs"},
-    "lightning": {"backends", "convert", "layers", "plan", "sync"},
+    "lightning": {"backends", "convert", "extras", "layers", "plan", "sync"},
     "__init__": {"functional", "_swap", "_graph", "layers", "_compat", "registry", "plan",
                  "convert", "lightning", "ort", "programs"},
-    "app": {"__init__", "lightning"},
+    "app": {"__init__", "lightning", "extras"},
 }
 PACKAGES = {"ort", "app", "adapters"}  # rooms that are folders: their modules may import
 # each other (cycles are still checked)

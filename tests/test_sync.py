@@ -302,7 +302,7 @@ def test_ddp_syncbn_example_without_scikit_learn_says_so_in_one_line(tmp_path):
     proc = _torchrun_example("--steps=1", f"--timeout_s={COLLECTIVE_TIMEOUT_S}",
                              timeout=120, path=(str(tmp_path),))
     line = ("examples/ddp_syncbn.py: needs scikit-learn for the digits data: pip install "
-            "scikit-learn (or pip install 'bnswap[lightning]')")
+            "scikit-learn")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stderr.count(line) in (1, 2), proc.stderr[-4000:]
     assert f'File "{EXAMPLE}"' not in proc.stderr and "ModuleNotFoundError" not in proc.stderr
