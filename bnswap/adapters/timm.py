@@ -22,14 +22,18 @@ it on torch's kernel while swapping its ``aux_bn`` children: a half-converted la
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from timm.layers import norm_act as _timm_norm_act
-from timm.layers import split_batchnorm as _timm_split_batchnorm
 from timm.layers.trace_utils import _assert
 from torch import Tensor
 
 from bnswap.functional import module_batch_norm
 from bnswap.sync import sync_batch_norm_forward
+
+if TYPE_CHECKING:  # (the module is imported when a model holds that class, not before)
+    from timm.layers import split_batchnorm as _timm_split_batchnorm
 
 __all__ = ["batch_norm_act_2d", "split_batch_norm_2d", "sync_batch_norm_act_2d"]
 
