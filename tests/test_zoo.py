@@ -235,6 +235,37 @@ def test_revert_restores_original_classes(lib, name, count, classes):
 
 # --- timm's BatchNormAct2d, layer by layer ----------------------------------------------
 
+def _layer_steps(stock: nn.Module, converted: nn.Module, shape: tuple[int, ...],
+                 fmt: torch.memory_format = torch.contiguous_format, steps: int = 3) -> None:
+    """``steps`` training steps of ``stock`` and ``converted`` on input of ``shape`` in
+    ``fmt`` (output and its memory format, input and parameter gradients, every buffer),
+    then an eval forward, all bitwise equal."""
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = (torch.randn(shape, generator=gen) * 2 + step).to(memory_format=fmt)
+        g = torch.randn(shape, generator=gen)
+        results = []
+        for model in (stock, converted):
+            model.train()
+            xi = x.clone().requires_grad_()
+            torch.manual_seed(step)
+            out = model(xi)
+            out.backward(g)
+            results.append((out, xi.grad, [p.grad for p in model.parameters()]))
+        (s_out, s_gx, s_gp), (c_out, c_gx, c_gp) = results
+        _assert_equal("output", s_out, c_out)
+        assert c_out.is_contiguous(memory_format=fmt) == s_out.is_contiguous(memory_format=fmt)
+        _assert_equal("input gradient", s_gx, c_gx)
+        for a, b in zip(s_gp, c_gp, strict=True):
+            _assert_equal("parameter gradient", a, b)
+        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers(), strict=True):
+            _assert_equal(n, a, b)
+    for model in (stock, converted):
+        model.eval()
+    with torch.no_grad():
+        _assert_equal("eval output", stock(x), converted(x))
+
+
 LAYER_CASES = {
     "default": {},
     "silu-dropout": {"act_layer": "silu", "drop_layer": nn.Dropout},
@@ -263,30 +294,7 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
     assert type(converted.act) is type(stock.act) and type(converted.drop) is type(stock.drop)
     assert list(converted.state_dict()) == list(stock.state_dict())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    gen = torch.Generator().manual_seed(1)
-    for step in range(3):  # momentum=None: cumulative average over 3 batches
-        x = (torch.randn(4, 6, 5, 5, generator=gen) * 2 + step).to(memory_format=fmt)
-        g = torch.randn(4, 6, 5, 5, generator=gen)
-        results = []
-        for model in (stock, converted):
-            model.train()
-            xi = x.clone().requires_grad_()
-            torch.manual_seed(step)
-            out = model(xi)
-            out.backward(g)
-            results.append((out, xi.grad, [p.grad for p in model.parameters()]))
-        (s_out, s_gx, s_gp), (c_out, c_gx, c_gp) = results
-        _assert_equal("output", s_out, c_out)
-        assert c_out.is_contiguous(memory_format=fmt) == s_out.is_contiguous(memory_format=fmt)
-        _assert_equal("input gradient", s_gx, c_gx)
-        for a, b in zip(s_gp, c_gp, strict=True):
-            _assert_equal("parameter gradient", a, b)
-        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers(), strict=True):
-            _assert_equal(n, a, b)
-    for model in (stock, converted):
-        model.eval()
-    with torch.no_grad():
-        _assert_equal("eval output", stock(x), converted(x))
+    _layer_steps(stock, converted, (4, 6, 5, 5), fmt)  # momentum=None: over 3 batches
 
     # timm asserts the rank; so does the adapter, before any state changes.
     converted.train()
@@ -306,34 +314,6 @@ SPLIT_CASES = {
     "three-splits-cumulative": {"num_splits": 3, "momentum": None},
     "no-affine": {"num_splits": 2, "affine": False},
 }
-
-
-def _split_steps(stock: nn.Module, converted: nn.Module, batch: int, channels: int,
-                 size: int = 5, steps: int = 3) -> None:
-    """``steps`` training steps (output, input and parameter gradients, every buffer) and
-    an eval forward of ``stock`` and ``converted``, bitwise equal."""
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x = torch.randn(batch, channels, size, size, generator=gen) * 2 + step
-        results = []
-        for model in (stock, converted):
-            model.train()
-            xi = x.clone().requires_grad_()
-            torch.manual_seed(step)
-            out = model(xi)
-            out.backward(torch.ones_like(out) + torch.arange(out.numel()).view_as(out) % 3)
-            results.append((out, xi.grad, [p.grad for p in model.parameters()]))
-        (s_out, s_gx, s_gp), (c_out, c_gx, c_gp) = results
-        _assert_equal("output", s_out, c_out)
-        _assert_equal("input gradient", s_gx, c_gx)
-        for a, b in zip(s_gp, c_gp, strict=True):
-            _assert_equal("parameter gradient", a, b)
-        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers(), strict=True):
-            _assert_equal(n, a, b)
-    for model in (stock, converted):
-        model.eval()
-    with torch.no_grad():
-        _assert_equal("eval output", stock(x), converted(x))
 
 
 @pytest.mark.parametrize("kwargs", list(SPLIT_CASES.values()), ids=list(SPLIT_CASES))
@@ -365,7 +345,7 @@ def test_timm_split_batchnorm_swapped_whole_and_bitwise(kwargs):
     assert type(converted) is SplitBatchNorm2d
     assert all(bnswap.is_swapped(m) for _, m in _bn_layers(converted))
     assert list(converted.state_dict()) == list(stock.state_dict())
-    _split_steps(stock, converted, batch=2 * splits, channels=6)
+    _layer_steps(stock, converted, (2 * splits, 6, 5, 5))
 
     # timm's errors, before any state changes: a batch the splits do not divide, 3D input
     stock.train(), converted.train()
