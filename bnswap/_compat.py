@@ -404,12 +404,11 @@ def _unswapped_sync_message(names: list[str]) -> str:
         "SyncBatchNorm layers only work with GPU modules: "
         f"{len(names)} torch.nn.SyncBatchNorm layer{'s are' if len(names) > 1 else ' is'} "
         f"not swapped by bnswap ({shown}). On the CPU only bnswap's swapped SyncBatchNorm "
-        "runs; these were made after bnswap.convert (by "
-        "torch.nn.SyncBatchNorm.convert_sync_batchnorm, timm's convert_sync_batchnorm or "
-        "Trainer(sync_batchnorm=True)) or excluded from it. Fix: bnswap.convert(model) after "
-        "the sync conversion, or bnswap.convert(model, sync_batchnorm=True) in its place; "
-        "with Lightning, BNSwap() in the Trainer's callbacks (it handles "
-        "Trainer(sync_batchnorm=True)); bnswap.plan(model) shows each layer")
+        "runs. Fix: bnswap.convert(model) after the sync conversion (torch's and timm's "
+        "convert_sync_batchnorm and Trainer(sync_batchnorm=True) make new, unswapped "
+        "layers), or bnswap.convert(model, sync_batchnorm=True) in its place, without "
+        "excluding them; with Lightning, BNSwap() in the Trainer's callbacks (it handles "
+        "Trainer(sync_batchnorm=True)). bnswap.plan(model) shows each layer")
 
 
 # ---------------------------------------------------------------------- the table

@@ -66,6 +66,8 @@ def test_torchrun_job_logs_the_plan_once_and_ddp_names_unswapped_sync_layers(tmp
             "SyncBatchNorm layers only work with GPU modules: 1 torch.nn.SyncBatchNorm layer "
             "is not swapped by bnswap ('features.0.1').")
         for e in (late, excluded):
-            assert ("Fix: bnswap.convert(model) after the sync conversion, or "
-                    "bnswap.convert(model, sync_batchnorm=True) in its place; with "
-                    "Lightning, BNSwap() in the Trainer's callbacks") in e["message"]
+            assert ("Fix: bnswap.convert(model) after the sync conversion (torch's and "
+                    "timm's convert_sync_batchnorm and Trainer(sync_batchnorm=True) make new, "
+                    "unswapped layers), or bnswap.convert(model, sync_batchnorm=True) in its "
+                    "place, without excluding them; with Lightning, BNSwap() in the "
+                    "Trainer's callbacks") in e["message"]
