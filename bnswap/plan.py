@@ -1,6 +1,6 @@
 """``bnswap.plan``: what happens to every BatchNorm layer of a model, and why.
 
-One :class:`PlanRow` per layer (swap or skip, the reason, the adapter, the backend, the
+One :class:`PlanRow` per layer (swap, keep or skip, the reason, the adapter, the backend, the
 kernel); :meth:`Plan.apply` carries the plan out, atomically. :func:`bnswap.convert` is
 ``plan(...).apply()``; the Lightning callback uses the same two calls.
 """
