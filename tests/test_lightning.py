@@ -822,7 +822,9 @@ def test_ort_backend_wraps_configure_model_children_before_the_optimizer():
 
 @pytest.mark.ort
 @pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
-def test_ort_backend_leaves_children_with_unswapped_layers_eager():
+def test_ort_backend_leaves_children_with_unswapped_layers_eager(caplog):
+    caplog.set_level(logging.INFO, logger=RANK_ZERO_LOGGER)
+
     class M(Classifier):
         def __init__(self):
             super().__init__()
@@ -843,6 +845,13 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager():
                                      "layer that is not swapped")
     assert rows["net.features.1"].reason == "swapped at setup"
     assert rows["side.2"].action == "skip"
+    # the stage's line says how many run where; the rows shown: the eager one, the skipped
+    line, *shown = next(r.getMessage() for r in caplog.records
+                        if r.getMessage().startswith("BNSwap (")).splitlines()
+    assert line == ("BNSwap (fit): 5 of 6 BatchNorm layers swapped, 1 skipped; 4 on ort, 1 on "
+                    "aten (eager)")
+    assert [ln.split()[:3] for ln in shown[2:]] == [["side.1", "BatchNorm2d", "swap"],
+                                                   ["side.2", "BatchNorm2d", "skip"]]
 
 
 @pytest.mark.ort
