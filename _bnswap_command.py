@@ -7,7 +7,8 @@ without it. This module imports the standard library only: ``bnswap --help`` and
 mistyped subcommand answer in about 0.1 s (``benchmarks/startup.py``). ``bnswap plan`` /
 ``convert`` then import torch and jsonargparse (:mod:`bnswap.app.plan_cli`), and the
 Lightning subcommands Lightning (:mod:`bnswap.app.cli`); without Lightning those print
-one line naming ``pip install 'bnswap[lightning]'`` and exit 2. The current folder is
+one line naming the ``pip install`` of bnswap's ``lightning`` extra from where bnswap was
+installed (:func:`bnswap.extras.install_hint`) and exit 2. The current folder is
 importable for ``--model`` / ``--config`` class paths, as ``python -m`` makes it.
 
 Not an API: users run ``bnswap`` (or ``python -m _bnswap_command``).
@@ -42,8 +43,9 @@ SUBCOMMANDS = {
 #: The subcommands that need the ``lightning`` extra.
 LIGHTNING_SUBCOMMANDS = ("train", "validate", "test", "predict", "compare")
 
-#: What ``pip`` installs for the Lightning subcommands.
-LIGHTNING_EXTRA = "pip install 'bnswap[lightning]'"
+#: What the Lightning subcommands need, in ``--help`` (which imports no torch; the command
+#: for this installation, :func:`bnswap.extras.install_hint`, comes with the error).
+LIGHTNING_EXTRA = "bnswap's 'lightning' extra: README, Install"
 
 EXIT_USAGE = 2
 
@@ -146,8 +148,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(plan_cli.convert_main(args[1:]))
     if not _has_lightning():
+        from bnswap.extras import install_hint  # (imports torch: on this error only)
+
         print(f"bnswap {args[0]}: error: needs Lightning, which is not installed: "
-              f"{LIGHTNING_EXTRA}", file=sys.stderr)
+              f"{install_hint('lightning')}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     from bnswap.app import cli
 

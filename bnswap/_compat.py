@@ -361,8 +361,10 @@ def _patch_ddp_syncbn_check() -> bool:
     ``DistributedDataParallel.__init__`` refuses any CPU module holding an
     ``nn.SyncBatchNorm`` (``ValueError: SyncBatchNorm layers only work with GPU modules``,
     its ``_passing_sync_batchnorm_handle``) because stock's synchronized kernels are
-    CUDA-only. The check still refuses a module with any unswapped ``SyncBatchNorm``, with
-    torch's message. Gate: the method exists (torch 2.4 to 2.15)."""
+    CUDA-only. The check still refuses a CPU module with any unswapped ``SyncBatchNorm``,
+    with torch's ``ValueError`` and message, followed by the qualified names of those
+    layers and the fix (:func:`_unswapped_sync_message`); on other devices it is torch's
+    check as it is. Gate: the method exists (torch 2.4 to 2.15)."""
     from torch.nn.parallel import distributed
 
     ddp = distributed.DistributedDataParallel
@@ -374,12 +376,39 @@ def _patch_ddp_syncbn_check() -> bool:
 
     @functools.wraps(stock)
     def _passing_sync_batchnorm_handle(self: Any, module: nn.Module) -> None:
-        if all(is_swapped(m) for m in module.modules() if isinstance(m, nn.SyncBatchNorm)):
+        left = [n for n, m in module.named_modules()
+                if isinstance(m, nn.SyncBatchNorm) and not is_swapped(m)]
+        if not left:
             return
+        if getattr(self, "device_type", None) == "cpu" and callable(
+                getattr(self, "_log_and_throw", None)):
+            self._log_and_throw(ValueError, _unswapped_sync_message(left))
         stock(self, module)
 
     ddp._passing_sync_batchnorm_handle = _mark(_passing_sync_batchnorm_handle)
     return True
+
+
+#: How many layer names the DDP error lists before it counts the rest.
+_NAMED = 5
+
+
+def _unswapped_sync_message(names: list[str]) -> str:
+    """torch's message (``SyncBatchNorm layers only work with GPU modules``), the layers
+    bnswap did not swap by qualified name (the first :data:`_NAMED`, then how many more),
+    and how to have them swapped."""
+    shown = ", ".join(repr(n or "(root)") for n in names[:_NAMED])
+    if len(names) > _NAMED:
+        shown += f" and {len(names) - _NAMED} more"
+    return (
+        "SyncBatchNorm layers only work with GPU modules: "
+        f"{len(names)} torch.nn.SyncBatchNorm layer{'s are' if len(names) > 1 else ' is'} "
+        f"not swapped by bnswap ({shown}). On the CPU only bnswap's swapped SyncBatchNorm "
+        "runs. Fix: bnswap.convert(model) after the sync conversion (torch's and timm's "
+        "convert_sync_batchnorm and Trainer(sync_batchnorm=True) make new, unswapped "
+        "layers), or bnswap.convert(model, sync_batchnorm=True) in its place, without "
+        "excluding them; with Lightning, BNSwap() in the Trainer's callbacks (it handles "
+        "Trainer(sync_batchnorm=True)). bnswap.plan(model) shows each layer")
 
 
 # ---------------------------------------------------------------------- the table

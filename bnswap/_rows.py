@@ -1,13 +1,18 @@
 """The table both kinds of plan share: rows in order, each with an ``action`` of
-``"swap"`` or ``"skip"`` (:class:`bnswap.Plan` for a module's layers,
-:class:`bnswap.ProgramPlan` for a program's batch-norm nodes)."""
+``"swap"`` (apply swaps it), ``"keep"`` (it runs bnswap's ops already: apply leaves it as
+it is) or ``"skip"`` (it keeps torch's forward) (:class:`bnswap.Plan` for a module's
+layers, :class:`bnswap.ProgramPlan` for a program's batch-norm nodes)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Rows"]
+__all__ = ["ACTIONS", "Rows"]
+
+#: A row's ``action``: swapped by ``apply``; already on bnswap's ops (``apply`` changes
+#: nothing); left on torch's forward (the reason says why).
+ACTIONS = ("swap", "keep", "skip")
 
 Row = TypeVar("Row")
 
@@ -31,8 +36,14 @@ class Rows(Sequence, Generic[Row]):
 
     @property
     def swapped(self) -> list[Row]:
-        """The rows with action ``"swap"`` (swapped now by ``apply``, or already)."""
-        return [r for r in self.rows if r.action == "swap"]
+        """The rows that run bnswap's ops once ``apply`` is done: action ``"swap"``
+        (swapped by ``apply``) or ``"keep"`` (already swapped)."""
+        return [r for r in self.rows if r.action != "skip"]
+
+    @property
+    def kept(self) -> list[Row]:
+        """The rows with action ``"keep"``: already swapped, ``apply`` leaves them."""
+        return [r for r in self.rows if r.action == "keep"]
 
     @property
     def skipped(self) -> list[Row]:
@@ -43,7 +54,22 @@ class Rows(Sequence, Generic[Row]):
         """One plain dict per row (the row's ``to_dict()``; JSON-serializable)."""
         return [r.to_dict() for r in self.rows]
 
+    def _counts(self) -> str:
+        """``"1 swap, 0 skip"`` (``"0 swap, 4 keep, 0 skip"`` when some are kept): the
+        plans' ``repr``."""
+        keep = len(self.kept)
+        return (f"{len(self.swapped) - keep} swap, " + (f"{keep} keep, " if keep else "")
+                + f"{len(self.skipped)} skip")
+
     def summary(self) -> str:
-        """``"bnswap plan: N of M <counted> swapped, K skipped"``."""
-        return (f"bnswap plan: {len(self.swapped)} of {len(self.rows)} {self.counted} "
+        """``"bnswap plan: N of M <counted> swapped, K skipped"``; when some are swapped
+        already, ``"; J already swapped (keep)"``, and ``": nothing would change"`` when
+        ``apply`` would swap none."""
+        text = (f"bnswap plan: {len(self.swapped)} of {len(self.rows)} {self.counted} "
                 f"swapped, {len(self.skipped)} skipped")
+        kept = len(self.kept)
+        if kept:
+            text += f"; {kept} already swapped (keep)"
+            if kept == len(self.swapped):
+                text += ": nothing would change"
+        return text

@@ -9,21 +9,20 @@ device, dtype, hooks, ``qconfig``, parametrizations and state_dict keys are all 
 
 from __future__ import annotations
 
-import logging
+from collections import Counter
 
 from torch import nn
 from torch.fx import GraphModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from bnswap import programs
+from bnswap._log import info, logger
 from bnswap._swap import unswap
 from bnswap._warn import UnmatchedPatternWarning, warn
-from bnswap.plan import Patterns, _plan_layers, check_backend, check_module, plan
+from bnswap.plan import Patterns, Plan, _plan_layers, check_backend, check_module, plan
 from bnswap.sync import original_of
 
 __all__ = ["convert", "revert"]
-
-logger = logging.getLogger("bnswap")
 
 
 def convert(
@@ -41,9 +40,11 @@ def convert(
     layers stay as they are, layers added since the last call (a new head, a layer a
     finetuning step rebuilt) are swapped. Atomic: if any layer cannot be converted, the
     model is left exactly as it was and the error is raised. What is not swapped is
-    reported (``bnswap.plan``; the same table is logged by the ``bnswap`` logger at INFO):
-    subclasses that override ``forward`` with no registered adapter (pytorch issue
-    187298), and anything excluded. ``nn.SyncBatchNorm`` layers are swapped onto bnswap's
+    reported: the plan's table (``bnswap.plan``) is logged by the ``bnswap`` logger at
+    INFO, once per job (on global rank zero; at DEBUG on the other ranks: a
+    ``torchrun`` job of N processes logs it once, not N times), and a layer left on its
+    own forward that the user did not exclude (a subclass that overrides ``forward``
+    with no registered adapter, pytorch issue 187298) warns. ``nn.SyncBatchNorm`` layers are swapped onto bnswap's
     synchronized forward (:mod:`bnswap.sync`: global batch statistics over their
     ``process_group`` in training, on any device and backend; the unsynchronized path
     otherwise).
@@ -94,8 +95,9 @@ def convert(
             cannot synchronize statistics across processes).
 
     Warns:
-        UserWarning: the model has no BatchNorm layer, or (with no include / exclude)
-            none of its layers can be swapped.
+        UserWarning: the model has no BatchNorm layer; or some of its layers are left on
+            their own forward for a reason other than ``include`` / ``exclude`` (once per
+            call: how many, and why, pointing to ``bnswap.plan(model)``).
 
     Examples::
 
@@ -145,20 +147,39 @@ def convert(
              + (f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
                 f"{be.name!r}) leaves such modules eager)"
                 if be.wraps and not be.is_wrapper(module) else ""), UserWarning)
-    elif include is None and exclude is None and not todo.swapped:
-        warn(f"bnswap.convert: none of the model's {len(todo)} BatchNorm layers can be "
-             "swapped; see bnswap.plan(model) for why", UserWarning)
     out = todo.apply()
     if nodes is not None:  # its stock batch-norm call_function nodes too, in place
         programs._apply(nodes)
-    _log(todo)
+    left = _left_unasked(todo)
+    if left:
+        warn(left, UserWarning)
+    # (str() computes the kernel column, a probe per layer: only when it is logged)
+    info(logger, "%s", todo)
     return out
 
 
-def _log(done) -> None:
-    # str() computes the kernel column (a probe per layer): only when it is logged.
-    if logger.isEnabledFor(logging.INFO):
-        logger.info("%s", done)
+#: The reasons of rows that include / exclude left out: what the user asked for.
+_CHOSEN = ("excluded by ", "not matched by include")
+
+
+def _left_unasked(todo: Plan) -> str:
+    """The warning for the layers ``todo`` leaves on their own forward although the user's
+    include / exclude did not leave them out (how many, and why), or ``""``."""
+    left = [r for r in todo.skipped if not r.reason.startswith(_CHOSEN)]
+    if not left:
+        return ""
+    why: Counter[str] = Counter()
+    for r in left:
+        text = r.reason.partition("; ")[0]
+        if text.endswith(" overrides forward"):
+            text += " and has no adapter (bnswap.register, docs/adapters.md)"
+        why[text] += 1
+    reasons = "; ".join(f"{text} ({n} layer{'s' if n > 1 else ''})" for text, n in why.items())
+    n, of = len(left), len(todo)
+    what = (f"none of the model's {of} BatchNorm layers can be swapped" if n == of else
+            f"{n} of the model's {of} BatchNorm layers {'was' if n == 1 else 'were'} not "
+            f"swapped (kept {'its' if n == 1 else 'their'} own forward)")
+    return f"bnswap.convert: {what}: {reasons}; bnswap.plan(model) shows each layer and why"
 
 
 def revert(module: nn.Module) -> nn.Module:

@@ -14,8 +14,10 @@ for ``pytorch_lightning.Trainer``.
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
+from collections import Counter
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -26,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from bnswap.backends import Backend, backend_named
 from bnswap.convert import convert, revert
+from bnswap.extras import install_hint
 from bnswap.layers import is_swapped
 from bnswap.plan import (
     Patterns,
@@ -45,10 +48,13 @@ except ImportError:  # exercised only without `lightning` (the install test)
         from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn  # type: ignore
     except ImportError:
         raise ModuleNotFoundError(
-            "bnswap.BNSwap needs Lightning, which is not installed: pip install "
-            "'bnswap[lightning]'", name="lightning") from None
+            "bnswap.BNSwap needs Lightning, which is not installed: "
+            + install_hint("lightning"), name="lightning") from None
 
 __all__ = ["BNSwap"]
+
+#: bnswap's logger: the whole plan goes there at DEBUG (global rank zero) at each stage.
+logger = logging.getLogger("bnswap")
 
 def _has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in module.modules())
@@ -103,13 +109,17 @@ class _BNSwapBase:
         include: Patterns = None,
         exclude: Patterns = None,
         revert_on_teardown: bool = False,
+        log_table: bool = False,
     ) -> None:
         backend_named(backend)  # validate everything now, not mid-run
         check_patterns(include, exclude)
+        if not isinstance(log_table, bool):
+            raise TypeError(f"log_table must be True or False, got {log_table!r}")
         self.backend = backend
         self.include = include
         self.exclude = exclude
         self.revert_on_teardown = revert_on_teardown
+        self.log_table = log_table
         #: The plan of the last run (set when the run starts), or None before any run.
         self.plan: Plan | None = None
         self._root: nn.Module | None = None
@@ -121,6 +131,7 @@ class _BNSwapBase:
         # layers the plan skips (excluded, SyncBatchNorm...): not planned again each step
         self._left_alone: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._logged: list[dict[str, str]] | None = None  # the plan table last logged
+        self._stage = "fit"  # the stage being set up (the summary line names it)
         # a wrapping backend left a child eager for its uninitialized lazy layer: the
         # training steps plan again until a forward has initialized it (then it is wrapped)
         self._unwrapped_lazy = False
@@ -149,7 +160,8 @@ class _BNSwapBase:
 
     def __repr__(self) -> str:
         return (f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
-                f"exclude={self.exclude!r}, revert_on_teardown={self.revert_on_teardown})")
+                f"exclude={self.exclude!r}, revert_on_teardown={self.revert_on_teardown}"
+                + (", log_table=True" if self.log_table else "") + ")")
 
     # ------------------------------------------------------------------ swapping
     @property
@@ -217,9 +229,11 @@ class _BNSwapBase:
         rows = []
         for r in now:
             when = self._swapped.get(id(r.module))
-            if when is not None and r.action == "swap":
-                # when it was swapped, then where it runs (an eager child's note)
-                r = replace(r, reason=when + (f"; {r.placement}" if r.placement else ""))
+            if when is not None and r.action != "skip":
+                # this callback swapped it (its row now says keep): when, then where it
+                # runs (an eager child's note)
+                r = replace(r, action="swap", already=False,
+                            reason=when + (f"; {r.placement}" if r.placement else ""))
             rows.append(r)
         return Plan(rows, pl_module, self.backend, wrap="children")
 
@@ -232,7 +246,7 @@ class _BNSwapBase:
             warnings.simplefilter("ignore", UnmatchedPatternWarning)
             rows = plan(model, self.backend, include=self.include, exclude=self.exclude,
                         sync_batchnorm=True).rows
-        return bool(rows) and all(r.action == "swap" and r.synchronized for r in rows)
+        return bool(rows) and all(r.synchronized for r in rows)
 
     def _take_over_layer_sync(self, trainer: Any) -> None:
         """setup("fit"), before anything changes: stand in for Lightning's
@@ -285,13 +299,7 @@ class _BNSwapBase:
         self._sync_after_wrap(pl_module)
         self._swap(pl_module, "swapped at stage start")
         self.plan = self._current_plan(pl_module)
-        # what each layer runs (the reason says when it was swapped: not a change)
-        table = [{k: v for k, v in row.items() if k != "reason"} for row in self.plan.to_dicts()]
-        if table != self._logged:  # the table once per change; one line when unchanged
-            rank_zero_info(str(self.plan))
-            self._logged = table
-        else:
-            rank_zero_info(f"{self.plan.summary()} (unchanged since the last stage)")
+        self._log_plan(trainer)
         n_sync = sum(1 for r in self.plan.rows if r.cls == "SyncBatchNorm" and r.action == "skip")
         if n_sync:
             rank_zero_warn(
@@ -302,6 +310,48 @@ class _BNSwapBase:
             rank_zero_warn("BNSwap: the model has no BatchNorm layer; nothing was swapped"
                            + (f" and nothing is wrapped in {self._backend.runtime}"
                               if self._backend.wraps else ""))
+
+    def _summary(self) -> str:
+        """The stage's one line: ``BNSwap (fit): 52 of 52 BatchNorm layers swapped, 0
+        skipped; 52 synchronized over WORLD, 2 ranks`` (how many run bnswap's forward,
+        whenever swapped, and how many not; what synchronizes over what; for a wrapping
+        backend how many run there)."""
+        assert self.plan is not None
+        p = self.plan
+        text = (f"BNSwap ({self._stage}): {len(p.swapped)} of {len(p)} BatchNorm layers "
+                f"swapped, {len(p.skipped)} skipped")
+        runs = Counter(r.backend for r in self.plan.swapped)
+        if self._backend.wraps and runs:
+            text += "; " + ", ".join(
+                f"{n} on {b}" + (" (eager)" if b != self._backend.name else "")
+                for b, n in runs.items())
+        groups = Counter(r.sync for r in self.plan.rows if r.synchronized)
+        if groups:
+            text += "; " + ", ".join(f"{n} synchronized over {g}" for g, n in groups.items())
+        return text
+
+    def _log_plan(self, trainer: Any) -> None:
+        """The stage start's log, on global rank zero: the summary line, then the rows of
+        the layers not swapped (and, for a wrapping backend, of those it runs eager), or
+        with ``log_table`` the whole plan; a stage whose plan is as the last one logged
+        says so in its line instead. The whole plan at DEBUG on the ``bnswap`` logger."""
+        assert self.plan is not None
+        if getattr(trainer, "is_global_zero", True) and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s", self.plan)
+        # what each layer runs (the reason says when it was swapped: not a change)
+        table = [{k: v for k, v in row.items() if k not in ("reason", "action")}
+                 for row in self.plan.to_dicts()]
+        line = self._summary()
+        if table == self._logged:
+            rank_zero_info(f"{line} (unchanged since the last stage)")
+            return
+        self._logged = table
+        if self.log_table:
+            rank_zero_info(f"{line}\n" + str(self.plan).partition("\n")[2])
+            return
+        notable = Plan([r for r in self.plan.rows if r.action == "skip" or r.placement],
+                       backend=self.plan.backend, wrap="children")
+        rank_zero_info(line + ("\n" + str(notable).partition("\n")[2] if notable.rows else ""))
 
     def _swap_added(self, trainer: Any, pl_module: nn.Module) -> None:
         """Swap BatchNorm layers that appeared in the model since the stage started.
@@ -340,6 +390,7 @@ class _BNSwapBase:
         self._backend.check_available()  # fail before anything changes (ORTNotAvailableError)
         if stage == "fit":
             self._take_over_layer_sync(trainer)  # (or its refusal, before anything changes)
+        self._stage = str(getattr(stage, "value", stage))  # (Lightning's TrainerFn: "fit")
         self._root = pl_module
         self._pending = True
         self._swapped = {}
@@ -412,15 +463,23 @@ class BNSwap(_BNSwapBase, pl.Callback):
             and/or classes, as in :func:`bnswap.convert`.
         revert_on_teardown: after each run (fit, validate, test, predict), unwrap and
             give every swapped layer its own forward back (:func:`bnswap.revert`).
+        log_table: log the whole plan (one row per BatchNorm layer) at each stage start.
+            By default a stage logs one summary line (``BNSwap (fit): 52 of 52
+            BatchNorm layers swapped, 0 skipped; 52 synchronized over WORLD, 2 ranks``)
+            and the rows of the layers not swapped (with ``backend="ort"``, also of
+            those that run eager on aten); the whole plan goes to the ``bnswap`` logger
+            at DEBUG either way. A stage whose plan is as the last one logged logs its
+            line only, ``(unchanged since the last stage)``.
 
     Attributes:
         plan: the :class:`bnswap.Plan` of the last run (one row per BatchNorm layer:
-            name, class, action swap / skip, reason, backend, kernel, adapter), set when
-            the run starts and logged on global rank zero (``rank_zero_info``).
+            name, class, action swap / keep / skip, reason, backend, kernel, adapter),
+            set when the run starts; logged on global rank zero (``rank_zero_info``) as
+            ``log_table`` says.
 
     Raises:
         ValueError: unknown ``backend``.
-        TypeError: a pattern is neither str nor class.
+        TypeError: a pattern is neither str nor class; ``log_table`` is not a bool.
         bnswap.ort.ORTNotAvailableError: (an ImportError, at ``setup``, before the model
             changes) ``backend="ort"`` without ONNX Runtime training installed.
 
@@ -431,6 +490,8 @@ class BNSwap(_BNSwapBase, pl.Callback):
         >>> callback = BNSwap(exclude="head.*")
         >>> callback
         BNSwap(backend='aten', include=None, exclude='head.*', revert_on_teardown=False)
+        >>> BNSwap(log_table=True)  # the whole plan at each stage start
+        BNSwap(backend='aten', include=None, exclude=None, revert_on_teardown=False, log_table=True)
         >>> trainer = pl.Trainer(callbacks=[callback], logger=False, enable_progress_bar=False)
         >>> BNSwap(backend="cudnn")
         Traceback (most recent call last):

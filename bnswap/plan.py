@@ -1,6 +1,6 @@
 """``bnswap.plan``: what happens to every BatchNorm layer of a model, and why.
 
-One :class:`PlanRow` per layer (swap or skip, the reason, the adapter, the backend, the
+One :class:`PlanRow` per layer (swap, keep or skip, the reason, the adapter, the backend, the
 kernel); :meth:`Plan.apply` carries the plan out, atomically. :func:`bnswap.convert` is
 ``plan(...).apply()``; the Lightning callback uses the same two calls.
 """
@@ -196,8 +196,9 @@ class PlanRow:
     Attributes:
         name: qualified name as in ``named_modules()`` (``"(root)"`` for the model).
         cls: the layer's class name (seen through torch's parametrization class).
-        action: ``"swap"`` (swapped by :meth:`Plan.apply`, or already swapped) or
-            ``"skip"``.
+        action: ``"swap"`` (swapped by :meth:`Plan.apply`), ``"keep"`` (swapped
+            already: apply leaves it as it is) or ``"skip"`` (left on its class's
+            forward; the reason says why).
         reason: why (``"-"`` for a plain swap).
         backend: ``"aten"`` or ``"ort"``; ``"-"`` when skipped.
         adapter: the function the layer's forward becomes (None when skipped);
@@ -205,7 +206,7 @@ class PlanRow:
         module: the layer itself.
         lazy: an uninitialized ``LazyBatchNorm*`` (it keeps the swap when it
             initializes).
-        already: swapped before this plan was made (apply leaves it as it is).
+        already: swapped before this plan was made (action ``"keep"``).
         device: where :attr:`kernel` is evaluated (None: where the layer's tensors are).
         sync_class: the synchronized class the layer becomes (``nn.SyncBatchNorm``)
             with ``sync_batchnorm=True``, else None.
@@ -251,7 +252,7 @@ class PlanRow:
     def synchronized(self) -> bool:
         """Whether the swapped layer synchronizes its training statistics (a
         ``SyncBatchNorm``, or becoming one)."""
-        return self.action == "swap" and (
+        return self.action != "skip" and (
             self.sync_class is not None or isinstance(self.module, nn.SyncBatchNorm))
 
     @property
@@ -284,7 +285,7 @@ class PlanRow:
         ``"BatchNormInternal (ORT)"`` for ``ort``, ``"-"`` when skipped. Computed when
         read (a probe per layer: it cost more than convert itself on large models,
         benchmarks P5)."""
-        if self.action != "swap" or self.module is None:
+        if self.action == "skip" or self.module is None:
             return "-"
         fixed = backend_named(self.backend).kernel
         if fixed is not None:
@@ -391,7 +392,7 @@ class Plan(Rows[PlanRow]):
                         parent._modules[key] = layer
                     if r.module is model:
                         model = layer
-                elif r.action == "swap" and not r.already:
+                elif r.action == "swap":
                     assert r.adapter is not None and r.module is not None
                     # the undo is taken before the swap, so an interrupt between the
                     # two (a KeyboardInterrupt) cannot leave a layer swapped
@@ -476,7 +477,7 @@ class Plan(Rows[PlanRow]):
         return text
 
     def __repr__(self) -> str:
-        return f"Plan({len(self.swapped)} swap, {len(self.skipped)} skip)"
+        return f"Plan({self._counts()})"
 
 
 _NONE: tuple = ()
@@ -517,7 +518,7 @@ def _row(name: str, m: nn.Module, cls: type, backend: Backend, device, action: s
             backend.cannot_sync and reason.startswith(backend.cannot_sync)):
         reason += "; " + backend.skip_note
     return PlanRow(_display(name), cls.__name__, action, reason or "-",
-                   backend.name if action == "swap" else "-", adapter, m, device=device, **kw)
+                   backend.name if action != "skip" else "-", adapter, m, device=device, **kw)
 
 
 _EAGER = "eager: its top-level module holds a layer that is not swapped"
@@ -543,7 +544,7 @@ def _place(rows: list[PlanRow], model: nn.Module, backend: Backend
         mine = by_child.pop(key, [])
         if not mine:
             continue
-        ready = all(r.action == "swap" for r in mine)
+        ready = all(r.action != "skip" for r in mine)
         syncs = ready and not backend.synchronizes and any(r.synchronized for r in mine)
         lazy = ready and not syncs and any(r.lazy for r in mine)
         if ready and not syncs and not lazy:
@@ -553,12 +554,12 @@ def _place(rows: list[PlanRow], model: nn.Module, backend: Backend
         note = (_EAGER_SYNC.format(backend.cannot_sync) if syncs
                 else _EAGER_LAZY if lazy else _EAGER)
         for r in mine:
-            if r.action == "swap":
+            if r.action != "skip":
                 placed[id(r)] = replace(r, backend=aten.name, placement=note, reason=(
                     r.reason + "; " if r.reason != "-" else "") + note)
     for rest in by_child.values():  # the model itself is a BatchNorm layer: never wrapped
         for r in rest:
-            if r.action == "swap":
+            if r.action != "skip":
                 placed[id(r)] = replace(r, backend=aten.name)
     return [placed.get(id(r), r) for r in rows], to_wrap
 
@@ -727,7 +728,7 @@ def _plan_layers(
                              lazy=lazy))
         elif current is not None:
             reason = "already swapped" + ("; " + uninit if lazy else "")
-            rows.append(_row(name, m, cls, be, device, "swap", reason, current,
+            rows.append(_row(name, m, cls, be, device, "keep", reason, current,
                              lazy=lazy, already=True))
         elif hit_exc:
             rows.append(_row(name, m, cls, be, device, "skip",

@@ -139,7 +139,8 @@ class NodeRow:
     Attributes:
         name: the node's name (``node.name``).
         op: its op now, e.g. ``"aten.batch_norm.default"``.
-        action: ``"swap"`` or ``"skip"``.
+        action: ``"swap"``, ``"keep"`` (it runs a consolidated op already:
+            :func:`convert` leaves it as it is) or ``"skip"``.
         becomes: the consolidated op it becomes (``"-"`` when skipped).
         reason: why it is skipped (``"-"`` when swapped).
         kernel_before: the kernel the node runs now on :attr:`device` (``"Native"``:
@@ -174,7 +175,7 @@ class NodeRow:
         """The kernel the consolidated op picks on :attr:`device` in training
         (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs), as layer rows show it;
         ``"-"`` when skipped. A backward node shows its forward node's."""
-        if self.action != "swap" or self.node is None:
+        if self.action == "skip" or self.node is None:
             return "-"
         node = self.node
         if node.target is torch.ops.aten.native_batch_norm_backward.default:
@@ -251,7 +252,7 @@ class ProgramPlan(Rows[NodeRow]):
         return "\n".join([self.summary(), line(header), rule, *(line(b) for b in body)])
 
     def __repr__(self) -> str:
-        return f"ProgramPlan({len(self.swapped)} swap, {len(self.skipped)} skip)"
+        return f"ProgramPlan({self._counts()})"
 
 
 def _kernel_before(node: Node, device: torch.device | None) -> str:
@@ -326,7 +327,7 @@ def _plan_nodes(program: Program, backend: str = "aten", *,
             continue
         for n in graph.nodes:
             if n.op == "call_function" and n.target in CONSOLIDATED_TARGETS:
-                row = NodeRow(n.name, str(n.target), "swap", str(n.target),
+                row = NodeRow(n.name, str(n.target), "keep", str(n.target),
                               "already the consolidated op", "-", already=True, node=n,
                               device=dev)
                 rows.append(dataclasses.replace(row, kernel_before=row.kernel))

@@ -15,8 +15,10 @@ class's ``forward`` does, with the batch norm on bnswap's kernel
   swapping would drop its behaviour, pytorch issue 187298).
 
 Built in: timm's ``timm.layers.norm_act.BatchNormAct2d`` ->
-:func:`bnswap.adapters.timm.batch_norm_act_2d` and ``SyncBatchNormAct`` ->
-:func:`bnswap.adapters.timm.sync_batch_norm_act_2d`, registered by name so that timm is
+:func:`bnswap.adapters.timm.batch_norm_act_2d`, ``SyncBatchNormAct`` ->
+:func:`bnswap.adapters.timm.sync_batch_norm_act_2d` and
+``timm.layers.split_batchnorm.SplitBatchNorm2d`` (``train.py --split-bn``) ->
+:func:`bnswap.adapters.timm.split_batch_norm_2d`, registered by name so that timm is
 imported only when a timm model is converted.
 """
 
@@ -43,6 +45,7 @@ _FOUND: dict[type, Adapter | None] = {}
 _LAZY: dict[str, str] = {
     "timm.layers.norm_act.BatchNormAct2d": "bnswap.adapters.timm:batch_norm_act_2d",
     "timm.layers.norm_act.SyncBatchNormAct": "bnswap.adapters.timm:sync_batch_norm_act_2d",
+    "timm.layers.split_batchnorm.SplitBatchNorm2d": "bnswap.adapters.timm:split_batch_norm_2d",
 }
 
 

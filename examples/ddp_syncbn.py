@@ -99,7 +99,7 @@ def require_sklearn() -> None:
         import sklearn.datasets  # noqa: F401
     except ImportError:
         print("examples/ddp_syncbn.py: needs scikit-learn for the digits data: "
-              "pip install scikit-learn (or pip install 'bnswap[lightning]')",
+              "pip install scikit-learn",
               file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 

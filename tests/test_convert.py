@@ -131,8 +131,35 @@ def test_convert_is_idempotent():
     bnswap.convert(model)
     assert [type(m) for m in model.modules()] == classes
     rows = bnswap.plan(model)
-    assert all(r.action == "swap" for r in rows)
+    assert all(r.action == "keep" for r in rows)  # (issue 26: was "swap")
     assert {r.reason for r in rows} >= {"already swapped"}
+    assert rows.summary() == ("bnswap plan: 3 of 3 BatchNorm layers swapped, 0 skipped; 3 "
+                              "already swapped (keep): nothing would change")
+    assert repr(rows) == "Plan(0 swap, 3 keep, 0 skip)"
+
+
+def test_plan_of_a_converted_model_says_keep_and_apply_changes_only_what_is_new():
+    """Issue 26: the plan of an already converted model said ``swap`` ("already
+    swapped"), as if something would change. Its rows say ``keep``; a layer added since
+    says ``swap``; apply and convert swap only that one, keeping the others' forwards."""
+    model = net()
+    bnswap.convert(model)
+    forwards = [vars(m)["forward"] for m in bns(model)]
+    model.add_module("extra", nn.BatchNorm1d(4))
+    p = bnswap.plan(model)
+    assert [(r.action, r.reason, r.already) for r in p] == [
+        ("keep", "already swapped", True)] * 3 + [("swap", "-", False)]
+    assert [d["action"] for d in p.to_dicts()] == ["keep", "keep", "keep", "swap"]
+    assert [r.backend for r in p] == ["aten"] * 4 and len(p.swapped) == 4 and len(p.kept) == 3
+    assert p.summary() == ("bnswap plan: 4 of 4 BatchNorm layers swapped, 0 skipped; 3 "
+                           "already swapped (keep)")
+    assert str(p).splitlines()[3].split()[2] == "keep"
+    assert p.apply() is model
+    assert [vars(m)["forward"] for m in bns(model)][:3] == forwards
+    assert bnswap.is_swapped(model.extra)
+    assert [r.action for r in bnswap.plan(model)] == ["keep"] * 4
+    assert bnswap.convert(model) is model  # nothing to do, nothing said
+    assert [vars(m)["forward"] for m in bns(model)][:3] == forwards
 
 
 def test_root_batchnorm_is_converted():
@@ -245,6 +272,29 @@ def test_plan_table_and_logging(caplog):
     caplog.set_level(logging.INFO, logger="bnswap")
     bnswap.convert(model)
     assert [r.getMessage() for r in caplog.records if r.name.startswith("bnswap")] == [text]
+
+
+@pytest.mark.parametrize("env, level", [
+    ({}, logging.INFO),  # one process
+    ({"RANK": "0"}, logging.INFO),  # torchrun's rank zero
+    ({"RANK": "1"}, logging.DEBUG),
+    ({"LOCAL_RANK": "1"}, logging.DEBUG),  # what Lightning's ddp launcher sets in rank 1
+    ({"RANK": "0", "LOCAL_RANK": "1"}, logging.INFO),  # RANK first: the global rank
+])
+def test_the_plan_is_logged_at_info_on_rank_zero_only(caplog, monkeypatch, env, level):
+    """Issue 26: a torchrun job logged the plan once per rank. Rank zero (or a single
+    process) logs it at INFO, the other ranks at DEBUG (the process group's rank when one
+    is initialized: tests/test_launchers.py runs that under torchrun)."""
+    for key in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    caplog.set_level(logging.DEBUG, logger="bnswap")
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    text = str(bnswap.plan(model))
+    bnswap.convert(model)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bnswap"] == [
+        (level, text)]
 
 
 def test_a_layer_without_tensors_is_planned_for_the_cpu():
@@ -362,12 +412,19 @@ def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
     from tests.plan_models import BatchNormTimesTwo
 
     only_sync = nn.Sequential(*[BatchNormTimesTwo(3) for _ in range(2)])  # (no adapter)
-    assert _warnings_of(bnswap.convert, only_sync) == [
-        (UserWarning, "bnswap.convert: none of the model's 2 BatchNorm layers can be swapped; "
-         "see bnswap.plan(model) for why", True)]
-    # with include / exclude, leaving layers stock is what the user asked for: no warning
-    assert _warnings_of(bnswap.convert, only_sync, exclude="0") == []
-    assert _warnings_of(bnswap.convert, only_sync, include="*") == []
+    none = ("bnswap.convert: none of the model's 2 BatchNorm layers can be swapped: "
+            "BatchNormTimesTwo overrides forward and has no adapter (bnswap.register, "
+            "docs/adapters.md) (2 layers); bnswap.plan(model) shows each layer and why")
+    assert _warnings_of(bnswap.convert, only_sync) == [(UserWarning, none, True)]
+    # what include / exclude leave out is what the user asked for: not warned about; the
+    # layer they selected and bnswap cannot swap is (issue 26: it was not, with a pattern)
+    assert _warnings_of(bnswap.convert, only_sync, exclude=["0", "1"]) == []
+    assert _warnings_of(bnswap.convert, only_sync, include="1") == [
+        (UserWarning, "bnswap.convert: 1 of the model's 2 BatchNorm layers was not swapped "
+         "(kept its own forward): BatchNormTimesTwo overrides forward and has no adapter "
+         "(bnswap.register, docs/adapters.md) (1 layer); bnswap.plan(model) shows each layer "
+         "and why", True)]
+    assert _warnings_of(bnswap.convert, only_sync, include="*") == [(UserWarning, none, True)]
     # a pattern that matches nothing, from convert (two calls deep) and from plan
     from bnswap.plan import UnmatchedPatternWarning
 
@@ -375,6 +432,37 @@ def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
         assert _warnings_of(fn, only_sync, include="x*") == [
             (UnmatchedPatternWarning,
              "bnswap: include pattern 'x*' matches no BatchNorm layer", True)]
+
+
+def test_convert_warns_once_per_call_about_layers_it_left_that_were_not_excluded():
+    """Issue 26: convert left a layer it cannot swap (a subclass overriding forward, a
+    forward set on the instance) in silence unless the script configured logging. Now one
+    UserWarning per call, at the caller's line, with how many and why; a layer the user
+    excluded is not counted; the model converts as before (stock's outputs)."""
+    from tests.plan_models import mixed_net
+
+    torch.manual_seed(0)
+    stock = mixed_net()
+    x = torch.randn(4, 3, 6, 6)
+    stock(x)  # (its LazyLinear initialized before the copies)
+    model = copy.deepcopy(stock)
+    both = ("bnswap.convert: 2 of the model's 4 BatchNorm layers were not swapped (kept their "
+            "own forward): its forward is set on the instance (by a library's hook, e.g. "
+            "accelerate's, or by hand) (1 layer); BatchNormTimesTwo overrides forward and has "
+            "no adapter (bnswap.register, docs/adapters.md) (1 layer); bnswap.plan(model) "
+            "shows each layer and why")
+    for _ in range(2):  # once per call, again on the next (convert is idempotent)
+        assert _warnings_of(bnswap.convert, model) == [(UserWarning, both, True)]
+    assert [bnswap.is_swapped(m) for m in bns(model)] == [True, False, False, True]
+    assert torch.equal(model(x), stock(x))
+    one = copy.deepcopy(stock)
+    assert _warnings_of(bnswap.convert, one, exclude="3") == [
+        (UserWarning, "bnswap.convert: 1 of the model's 4 BatchNorm layers was not swapped "
+         "(kept its own forward): its forward is set on the instance (by a library's hook, "
+         "e.g. accelerate's, or by hand) (1 layer); bnswap.plan(model) shows each layer and "
+         "why", True)]
+    assert _warnings_of(bnswap.convert, copy.deepcopy(stock), exclude=["2", "3"]) == []
+    assert _warnings_of(bnswap.convert, net()) == []  # every layer swapped: nothing to say
 
 
 def test_plan_apply_and_convert_of_a_model_warn_once_for_a_pattern_that_matches_nothing():
@@ -448,7 +536,8 @@ def test_a_layer_whose_forward_is_set_on_the_instance_is_left_as_is():
         ("1", "skip", "its forward is set on the instance (by a library's hook, e.g. "
                       "accelerate's, or by hand); swapping would drop it"),
         ("2", "swap", "-")]
-    assert bnswap.convert(model) is model
+    with pytest.warns(UserWarning, match="1 of the model's 2 BatchNorm layers was not swapped"):
+        assert bnswap.convert(model) is model
     assert vars(model[1])["forward"] is own and bnswap.is_swapped(model[2])
     x = torch.randn(2, 3, 5, 5)
     assert torch.equal(model(x), ref(x)) and calls == ref_calls == [(2, 4, 5, 5)]
@@ -507,9 +596,9 @@ def test_plan_rows_of_already_swapped_and_excluded_layers_hold_everything():
             r.device) for r in rows]
     cudnn = "Cudnn (predicted)" if not torch.cuda.is_available() else "Cudnn"
     assert got == [
-        ("0", "swap", "aten", "already swapped", batch_norm_forward, False, True, cudnn,
+        ("0", "keep", "aten", "already swapped", batch_norm_forward, False, True, cudnn,
          "cuda"),
-        ("1", "swap", "aten", "already swapped; uninitialized LazyBatchNorm2d: keeps the swap "
+        ("1", "keep", "aten", "already swapped; uninitialized LazyBatchNorm2d: keeps the swap "
          "when it initializes", batch_norm_forward, True, True, cudnn, "cuda"),
         ("2", "skip", "-", "excluded by '2'", None, False, False, "-", "cuda")]
     assert [r.module for r in rows] == list(model)

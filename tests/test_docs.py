@@ -16,7 +16,7 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 MODULES = ["bnswap._swap", "bnswap.functional", "bnswap.layers", "bnswap.registry",
            "bnswap.plan", "bnswap.convert", "bnswap._graph", "bnswap.programs", "bnswap.ort.errors",
-           "bnswap.sync", "bnswap.app.messages",
+           "bnswap.sync", "bnswap.app.messages", "bnswap._log",
            "_bnswap_command"]
 
 REQUIRED = {

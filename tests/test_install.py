@@ -75,7 +75,7 @@ def _torch_alone(site: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory) -> Path:
+def venv(tmp_path_factory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("install")
     wheels = tmp / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
@@ -90,7 +90,7 @@ def venv(tmp_path_factory) -> Path:
     _torch_alone(Path(site))
     (tmp / "constraints.txt").write_text(f"torch=={torch.__version__}\n")
     _pip(py, "-c", str(tmp / "constraints.txt"), str(wheel))
-    return env
+    return env, wheel
 
 
 def _run(env: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -99,6 +99,10 @@ def _run(env: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_wheel_with_torch_alone(venv, tmp_path):
+    venv, wheel = venv
+    # bnswap is not on PyPI: a missing extra names the wheel it was installed from (issue
+    # 26: "pip install 'bnswap[lightning]'" could not work)
+    hint = f"pip install '{wheel}[lightning]' (bnswap's 'lightning' extra)"
     proj = tmp_path / "project"
     proj.mkdir()
     (proj / "mymodels.py").write_text(MYMODELS)
@@ -126,7 +130,7 @@ def test_wheel_with_torch_alone(venv, tmp_path):
     assert summary == "bnswap plan: 1 of 1 BatchNorm layers swapped, 0 skipped False"
 
     r = _run(venv, py, "-X", "importtime", exe, "--help", cwd=proj)
-    assert r.returncode == 0 and "plan" in r.stdout and "pip install 'bnswap[lightning]'" in r.stdout
+    assert r.returncode == 0 and "plan" in r.stdout and "bnswap's 'lightning' extra" in r.stdout
     imported = imported_modules(r.stderr)
     assert "_bnswap_command" in imported and not {"torch", "bnswap"} & imported  # 0.03 s
     r = _run(venv, exe, "plan", "--model", "mymodels.net", "--model.width", "5", cwd=proj)
@@ -141,14 +145,23 @@ def test_wheel_with_torch_alone(venv, tmp_path):
         r = _run(venv, exe, sub, "--config", "digits_mobilenetv2.yaml", cwd=proj)
         assert (r.returncode, r.stdout) == (2, "")
         assert r.stderr.splitlines()[-1] == (
-            f"bnswap {sub}: error: needs Lightning, which is not installed: "
-            "pip install 'bnswap[lightning]'")
+            f"bnswap {sub}: error: needs Lightning, which is not installed: {hint}")
         assert "Traceback" not in r.stderr
     r = _run(venv, exe, "plan", "--config", "digits_mobilenetv2.yaml", cwd=proj)
     assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
-        "bnswap plan: error: digits_mobilenetv2.yaml needs lightning, which is not "
-        "installed: pip install 'bnswap[lightning]'")
+        f"bnswap plan: error: digits_mobilenetv2.yaml needs lightning, which is not "
+        f"installed: {hint}")
     r = _run(venv, py, "-c", "from bnswap import BNSwap", cwd=proj)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
-        "ModuleNotFoundError: bnswap.BNSwap needs Lightning, which is not installed: "
-        "pip install 'bnswap[lightning]'")
+        f"ModuleNotFoundError: bnswap.BNSwap needs Lightning, which is not installed: {hint}")
+    # the wheel gone: the extra by name and the README's Install section
+    moved = wheel.with_suffix(".moved")
+    wheel.rename(moved)
+    try:
+        r = _run(venv, py, "-c", "from bnswap import BNSwap", cwd=proj)
+    finally:
+        moved.rename(wheel)
+    assert r.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: bnswap.BNSwap needs Lightning, which is not installed: bnswap's "
+        "'lightning' extra: pip install '.[lightning]' in a checkout of bnswap (README, "
+        "Install; bnswap is not on PyPI)")

@@ -187,9 +187,9 @@ def test_layers_built_in_init_are_swapped_at_setup_and_plan_logged_once():
         t.fit(model, data())
     finally:
         logging.getLogger(RANK_ZERO_LOGGER).removeHandler(h)
-    plans = [r.getMessage() for r in records if "bnswap plan:" in r.getMessage()]
-    assert len(plans) == 1, plans  # once per run, although validation starts twice
-    assert plans[0] == str(cb.plan)
+    plans = [r.getMessage() for r in records if r.getMessage().startswith("BNSwap (")]
+    # once per run, although validation starts twice; one line: every layer swapped
+    assert plans == ["BNSwap (fit): 4 of 4 BatchNorm layers swapped, 0 skipped"], plans
     assert cb.plan.summary() == "bnswap plan: 4 of 4 BatchNorm layers swapped, 0 skipped"
     assert [r.name for r in cb.plan.rows] == [f"net.features.{i}" for i in (1, 4, 8, 11)]
     assert {r.reason for r in cb.plan.rows} == {"swapped at setup"}
@@ -198,28 +198,85 @@ def test_layers_built_in_init_are_swapped_at_setup_and_plan_logged_once():
                for m in bn_layers(model).values())
 
 
-def test_plan_table_logged_again_only_when_it_changes(caplog):
+def test_plan_logged_again_only_when_it_changes(caplog):
     """Guards: one Trainer's validate / test / predict each logged the whole table again
-    (issue 21); now one line, and the table again when a layer's row changed."""
+    (issue 21); now one line, and the rows not swapped again when a layer's row changed."""
     caplog.set_level(logging.INFO, logger=RANK_ZERO_LOGGER)
     cb = BNSwap(exclude="net.features.11")
     model = Classifier()
     t = trainer([cb], max_epochs=1, limit_train_batches=2, limit_val_batches=1,
                 limit_test_batches=1)
     t.fit(model, data())
-    first = str(cb.plan)
     t.validate(model, data())
     t.test(model, data())
-    model.extra = nn.BatchNorm1d(3)  # the table changes (a new row): logged whole again
+    model.extra = nn.BatchNorm1d(3)  # the table changes (a new row): logged again
     t.validate(model, data())
-    msgs = [r.getMessage() for r in caplog.records if "bnswap plan:" in r.getMessage()]
-    summary = "bnswap plan: 3 of 4 BatchNorm layers swapped, 1 skipped"
-    assert msgs == [first,
-                    f"{summary} (unchanged since the last stage)",
-                    f"{summary} (unchanged since the last stage)",
-                    str(cb.plan)]
-    assert msgs[0].count("\n") == 6 and msgs[-1].count("\n") == 7
-    assert msgs[-1].startswith("bnswap plan: 4 of 5 BatchNorm layers swapped, 1 skipped\n")
+    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("BNSwap (")]
+    skipped = ("net.features.11  BatchNorm2d  skip    -        -       -        excluded by "
+               "'net.features.11'")
+    header = ("layer            class        action  backend  kernel  adapter  reason\n"
+              "---------------  -----------  ------  -------  ------  -------  ------\n")
+    assert msgs == [
+        f"BNSwap (fit): 3 of 4 BatchNorm layers swapped, 1 skipped\n{header}{skipped}",
+        "BNSwap (validate): 3 of 4 BatchNorm layers swapped, 1 skipped (unchanged since the "
+        "last stage)",
+        "BNSwap (test): 3 of 4 BatchNorm layers swapped, 1 skipped (unchanged since the last "
+        "stage)",
+        f"BNSwap (validate): 4 of 5 BatchNorm layers swapped, 1 skipped\n{header}{skipped}"]
+
+
+@pytest.mark.parametrize("log_table", [False, True])
+def test_a_stage_logs_one_line_and_the_layers_not_swapped_or_the_whole_plan(caplog,
+                                                                            log_table):
+    """Issue 26: every fit and resume logged the whole table (52 rows for the shipped
+    MobileNetV2, each repeating the same sync note). A stage logs one summary line and
+    the rows of the layers not swapped; ``log_table=True`` logs the whole plan; the whole
+    plan goes to the ``bnswap`` logger at DEBUG either way."""
+    caplog.set_level(logging.INFO, logger=RANK_ZERO_LOGGER)
+    caplog.set_level(logging.DEBUG, logger="bnswap")  # (last: caplog's handler at DEBUG)
+    cb = BNSwap(exclude="net.features.4", log_table=log_table)
+    t = trainer([cb], max_epochs=1, limit_train_batches=1, limit_val_batches=1)
+    t.fit(Classifier(), data())
+    shown = [r.getMessage() for r in caplog.records if r.name == RANK_ZERO_LOGGER
+             and r.getMessage().startswith("BNSwap (")]
+    debug = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bnswap"]
+    table = str(cb.plan)
+    line = "BNSwap (fit): 3 of 4 BatchNorm layers swapped, 1 skipped"
+    assert shown == [line + "\n" + (table.partition("\n")[2] if log_table else (
+        "layer           class        action  backend  kernel  adapter  reason\n"
+        "--------------  -----------  ------  -------  ------  -------  ------\n"
+        "net.features.4  BatchNorm2d  skip    -        -       -        excluded by "
+        "'net.features.4'"))]
+    assert len(shown[0].splitlines()) == (7 if log_table else 4)
+    assert debug == [(logging.DEBUG, table)]
+    with pytest.raises(TypeError, match="log_table must be True or False, got 'yes'"):
+        BNSwap(log_table="yes")
+
+
+def test_layers_converted_before_the_callback_are_kept_and_said_so():
+    """Issue 26: a model converted in ``__init__`` (all but one layer) and given to
+    ``BNSwap``: the rows of the layers converted before say ``keep`` ("already swapped"),
+    the one the callback swapped says ``swap`` and when; the fit is stock's bit for bit."""
+
+    class Converted(Classifier):
+        def __init__(self):
+            super().__init__()
+            bnswap.convert(self.net, exclude="features.11")
+
+    models = {}
+    for variant, make, cbs in (("stock", Classifier, []), ("bnswap", Converted, [BNSwap()])):
+        pl.seed_everything(0)
+        models[variant] = make()
+        trainer(cbs, limit_train_batches=2).fit(models[variant], data())
+    model, cb = models["bnswap"], cbs[0]
+    assert [(r.name, r.action, r.reason) for r in cb.plan.rows] == [
+        ("net.features.1", "keep", "already swapped"),
+        ("net.features.4", "keep", "already swapped"),
+        ("net.features.8", "keep", "already swapped"),
+        ("net.features.11", "swap", "swapped at setup")]
+    assert all(bnswap.is_swapped(m) for m in bn_layers(model).values())
+    assert not any(bnswap.is_swapped(m) for m in bn_layers(models["stock"]).values())
+    assert_states_equal(state(model), state(models["stock"]))
 
 
 # --------------------------------------------------------------------------- given case 2
@@ -618,7 +675,8 @@ def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch
     devices=2) + BNSwap(), real gloo processes (tests/lightning_sync_fit.py; stock
     Lightning raises "SyncBatchNorm layers only work with GPU modules" here): every
     training step runs a swapped SyncBatchNorm sharing the original Parameters and
-    buffers; the plan logged on rank zero says it synchronizes over WORLD, 2 ranks; both
+    buffers; the stage's line logged on rank zero says it synchronizes over WORLD, 2
+    ranks (one line: every layer swapped); both
     ranks end identical and equal to one process training stock BatchNorm on the global
     batches (float64) within float32 rounding; teardown puts the original layer back."""
     sys.path.insert(0, os.path.dirname(__file__))
@@ -639,7 +697,10 @@ def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch
         assert r["plan"] == [("net.1", "SyncBatchNorm", "swap", "WORLD, 2 ranks")]
         assert "synchronized at fit start, after the DDP wrap" in r["plan_text"]
         assert r["original_back"] and r["original_swapped"]
-    assert (proc.stdout + proc.stderr).count("net.1  SyncBatchNorm  swap") == 1  # rank zero only
+    out = proc.stdout + proc.stderr
+    assert out.count("BNSwap (fit): 1 of 1 BatchNorm layers swapped, 0 skipped; 1 synchronized "
+                     "over WORLD, 2 ranks\n") == 1  # rank zero only
+    assert "net.1  SyncBatchNorm" not in out  # (the whole table: at DEBUG)
     s0, s1 = ranks[0]["state"], ranks[1]["state"]
     assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
     ref = script.reference()
@@ -761,7 +822,9 @@ def test_ort_backend_wraps_configure_model_children_before_the_optimizer():
 
 @pytest.mark.ort
 @pytest.mark.skipif(not _ort_available(), reason="needs onnxruntime-training (bnswap[ort-cpu])")
-def test_ort_backend_leaves_children_with_unswapped_layers_eager():
+def test_ort_backend_leaves_children_with_unswapped_layers_eager(caplog):
+    caplog.set_level(logging.INFO, logger=RANK_ZERO_LOGGER)
+
     class M(Classifier):
         def __init__(self):
             super().__init__()
@@ -782,6 +845,13 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager():
                                      "layer that is not swapped")
     assert rows["net.features.1"].reason == "swapped at setup"
     assert rows["side.2"].action == "skip"
+    # the stage's line says how many run where; the rows shown: the eager one, the skipped
+    line, *shown = next(r.getMessage() for r in caplog.records
+                        if r.getMessage().startswith("BNSwap (")).splitlines()
+    assert line == ("BNSwap (fit): 5 of 6 BatchNorm layers swapped, 1 skipped; 4 on ort, 1 on "
+                    "aten (eager)")
+    assert [ln.split()[:3] for ln in shown[2:]] == [["side.1", "BatchNorm2d", "swap"],
+                                                   ["side.2", "BatchNorm2d", "skip"]]
 
 
 @pytest.mark.ort

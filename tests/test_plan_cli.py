@@ -300,6 +300,27 @@ def test_plan_of_a_program_file_one_row_per_node(capsys, tmp_path):
     assert code == 0 and "| `batch_norm_1` |" in out and "excluded by 'batch_norm_1'" in out
 
 
+def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_path, capsys):
+    """Issue 26: ``bnswap plan`` of a program bnswap had converted said ``swap`` ("already
+    the consolidated op"). Now ``keep`` in the table and JSON, exit 0, and the summary
+    says nothing would change; ``bnswap convert`` of it says the same."""
+    path, _, _ = _program_file(tmp_path)
+    done = tmp_path / "done.pt2"
+    assert plan_cli.convert_main([str(path), "-o", str(done)]) == 0
+    capsys.readouterr()
+    summary = ("2 of 2 batch-norm nodes swapped, 0 skipped; 2 already swapped (keep): nothing "
+               "would change")
+    code, out, _ = run(capsys, "--program", str(done))
+    assert code == 0 and out.startswith(f"bnswap plan: {summary}\n")
+    assert [ln.split()[2] for ln in out.splitlines()[3:5]] == ["keep", "keep"]
+    code, out, _ = run(capsys, "--program", str(done), "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and [r["action"] for r in data["nodes"]] == ["keep", "keep"]
+    assert data["summary"]["text"] == f"bnswap plan: {summary}"
+    assert plan_cli.convert_main([str(done), "-o", str(tmp_path / "again.pt2")]) == 0
+    assert capsys.readouterr().out.startswith(f"bnswap convert: {summary}\n")
+
+
 def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, capsys):
     import torch
 

@@ -378,5 +378,5 @@ def test_timm_entry_is_resolved_only_when_a_model_holds_the_class():
         assert type(converted[1]) is BatchNormAct2d and not bnswap.is_swapped(converted[1])
     """)
     lines = out.strip().splitlines()
-    assert lines[0] == "BatchNormAct2d swap bnswap.adapters.timm.batch_norm_act_2d"
+    assert lines[0] == "BatchNormAct2d keep bnswap.adapters.timm.batch_norm_act_2d"
     assert lines[1] == lines[2]  # train output, eval output, gradients, statistics

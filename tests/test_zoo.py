@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 from collections import Counter
 from typing import Any
+import warnings
 
 import pytest
 import torch
@@ -234,6 +235,37 @@ def test_revert_restores_original_classes(lib, name, count, classes):
 
 # --- timm's BatchNormAct2d, layer by layer ----------------------------------------------
 
+def _layer_steps(stock: nn.Module, converted: nn.Module, shape: tuple[int, ...],
+                 fmt: torch.memory_format = torch.contiguous_format, steps: int = 3) -> None:
+    """``steps`` training steps of ``stock`` and ``converted`` on input of ``shape`` in
+    ``fmt`` (output and its memory format, input and parameter gradients, every buffer),
+    then an eval forward, all bitwise equal."""
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = (torch.randn(shape, generator=gen) * 2 + step).to(memory_format=fmt)
+        g = torch.randn(shape, generator=gen)
+        results = []
+        for model in (stock, converted):
+            model.train()
+            xi = x.clone().requires_grad_()
+            torch.manual_seed(step)
+            out = model(xi)
+            out.backward(g)
+            results.append((out, xi.grad, [p.grad for p in model.parameters()]))
+        (s_out, s_gx, s_gp), (c_out, c_gx, c_gp) = results
+        _assert_equal("output", s_out, c_out)
+        assert c_out.is_contiguous(memory_format=fmt) == s_out.is_contiguous(memory_format=fmt)
+        _assert_equal("input gradient", s_gx, c_gx)
+        for a, b in zip(s_gp, c_gp, strict=True):
+            _assert_equal("parameter gradient", a, b)
+        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers(), strict=True):
+            _assert_equal(n, a, b)
+    for model in (stock, converted):
+        model.eval()
+    with torch.no_grad():
+        _assert_equal("eval output", stock(x), converted(x))
+
+
 LAYER_CASES = {
     "default": {},
     "silu-dropout": {"act_layer": "silu", "drop_layer": nn.Dropout},
@@ -262,30 +294,7 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
     assert type(converted.act) is type(stock.act) and type(converted.drop) is type(stock.drop)
     assert list(converted.state_dict()) == list(stock.state_dict())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    gen = torch.Generator().manual_seed(1)
-    for step in range(3):  # momentum=None: cumulative average over 3 batches
-        x = (torch.randn(4, 6, 5, 5, generator=gen) * 2 + step).to(memory_format=fmt)
-        g = torch.randn(4, 6, 5, 5, generator=gen)
-        results = []
-        for model in (stock, converted):
-            model.train()
-            xi = x.clone().requires_grad_()
-            torch.manual_seed(step)
-            out = model(xi)
-            out.backward(g)
-            results.append((out, xi.grad, [p.grad for p in model.parameters()]))
-        (s_out, s_gx, s_gp), (c_out, c_gx, c_gp) = results
-        _assert_equal("output", s_out, c_out)
-        assert c_out.is_contiguous(memory_format=fmt) == s_out.is_contiguous(memory_format=fmt)
-        _assert_equal("input gradient", s_gx, c_gx)
-        for a, b in zip(s_gp, c_gp, strict=True):
-            _assert_equal("parameter gradient", a, b)
-        for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers(), strict=True):
-            _assert_equal(n, a, b)
-    for model in (stock, converted):
-        model.eval()
-    with torch.no_grad():
-        _assert_equal("eval output", stock(x), converted(x))
+    _layer_steps(stock, converted, (4, 6, 5, 5), fmt)  # momentum=None: over 3 batches
 
     # timm asserts the rank; so does the adapter, before any state changes.
     converted.train()
@@ -296,6 +305,100 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
     for a, b in zip(buffers, converted.buffers(), strict=True):
         _assert_equal("buffer after the error", a, b)
     assert type(bnswap.revert(converted)) is type(stock) and not bnswap.is_swapped(converted)
+
+
+# --- timm's SplitBatchNorm2d (train.py --split-bn) --------------------------------------
+
+SPLIT_CASES = {
+    "two-splits": {"num_splits": 2},
+    "three-splits-cumulative": {"num_splits": 3, "momentum": None},
+    "no-affine": {"num_splits": 2, "affine": False},
+}
+
+
+@pytest.mark.parametrize("kwargs", list(SPLIT_CASES.values()), ids=list(SPLIT_CASES))
+def test_timm_split_batchnorm_swapped_whole_and_bitwise(kwargs):
+    """Issue 26: timm's ``SplitBatchNorm2d`` (``--split-bn``) overrides forward and had no
+    adapter: bnswap left it on torch's kernel and swapped its ``aux_bn`` children, a
+    half-converted layer, said only at INFO. Now the layer and its auxiliary layers are
+    swapped, and training (every split) and eval equal timm's own layer bit for bit."""
+    _import("torchvision")
+    timm = _import("timm")
+    from timm.layers import SplitBatchNorm2d
+
+    torch.manual_seed(0)
+    stock = SplitBatchNorm2d(6, **kwargs)
+    if stock.affine:
+        with torch.no_grad():
+            for m in (stock, *stock.aux_bn):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    converted = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a layer left would warn)
+        assert bnswap.convert(converted) is converted
+    splits = kwargs["num_splits"]
+    table = bnswap.plan(stock)
+    assert [(r.name, r.action, r.adapter_name) for r in table] == [
+        ("(root)", "swap", "bnswap.adapters.timm.split_batch_norm_2d"),
+        *((f"aux_bn.{i}", "swap", ADAPTERS["BatchNorm2d"]) for i in range(splits - 1))]
+    assert type(converted) is SplitBatchNorm2d
+    assert all(bnswap.is_swapped(m) for _, m in _bn_layers(converted))
+    assert list(converted.state_dict()) == list(stock.state_dict())
+    _layer_steps(stock, converted, (2 * splits, 6, 5, 5))
+
+    # timm's errors, before any state changes: a batch the splits do not divide, 3D input
+    stock.train(), converted.train()
+    buffers = [b.clone() for b in converted.buffers()]
+    for model in (stock, converted):
+        with pytest.raises(AssertionError, match="batch size must be evenly divisible"):
+            model(torch.randn(2 * splits + 1, 6, 3, 3))
+        with pytest.raises(ValueError, match=r"expected 4D input \(got 3D input\)"):
+            model(torch.randn(2 * splits, 6, 3))
+    for a, b in zip(buffers, converted.buffers(), strict=True):
+        _assert_equal("buffer after the error", a, b)
+    bnswap.revert(converted)
+    assert not any(bnswap.is_swapped(m) for _, m in _bn_layers(converted))
+
+
+def test_timm_convert_splitbn_model_swapped_whole_and_bitwise():
+    """A timm model as ``train.py --split-bn`` makes it (``convert_splitbn_model``: every
+    BatchNormAct2d becomes a SplitBatchNorm2d holding its drop / act): every layer is
+    swapped, convert warns nothing, and a training step (both splits) and eval are timm's
+    bit for bit."""
+    timm = _import("timm")
+    from timm.layers import SplitBatchNorm2d, convert_splitbn_model
+
+    torch.manual_seed(0)
+    stock = convert_splitbn_model(timm.create_model("mobilenetv3_small_100", pretrained=False,
+                                                    num_classes=NUM_CLASSES), num_splits=2)
+    splits = [m for _, m in stock.named_modules() if type(m) is SplitBatchNorm2d]
+    assert len(splits) == 34 and all(hasattr(m, "act") for m in splits)
+    converted = copy.deepcopy(stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bnswap.convert(converted)
+    table = bnswap.plan(stock)
+    assert len(table) == len(table.swapped) == 68, str(table)  # 34 layers, 34 aux layers
+    assert Counter(r.adapter_name for r in table) == {
+        "bnswap.adapters.timm.split_batch_norm_2d": 34, ADAPTERS["BatchNorm2d"]: 34}
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (stock, converted):
+        model.train()
+        torch.manual_seed(1234)
+        out = model(x)
+        nn.functional.cross_entropy(out, torch.tensor([3, 7, 1, 0])).backward()
+        results.append(out)
+    _assert_equal("training output", *results)
+    for (n, a), (_, b) in zip(stock.named_parameters(), converted.named_parameters(), strict=True):
+        _assert_equal(f"gradient of {n}", a.grad, b.grad)
+    for (n, a), (_, b) in zip(stock.named_buffers(), converted.named_buffers(), strict=True):
+        _assert_equal(f"buffer {n}", a, b)
+    for model in (stock, converted):
+        model.eval()
+    with torch.no_grad():
+        _assert_equal("eval output", stock(x), converted(x))
 
 
 # --- more timm families built on BatchNormAct2d -----------------------------------------

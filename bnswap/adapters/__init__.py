@@ -9,5 +9,6 @@ An adapter is a function ``adapter(layer, input)`` that does what the library cl
 
 Built in:
 
-* :mod:`bnswap.adapters.timm`: ``timm.layers.norm_act.BatchNormAct2d`` (imports timm).
+* :mod:`bnswap.adapters.timm`: ``timm.layers.norm_act.BatchNormAct2d``,
+  ``SyncBatchNormAct`` and ``timm.layers.split_batchnorm.SplitBatchNorm2d`` (imports timm).
 """

@@ -54,6 +54,7 @@ from torch import nn
 import bnswap
 from bnswap.app.configs import resolve as resolve_config
 from bnswap.app.messages import short_error
+from bnswap.extras import install_hint
 
 __all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "convert_main", "main",
            "render"]
@@ -533,7 +534,7 @@ def main(argv: Sequence[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] in ("lightning", "pytorch_lightning", "sklearn"):
             return _usage_error(f"{cfg.config or cfg.model} needs {e.name.split('.')[0]}, "
-                                "which is not installed: pip install 'bnswap[lightning]'")
+                                "which is not installed: " + install_hint("lightning"))
         return _usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
     except (OSError, ValueError, TypeError, ImportError) as e:
         # building --model raised: jsonargparse's Union report holds the reason

@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from bnswap._swap import WRAPPER_STATE
+from bnswap.extras import install_command
 from bnswap.ort._layers import check_layers, trace_constants
 from bnswap.ort._logs import LOG_LEVEL_ENV, ort_log_level
 from bnswap.ort._original import UnwrappedCallWarning
@@ -119,9 +120,11 @@ def _require() -> Any:
     :class:`ORTNotAvailableError` naming the Python versions or the install command)."""
     check_python()
     if not is_available():
+        extra = install_command("ort-cpu")  # (bnswap is not on PyPI: from where it came)
         raise ORTNotAvailableError(
             "bnswap's ORT backend needs ONNX Runtime training and torch-ort. Install them "
-            f"with: {INSTALL}   (or: pip install 'bnswap[ort-cpu]' && "
+            f"with: {INSTALL}   (or bnswap's 'ort-cpu' extra: "
+            f"{extra + ' && ' if extra else 'README, Install, then '}"
             "pip install --no-deps torch-ort==1.19.2). Never install plain `onnxruntime` "
             "in the same environment: it replaces the training build.")
     from bnswap.ort import _compat

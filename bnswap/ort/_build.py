@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from bnswap import _log
 from bnswap.ort.errors import BuildError
 
 logger = logging.getLogger("bnswap.ort")
@@ -185,7 +186,7 @@ def ensure_extension(*, force: bool = False) -> Path:
         logger.warning(
             "bnswap.ort: building ONNX Runtime's %s extension for torch %s / onnxruntime %s "
             "into %s (one time, about a minute on 2 cores)...", EXTENSION, tv, ov, out.parent)
-        logger.info("bnswap.ort: %s", shlex.join(cmd))
+        _log.info(logger, "bnswap.ort: %s", shlex.join(cmd))  # (once per job)
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None

@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from bnswap import _log
 from bnswap._swap import WRAPPER_STATE
 from bnswap.ort import _compat, _original
 from bnswap.ort._layers import check_layers, trace_constants
@@ -328,8 +329,8 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
         keys[training] = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
             state.stats.empty_inputs(args, kwargs, layers),)
-        logger.info("bnswap.ort: the model or its inputs changed in a way the exported "
-                    "graph depends on; ONNX Runtime exports again")
+        _log.info(logger, "bnswap.ort: the model or its inputs changed in a way the exported "
+                  "graph depends on; ONNX Runtime exports again")  # (once per job)
         for mode in (True, False):
             _compat.force_reexport(self, mode)
 

@@ -1,0 +1,77 @@
+"""bnswap's log, once per job: ``logging.getLogger("bnswap")``, at INFO on global rank
+zero and at DEBUG on the other ranks.
+
+A training script launched on several processes (``torchrun``, Lightning's ``ddp`` /
+``ddp_spawn``, ``mp.spawn``) runs ``bnswap.convert(model)`` once per process; logging its
+plan at INFO on every rank printed the same table once per rank, interleaved. The
+ecosystem logs such messages on rank zero only (Lightning's ``rank_zero_info``, timm's
+``if utils.is_primary(args)``); bnswap does the same, and keeps the other ranks' lines
+at DEBUG (still there for whoever debugs one rank). The rank is torch.distributed's
+when a default process group is initialized, else the launcher's environment
+(``RANK``: torchrun, torch.distributed.launch, Lightning's cluster environments;
+``LOCAL_RANK``: the only one Lightning's ``ddp`` launcher sets in the processes it
+starts, as Lightning's own ``rank_zero_only`` reads it). Neither: one process, INFO.
+
+bnswap never ``print``s; it adds no handler (a script shows INFO with
+``logging.basicConfig(level=logging.INFO)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch.distributed as dist
+
+__all__ = ["RANK_ENV", "info", "info_level", "logger", "rank"]
+
+logger = logging.getLogger("bnswap")
+
+#: The environment variables read for the rank (in this order) before a process group
+#: is initialized.
+RANK_ENV = ("RANK", "LOCAL_RANK")
+
+
+def rank() -> int | None:
+    """This process's global rank in a job of several processes, or None for one
+    process: ``torch.distributed.get_rank()`` once a default process group is
+    initialized, else the first of :data:`RANK_ENV` that is set (and an integer).
+
+    Examples::
+
+        >>> import os
+        >>> from bnswap import _log
+        >>> os.environ["RANK"] = "1"
+        >>> _log.rank(), _log.info_level() == logging.DEBUG
+        (1, True)
+        >>> del os.environ["RANK"]
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for key in RANK_ENV:
+        value = os.environ.get(key, "").strip()
+        if value.lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+def info_level() -> int:
+    """``logging.INFO`` on global rank zero or in a single process, ``logging.DEBUG``
+    on every other rank (:func:`rank`)."""
+    return logging.INFO if rank() in (None, 0) else logging.DEBUG
+
+
+def info(log: logging.Logger, msg: str, *args: object) -> None:
+    """``log.info(msg, *args)`` on rank zero, ``log.debug(...)`` on the other ranks; the
+    message is formatted only when that level is enabled (``%s`` arguments, as
+    ``logging`` does).
+
+    Examples::
+
+        >>> import logging
+        >>> from bnswap import _log
+        >>> _log.info(logging.getLogger("bnswap"), "%s layers swapped", 3)
+    """
+    level = info_level()
+    if log.isEnabledFor(level):
+        log.log(level, msg, *args, stacklevel=2)
