@@ -41,6 +41,24 @@ def test_console_script_is_installed():
     assert [ep.value for ep in eps] == ["_bnswap_command:main"]
 
 
+def test_bnswap_train_on_two_ddp_devices_finishes_and_reports_once(tmp_path):
+    """Guards (issue 26's review): ``bnswap train --trainer.devices 2 --trainer.strategy
+    ddp`` trained, then crashed: rank 1 returned before reading ``Trainer.log_dir``, a
+    broadcast rank 0 then waited on ("Connection closed by peer"). It finishes, writes
+    the history once, prints the final figures once, and Lightning's sync_dist
+    recommendation for the already-reduced validation figures is gone. Real ddp
+    processes on 127.0.0.1, within the subprocess timeout."""
+    proc = run_bnswap(["train", "--config", str(CONFIG), *tiny(tmp_path),
+                       "--trainer.max_epochs=1", "--trainer.devices=2",
+                       "--trainer.strategy=ddp", "--trainer.accelerator=cpu"],
+                      cwd=tmp_path, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("final validation accuracy:") == 1
+    assert len(list(tmp_path.rglob("history.json"))) == 1
+    assert "sync_dist=True" not in out
+
+
 def test_configs_differ_only_by_the_callback():
     a, b = yaml.safe_load(CONFIG.read_text()), yaml.safe_load(STOCK.read_text())
     cbs = a["trainer"].pop("callbacks")

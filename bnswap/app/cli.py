@@ -221,9 +221,12 @@ class BNSwapCLI(LightningCLI):
             "fit_seconds": seconds,
             "seconds_per_epoch": round(seconds / epochs, 2) if seconds and epochs else None,
         }
+        # Trainer.log_dir broadcasts rank zero's folder: every rank must ask (rank zero
+        # waited on a broadcast the others never joined, and a 2-device fit ended in
+        # "Connection closed by peer" after training)
+        log_dir = self.trainer.log_dir
         if not self.trainer.is_global_zero:
             return
-        log_dir = self.trainer.log_dir
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             (Path(log_dir) / "history.json").write_text(json.dumps(self.results, indent=1))

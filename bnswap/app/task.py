@@ -95,9 +95,12 @@ class DigitsClassifier(pl.LightningModule):
         sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
         val_loss = float(sums[0] / sums[2])
         val_acc = float(sums[1] / sums[2])
-        # sync_dist=False: the sums above are already reduced over all processes.
-        self.log("val_loss", val_loss, prog_bar=True)
-        self.log("val_acc", val_acc, prog_bar=True)
+        # The sums above are reduced over all processes already, so every rank logs the
+        # same values: sync_dist with max keeps them exact and tells Lightning they are
+        # synchronized (without it, a ddp fit warned "It is recommended to use
+        # `self.log('val_loss', ..., sync_dist=True)`" once per metric).
+        self.log("val_loss", val_loss, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log("val_acc", val_acc, prog_bar=True, sync_dist=True, reduce_fx="max")
         if not self.trainer.sanity_checking:
             self.history.append({"epoch": int(self.current_epoch), "val_loss": val_loss,
                                  "val_acc": val_acc})
@@ -110,8 +113,8 @@ class DigitsClassifier(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
-        self.log("test_loss", float(sums[0] / sums[2]))
-        self.log("test_acc", float(sums[1] / sums[2]))
+        self.log("test_loss", float(sums[0] / sums[2]), sync_dist=True, reduce_fx="max")
+        self.log("test_acc", float(sums[1] / sums[2]), sync_dist=True, reduce_fx="max")
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self(batch[0]).argmax(1)
