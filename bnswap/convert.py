@@ -158,14 +158,10 @@ def convert(
     return out
 
 
-#: The reasons of rows that include / exclude left out: what the user asked for.
-_CHOSEN = ("excluded by ", "not matched by include")
-
-
 def _left_unasked(todo: Plan) -> str:
     """The warning for the layers ``todo`` leaves on their own forward although the user's
     include / exclude did not leave them out (how many, and why), or ``""``."""
-    left = [r for r in todo.skipped if not r.reason.startswith(_CHOSEN)]
+    left = [r for r in todo.skipped if not r.excluded]
     if not left:
         return ""
     why: Counter[str] = Counter()

@@ -207,6 +207,9 @@ class PlanRow:
         lazy: an uninitialized ``LazyBatchNorm*`` (it keeps the swap when it
             initializes).
         already: swapped before this plan was made (action ``"keep"``).
+        excluded: skipped because ``include`` / ``exclude`` left it out (the user's
+            choice: ``convert`` does not warn about it, and ``bnswap plan`` exits 0), not
+            because bnswap cannot swap it.
         device: where :attr:`kernel` is evaluated (None: where the layer's tensors are).
         sync_class: the synchronized class the layer becomes (``nn.SyncBatchNorm``)
             with ``sync_batchnorm=True``, else None.
@@ -243,6 +246,7 @@ class PlanRow:
     module: nn.Module | None = field(default=None, repr=False, compare=False)
     lazy: bool = False
     already: bool = False
+    excluded: bool = False
     device: torch.device | str | None = field(default=None, repr=False, compare=False)
     sync_class: type | None = None
     process_group: object = field(default=None, repr=False, compare=False)
@@ -732,9 +736,10 @@ def _plan_layers(
                              lazy=lazy, already=True))
         elif hit_exc:
             rows.append(_row(name, m, cls, be, device, "skip",
-                             f"excluded by {_pattern_str(exc[hit_exc[0]])}"))
+                             f"excluded by {_pattern_str(exc[hit_exc[0]])}", excluded=True))
         elif inc and not hit_inc:
-            rows.append(_row(name, m, cls, be, device, "skip", "not matched by include"))
+            rows.append(_row(name, m, cls, be, device, "skip", "not matched by include",
+                             excluded=True))
         elif isinstance(m, nn.SyncBatchNorm) and not be.synchronizes and wrap == "model":
             rows.append(_row(name, m, cls, be, device, "skip",
                              be.cannot_sync + " (convert refuses the model: "

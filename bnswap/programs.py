@@ -148,6 +148,9 @@ class NodeRow:
             ``_native_batch_norm_legit*`` ops bind the native kernel).
         already: the node runs a consolidated op already (a bnswap program, or one
             converted before); :func:`convert` leaves it as it is.
+        excluded: skipped because ``include`` / ``exclude`` left it out (or its forward
+            node, for a backward node): the user's choice, not a node bnswap cannot
+            rewrite.
         device: where :attr:`kernel` is evaluated (None: the node's input's device).
 
     Examples::
@@ -167,6 +170,7 @@ class NodeRow:
     reason: str
     kernel_before: str = "Native"
     already: bool = False
+    excluded: bool = False
     node: Node | None = field(default=None, repr=False, compare=False)
     device: torch.device | None = field(default=None, repr=False, compare=False)
 
@@ -336,6 +340,7 @@ def _plan_nodes(program: Program, backend: str = "aten", *,
                 continue
             target, reason = consolidated_target(n)
             left_out = _selected(n.name, inc, exc)
+            excluded = left_out is not None
             if left_out is not None:
                 target, reason = None, left_out
             elif target is not None and n.target is _BACKWARD:
@@ -346,9 +351,11 @@ def _plan_nodes(program: Program, backend: str = "aten", *,
                 if fwd_row is not None and fwd_row.action == "skip":
                     target, reason = None, (f"its forward node {fwd_row.name!r} is left as "
                                             f"it is ({fwd_row.reason})")
+                    excluded = fwd_row.excluded
             rows.append(NodeRow(n.name, str(n.target), "swap" if target else "skip",
                                 str(target) if target else "-", reason,
-                                _kernel_before(n, dev), node=n, device=dev))
+                                _kernel_before(n, dev), excluded=excluded and not target,
+                                node=n, device=dev))
     unmatched = [(kind, p) for kind, pats in (("include", inc), ("exclude", exc))
                  for p in pats if not any(fnmatch.fnmatchcase(r.name, p) for r in rows)]
     return ProgramPlan(rows, program, include, exclude), unmatched

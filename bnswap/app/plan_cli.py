@@ -448,14 +448,9 @@ def _usage_error(message: str, command: str = "plan") -> int:
 def _left_out_on_purpose(row: Any) -> bool:
     """Whether a skipped row (a layer's :class:`bnswap.PlanRow` or a program's
     ``NodeRow``) was left out by the patterns given (``--include`` / ``--exclude``, a
-    config callback's), as its reason says: ``"excluded by 'head.*'"``, ``"not matched
-    by include"``, or a backward node whose forward node was (``"its forward node 'bn'
-    is left as it is (excluded by ...)"``); not a layer bnswap cannot swap."""
-    return _ON_PURPOSE.match(row.reason) is not None
-
-
-_ON_PURPOSE = re.compile(r"(?:its forward node '[^']*' is left as it is \()?"
-                         r"(?:excluded by |not matched by include)")
+    config callback's; a backward node whose forward node was): the row's ``excluded``;
+    not a layer bnswap cannot swap."""
+    return row.excluded
 
 
 def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
