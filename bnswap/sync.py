@@ -7,28 +7,38 @@ and state_dict keys (like every bnswap swap, :mod:`bnswap._swap`); its forward i
 * training in a process group of more than one rank (``process_group``, default
   ``torch.distributed.group.WORLD``): batch statistics of the *global* batch, the
   concatenation of every rank's input, on any device and backend (gloo, NCCL, ...).
-  Each rank computes its per-channel (count, mean, M2) (M2: the sum of squared
-  deviations from its own mean), one ``all_gather`` exchanges the packed (2C + 1,)
-  tensor, and every rank combines them with Chan et al.'s pairwise formula
-  (``mean = sum(n_i mean_i) / n``, ``M2 = sum(M2_i + n_i (mean_i - mean)^2)``), so
-  uneven per-rank batches and empty ranks give the global batch's statistics, with
-  no cancellation of raw sums of squares in float32. ``running_var`` takes the
-  unbiased variance ``M2 / (n - 1)``; ``num_batches_tracked`` and ``momentum=None``
-  (cumulative average) as stock. The backward needs one ``all_reduce`` of the packed
-  (2C,) ``sum(dy)`` and ``sum(dy * (x - mean))``: the input gradient is the global
-  batch's, parameter gradients are each rank's share (as stock SyncBatchNorm's; DDP
-  averages them);
+  Each rank computes its per-channel count ``n_i``, mean and biased variance ``v_i =
+  M2_i / n_i`` (M2: the sum of squared deviations from its own mean), one
+  ``all_gather`` exchanges the packed (2C + 1,) tensor, and every rank combines them
+  with Chan et al.'s pairwise formula (``mean = sum(n_i mean_i) / n``, ``M2 = sum(M2_i +
+  n_i (mean_i - mean)^2)``), so uneven per-rank batches and empty ranks give the global
+  batch's statistics, with no cancellation of raw sums of squares in float32.
+  ``running_var`` takes the unbiased variance ``M2 / (n - 1)``; ``num_batches_tracked``
+  and ``momentum=None`` (cumulative average) as stock. The backward needs the sums over
+  the ranks of the packed (2C,) ``sum(dy)`` and ``sum(dy * (x - mean))``, by one
+  ``all_gather`` (each rank adds the rows in rank order): the input gradient is the
+  global batch's, parameter gradients are each rank's share (as stock SyncBatchNorm's;
+  DDP averages them);
 * evaluation, training without an initialized process group, or a group of one rank:
   exactly bnswap's unsynchronized path (:func:`bnswap.module_batch_norm`), bitwise equal
   to stock ``nn.BatchNorm`` (stock ``SyncBatchNorm`` raises on CPU when a group is
   initialized).
 
-The collectives are ``torch.distributed._functional_collectives`` inside a
-``torch.autograd.Function``, so ``torch.compile(fullgraph=True)`` captures a synchronized
-model without a graph break (stock's masks the gathered statistics with a data-dependent
-index: pytorch issue 156680). Why one portable formulation rather than torch's CUDA
-kernels (``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
-``batch_norm_elemt``): ``docs/design.md``, "Synchronized BatchNorm".
+The work around the two collectives runs on the device's own batch-norm kernels where
+they take the tensors (:data:`DEVICE_KERNELS`, :class:`Slots`; eager mode): on the CPU
+ATen's native kernels (the per-rank statistics in one ``batch_norm_update_stats``, the
+backward's two sums in one ``native_batch_norm_backward`` pass, the input gradient in
+two passes), on CUDA stock SyncBatchNorm's (``batch_norm_stats``'s kernel,
+``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``); elsewhere, and in code
+being compiled, the same formulation in portable torch ops. The normalization itself is
+``aten._batch_norm_no_update`` with the global statistics everywhere.
+
+In eager mode the collectives are plain c10d calls; in code being compiled,
+``torch.distributed._functional_collectives`` inside the ``torch.autograd.Function``, so
+``torch.compile(fullgraph=True)`` captures a synchronized model without a graph break
+(stock's masks the gathered statistics with a data-dependent index: pytorch issue
+156680). Why the global combination stays in torch ops and what each choice costs:
+``docs/design.md``, "Synchronized BatchNorm".
 
 :func:`to_sync_batch_norm` / :func:`original_of` are ``convert(model,
 sync_batchnorm=True)``'s two directions: a ``BatchNorm1d/2d/3d`` becomes an
@@ -235,10 +245,10 @@ def _cpu_input_grad(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight:
     # computes x b + (d - mean b), as it rounds the forward's normalization), then one
     # addcmul_
     c = mean.numel()
-    scale = invstd if weight is None else invstd * weight
-    neg = scale / -n
-    d = sums[:c] * neg
-    b = (sums[c:] * invstd).mul_(invstd).mul_(neg)
+    scale = invstd if weight is None else torch.mul(invstd, weight)
+    neg = scale.mul(-1.0 / n)
+    d = torch.mul(sums.narrow(0, 0, c), neg)
+    b = torch.mul(sums.narrow(0, c, c), invstd).mul_(invstd).mul_(neg)
     grad_input = _no_update(x, b, d, mean, torch.ones_like(mean), 0.0, 0.0)[0]
     return grad_input.addcmul_(dy, _channel_view(scale, dy))
 
@@ -388,7 +398,10 @@ class _SyncBatchNorm(torch.autograd.Function):
             mean = var = x.new_zeros(c)
         packed = torch.cat([mean.new_full((1,), count), mean, var])
         gathered = _all_gather(packed, group, world, compiling).view(world, 2 * c + 1)
-        counts, means, vars_ = gathered[:, 0], gathered[:, 1:c + 1], gathered[:, c + 1:]
+        # (method calls, not indexing: each op of this per-layer bookkeeping costs
+        # microseconds, and a step has two per layer)
+        counts = gathered.select(1, 0)
+        means, vars_ = gathered.narrow(1, 1, c), gathered.narrow(1, c + 1, c)
         total: Tensor | int
         if compiling:
             total = counts.sum()
@@ -397,7 +410,8 @@ class _SyncBatchNorm(torch.autograd.Function):
             n: Tensor | int = total.clamp(min=1)
             bessel: Tensor | float = n / (total - 1).clamp(min=1)
         else:
-            total = int(counts.sum())  # read (a device sync on CUDA, as stock)
+            # read (a device sync on CUDA, as stock); tolist: one call, no tensor op
+            total = int(sum(counts.tolist()))
             if total == 1:
                 raise ValueError(_one_value_message(size, group))
             n = max(total, 1)
@@ -406,10 +420,10 @@ class _SyncBatchNorm(torch.autograd.Function):
         # mean = sum(w_i mean_i), var = M2 / n = sum(w_i (v_i + (mean_i - mean)^2))
         w = counts / n
         g_mean = torch.mv(means.t(), w)
-        dev = means - g_mean
+        dev = torch.sub(means, g_mean)
         var = torch.mv(dev.mul_(dev).add_(vars_).t(), w)
-        invstd = torch.rsqrt(var + eps)
-        unbiased = var * bessel  # M2 / (n - 1)
+        invstd = torch.rsqrt(var.add(eps))
+        unbiased = var.mul(bessel)  # M2 / (n - 1)
         if count and params_acc:
             # the normalization itself on bnswap's kernel: aten._batch_norm_no_update with
             # the global statistics (one vectorized pass; memory format and half input as
@@ -428,6 +442,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         ctx.slots, ctx.compiling = slots, compiling
         ctx.n = None if compiling else n  # compiled: from the saved counts
         ctx.mark_non_differentiable(g_mean, unbiased)
+        ctx.set_materialize_grads(False)  # (no zero gradients for the statistics)
         if compiling:
             ctx.mark_non_differentiable(total)
         return out, g_mean, unbiased, total
