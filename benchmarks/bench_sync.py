@@ -11,7 +11,12 @@ buckets, ``broadcast_buffers=True``):
   of 2C floats (the calls ``bnswap.sync`` itself makes), no synchronization maths. No
   exact synchronization can cost less than this;
 * ``sync``: bnswap's synchronized layers (``convert(model, sync_batchnorm=True)``);
-* ``collectives``: those collectives alone, back to back (no model).
+* ``collectives``: those collectives alone, back to back (no model);
+* what ``bnswap.sync`` did not keep, each the synchronized step with one change: the
+  other backward collective (``all_reduce`` of the sums, or ``all_gather``), functional
+  collectives in eager instead of plain c10d calls, and the layers on a process group of
+  their own (apart from DDP's gradient buckets on WORLD); reported per round as its
+  step time over the synchronized step's.
 
 Each round runs every variant once, in an order rotated from round to round, on every rank
 (the collectives pair up); rank 0 reports medians and, per round, the synchronized step's
@@ -31,9 +36,6 @@ processes" section; about 6 minutes on a 2-core machine)::
     python -m benchmarks.bench_sync
 
 ``--quick`` (a 3-layer net, 2 ranks, 3 rounds, under a minute) checks that it runs.
-``--backward-collective all_reduce`` and ``--functional-collectives`` measure the
-alternatives ``bnswap.sync`` did not keep; ``--own-group`` gives the synchronized layers
-(and the floor) a process group of their own, apart from DDP's gradient buckets.
 """
 
 from __future__ import annotations
@@ -256,6 +258,31 @@ def _ancestors(e):
         p = p.cpu_parent
 
 
+def _with(module, name: str, value, step):
+    """``step`` run with ``module.name`` set to ``value`` (restored after)."""
+
+    def run() -> None:
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            step()
+        finally:
+            setattr(module, name, old)
+
+    return run
+
+
+def alternatives(times: dict) -> dict:
+    """Per round, each alternative's step time over the synchronized step's (wall, CPU)."""
+    out = {}
+    for k in times["wall"]:
+        if k.startswith("sync, "):
+            out[k.removeprefix("sync, ")] = {
+                part: _median_ci([a / b for a, b in zip(times[part][k], times[part]["sync"])])
+                for part in ("wall", "cpu")}
+    return out
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, ROOT)
@@ -265,10 +292,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     from bnswap import sync
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sync._BACKWARD_COLLECTIVE = args.backward_collective
-    if args.functional_collectives:
-        sync._EAGER_C10D = False
-    group = dist.new_group(list(range(world))) if args.own_group else dist.group.WORLD
+    group = dist.group.WORLD
+    own = dist.new_group(list(range(world)))  # (every rank creates it, in the same order)
+    other = "all_reduce" if sync._BACKWARD_COLLECTIVE == "all_gather" else "all_gather"
     results = {}
     for name in args.nets.split(","):
         factory, batch, ch, hw = nets()[name]
@@ -278,8 +304,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         models = {
             "unsync": bnswap.convert(copy.deepcopy(base)),
             "floor": add_floor_hooks(bnswap.convert(copy.deepcopy(base)), group, world),
-            "sync": bnswap.convert(copy.deepcopy(base), sync_batchnorm=True,
-                                   process_group=None if not args.own_group else group),
+            "sync": bnswap.convert(copy.deepcopy(base), sync_batchnorm=True),
+            "sync, own process group": bnswap.convert(copy.deepcopy(base),
+                                                      sync_batchnorm=True, process_group=own),
         }
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(batch, ch, hw, hw, generator=g)
@@ -296,11 +323,22 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
 
             steps[key] = step
         steps["collectives"] = collectives_alone(channels, group, world)
+        # what bnswap.sync did not keep, on the same model as "sync"
+        steps[f"sync, backward {other}"] = _with(sync, "_BACKWARD_COLLECTIVE", other,
+                                                 steps["sync"])
+        if sync._EAGER_C10D:
+            steps["sync, functional collectives"] = _with(sync, "_EAGER_C10D", False,
+                                                          steps["sync"])
         counts = {k: count_collectives(s) for k, s in steps.items()}
         times = rounds(steps, args.rounds, args.warmup)
+        main = {part: {k: times[part][k] for k in VARIANTS} for part in ("wall", "cpu")}
         row = {"bn_layers": len(channels), "per_rank_batch": batch, "input": [ch, hw, hw],
-               "collectives_per_step": counts, **summarize(times),
+               "collectives_per_step": counts, **summarize(main),
+               "alternatives": alternatives(times),
+               "alternatives_ms": {k: statistics.median(v) * 1e3
+                                   for k, v in times["wall"].items() if k.startswith("sync, ")},
                "samples_ms": {k: [t * 1e3 for t in v] for k, v in times["wall"].items()},
+               "samples_cpu_ms": {k: [t * 1e3 for t in v] for k, v in times["cpu"].items()},
                "breakdown": {k: breakdown(steps[k], args.profile_steps)
                              for k in ("unsync", "floor", "sync")}}
         results[name] = row
@@ -313,10 +351,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
 
 def table(doc: dict) -> str:
     lines = [
-        f"Collectives: backward `{doc['backward_collective']}`, "
-        f"{'functional' if doc['functional_collectives'] else 'plain c10d'} calls in eager, "
-        f"{'a process group of their own' if doc['own_group'] else 'on WORLD (with DDP)'}; "
-        f"{doc['rounds']} rounds; load average at start {doc['machine'].get('load_average_start')}.",
+        f"`{doc['command']}`: {doc['rounds']} rounds, {doc['seconds']} s; the synchronized "
+        f"layers' collectives: all_gather forward, `{doc['backward_collective']}` backward, "
+        f"{'plain c10d' if doc['eager_c10d'] else 'functional'} calls, on WORLD (with DDP's "
+        f"buckets); load average at start {doc['machine'].get('load_average_start')}.",
         "",
         "| ranks | net | BN layers | unsync / floor / sync / collectives alone, ms | extra "
         "over unsync: floor / sync, ms | sync extra / floor extra, wall (95 % CI) | same, CPU "
@@ -334,6 +372,17 @@ def table(doc: dict) -> str:
                 f"{c['median']:.2f} ({c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}) | "
                 f"{cs['median']:.2f} ({cs['ci95'][0]:.2f}-{cs['ci95'][1]:.2f}) | "
                 f"{'met' if r['goal_met'] else 'missed'} |")
+    lines += ["", "What bnswap.sync did not keep, in the same rounds (per round, its step over "
+              "the synchronized step's; median, 95 % CI):", "",
+              "| ranks | net | alternative | ms | wall | CPU |", "|---|---|---|---|---|---|"]
+    for world, per_net in doc["results"].items():
+        for net, r in per_net.items():
+            for alt, v in r["alternatives"].items():
+                w, c = v["wall"], v["cpu"]
+                lines.append(
+                    f"| {world} | {net} | {alt} | {r['alternatives_ms']['sync, ' + alt]:.0f} | "
+                    f"{w['median']:.2f} ({w['ci95'][0]:.2f}-{w['ci95'][1]:.2f}) | "
+                    f"{c['median']:.2f} ({c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}) |")
     lines += ["", "Profiler breakdown (rank 0, ms per step; the profiler adds its own cost):",
               "", "| ranks | net | variant | part | ms |", "|---|---|---|---|---|"]
     for world, per_net in doc["results"].items():
@@ -371,12 +420,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", default="2,3", help="world sizes, one run each (default 2,3)")
     p.add_argument("--profile-steps", type=int, default=3,
                    help="steps profiled per variant for the breakdown (default 3)")
-    p.add_argument("--backward-collective", choices=("all_gather", "all_reduce"),
-                   default=None, help="the backward collective (default: bnswap.sync's)")
-    p.add_argument("--functional-collectives", action="store_true",
-                   help="functional collectives in eager instead of plain c10d calls")
-    p.add_argument("--own-group", action="store_true",
-                   help="the synchronized layers on a process group of their own")
     p.add_argument("--quick", action="store_true",
                    help="--nets tiny --ranks 2 --rounds 3 --warmup 1 --profile-steps 1")
     p.add_argument("--out", default=None,
@@ -393,11 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness import machine_info
     from bnswap import sync
 
-    if args.backward_collective is None:
-        args.backward_collective = sync._BACKWARD_COLLECTIVE
     doc = {"machine": machine_info(), "threads_per_rank": 1, "rounds": args.rounds,
-           "warmup": args.warmup, "backward_collective": args.backward_collective,
-           "functional_collectives": args.functional_collectives, "own_group": args.own_group,
+           "warmup": args.warmup, "backward_collective": sync._BACKWARD_COLLECTIVE,
+           "eager_c10d": sync._EAGER_C10D,
            "command": "python -m benchmarks.bench_sync " + " ".join(argv or sys.argv[1:]),
            "results": {}}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -190,16 +190,35 @@ def _channel_view(t: Tensor, x: Tensor) -> Tensor:
 
 
 class Slots(NamedTuple):
-    """A device's own kernels in the three per-device slots of the formulation (eager
-    mode; each returns None where its kernel does not take the tensors, and the portable
-    torch ops run instead).
+    """A device's own kernels in the three per-device slots of the synchronized
+    formulation (eager mode). Each slot returns None where its kernel does not take the
+    tensors, and the portable torch ops run instead.
 
-    ``stats(x)``: this rank's per-channel (mean, biased variance) of non-empty ``x``
-    (N, C, *). ``sums(dy, x, mean, invstd, weight)``: the backward's per-channel
-    ``(sum(dy), sum(dy * (x - mean)))`` over this rank. ``input_grad(dy, x, mean, invstd,
-    weight, sums, counts)``: the input gradient from ``sums``, the (2C,) sums over every
-    rank, and ``counts``, the (R,) per-rank counts of the global batch. ``label``: what
-    the plan's kernel column says (:func:`sync_kernel`).
+    * ``stats(x)``: this rank's per-channel (mean, biased variance), two (C,) tensors
+      in ``x``'s dtype, of non-empty float32 / float64 ``x`` (N, C, *);
+    * ``sums(dy, x, mean, invstd, weight)``: this rank's per-channel ``(sum(dy),
+      sum(dy * (x - mean)))``, two (C,) tensors, for ``dy`` and ``x`` (N, C, *), the
+      global ``mean`` and ``invstd`` (C,) and ``weight`` (C,) or None;
+    * ``input_grad(dy, x, mean, invstd, weight, sums, counts, n)``: the input gradient
+      (N, C, *) from ``sums``, the (2C,) ``sums`` added over every rank, ``counts``, the
+      (R,) per-rank counts, and ``n``, their sum (a Python int);
+    * ``label``: what the plan's kernel column says (:func:`sync_kernel`).
+
+    They raise what their kernels raise (RuntimeError for a dtype a kernel refuses).
+
+    Examples::
+
+        >>> import torch
+        >>> from bnswap.sync import DEVICE_KERNELS
+        >>> cpu = DEVICE_KERNELS["cpu"]
+        >>> cpu.label
+        'Native'
+        >>> x = torch.randn(4, 3, 5, 5)
+        >>> mean, var = cpu.stats(x)  # ATen's batch_norm_update_stats
+        >>> torch.allclose(var, x.var((0, 2, 3), unbiased=False))
+        True
+        >>> cpu.stats(x.to(memory_format=torch.channels_last)) is None  # portable ops
+        True
     """
 
     label: str
@@ -280,7 +299,8 @@ def _cuda_input_grad(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight
     c = mean.numel()
     # the kernel divides by the sum of the per-rank counts, int32 as stock saves them
     return torch.batch_norm_backward_elemt(_stock_grad_layout(dy), x, mean, invstd, weight,
-                                           sums[:c], sums[c:], counts.to(torch.int32))
+                                           sums.narrow(0, 0, c), sums.narrow(0, c, c),
+                                           counts.to(torch.int32))
 
 
 #: Device types whose own batch-norm kernels fill the per-device slots of the formulation
@@ -550,8 +570,9 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
             running_mean.mul_(1 - f).add_(mean.to(running_mean.dtype) * f)
             running_var.mul_(1 - f).add_(unbiased.to(running_var.dtype) * f)
         elif total:  # eager: the count was read
-            running_mean.lerp_(mean.to(running_mean.dtype), factor)
-            running_var.lerp_(unbiased.to(running_var.dtype), factor)
+            f = float(factor)  # (a 0-dim momentum tensor of any dtype, as stock takes it)
+            running_mean.lerp_(mean.to(running_mean.dtype), f)
+            running_var.lerp_(unbiased.to(running_var.dtype), f)
     return out
 
 
