@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"machine": machine_info(), "threads_per_rank": 1, "rounds": args.rounds,
            "warmup": args.warmup, "backward_collective": sync._BACKWARD_COLLECTIVE,
            "eager_c10d": sync._EAGER_C10D,
-           "command": "python -m benchmarks.bench_sync " + " ".join(argv or sys.argv[1:]),
+           "command": " ".join(["python -m benchmarks.bench_sync", *(argv or sys.argv[1:])]),
            "results": {}}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     t0 = time.perf_counter()

@@ -135,6 +135,15 @@ def test_bench_sync_quick_reports_the_floor_and_the_breakdown(tmp_path):
     counts = r["collectives_per_step"]
     assert counts["floor"] == counts["sync"] != counts["unsync"]
     assert sum(counts["collectives"].values()) == 2 * r["bn_layers"]
+    # what bnswap.sync did not keep, timed in the same rounds, each over the sync step
+    other = "all_reduce" if doc["backward_collective"] == "all_gather" else "all_gather"
+    assert set(r["alternatives"]) == {"own process group", f"backward {other}",
+                                      "functional collectives"}
+    for alt, v in r["alternatives"].items():
+        for part in ("wall", "cpu"):
+            lo, hi = v[part]["ci95"]
+            assert 0 < lo <= v[part]["median"] <= hi, (alt, part)
+    assert counts[f"sync, backward {other}"].get(f"gloo:{other}", 0) >= r["bn_layers"]
     b = r["breakdown"]
     for part in ("forward", "backward"):
         assert b["sync"][f"sync {part}"] > 0
