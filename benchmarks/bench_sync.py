@@ -31,7 +31,7 @@ input gradient, and the rest (Chan's combination, packing, Python); stock BatchN
 kernels of ``unsync`` and the floor's hooks beside them.
 
 The full measurement (the figures in ``benchmarks/results/sync.md`` and the README's "Many
-processes" section; about 6 minutes on a 2-core machine)::
+processes" section; about 5 minutes on a 2-core machine: 318 s with other jobs loading it)::
 
     python -m benchmarks.bench_sync
 
@@ -410,7 +410,7 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The full measurement: python -m benchmarks.bench_sync (about 6 minutes on "
+        epilog="The full measurement: python -m benchmarks.bench_sync (about 5 minutes on "
                "2 cores); --quick checks that it runs.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=15, help="timed rounds (default 15)")
