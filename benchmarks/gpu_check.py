@@ -21,12 +21,14 @@ bnswap layers and for stock ``nn.BatchNorm``:
   the converted program runs cuDNN where the original runs the native kernel (dry mode:
   the two agree bitwise on the CPU and run on the meta device).
 
-* ``sync`` (issue 18): one synchronized layer forward + backward in a one-process NCCL
-  group: bnswap's portable formulation (``bnswap.sync``) against torch's synchronized
-  CUDA kernels (``batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
-  ``batch_norm_elemt``, ...): every GPU kernel name of both, time per call, and the
-  difference of outputs and input gradients (dry: the same layer over a one-process gloo
-  group on the CPU, against stock BatchNorm).
+* ``sync`` (issues 18, 28): one synchronized layer forward + backward in a one-process
+  NCCL group: bnswap's synchronized layer with the device's kernels in its slots
+  (``bnswap.sync.DEVICE_KERNELS``: on CUDA stock SyncBatchNorm's ``batch_norm_stats``
+  kernel, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``), the same layer
+  on the portable torch ops, and torch's synchronized Function: every GPU kernel name of
+  each, time per call, and the difference of outputs and input gradients (dry: the same
+  layer over a one-process gloo group on the CPU, both bnswap paths against stock
+  BatchNorm).
 
 It then times the inductor-compiled train step bnswap vs stock (interleaved pairs,
 median of ratios), and trains the MobileNetV2-style net a few hundred steps with the
@@ -563,20 +565,25 @@ class Check:
         return res
 
     def sync(self) -> dict:
-        """Synchronized BatchNorm on the device (issue 18): bnswap's one portable
-        formulation (``bnswap.sync``: two-pass statistics, one all_gather, the
-        normalization on ``aten._batch_norm_no_update``) against torch's synchronized CUDA
-        kernels (``torch.nn.modules._functions.SyncBatchNorm``: ``batch_norm_stats``,
-        ``batch_norm_gather_stats_with_counts``, ``batch_norm_elemt``, ...), forward +
-        backward of one layer on (32, 64, 32, 32), in a process group of this one process
-        (NCCL on CUDA, gloo on the CPU; the collectives run, over one rank): kernel names,
-        time per call (interleaved pairs), and the difference of their outputs and input
-        gradients. Decides whether the plan's "Sync (portable)" should become torch's
-        kernels on CUDA (docs/design.md, "Synchronized BatchNorm")."""
+        """Synchronized BatchNorm on the device (issues 18, 28): bnswap's synchronized
+        layer (``bnswap.sync``: one all_gather forward, one backward collective) with the
+        device's own kernels in its three slots (on CUDA stock SyncBatchNorm's:
+        ``batch_norm_stats``'s kernel through ``batch_norm_update_stats``,
+        ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``; on the CPU ATen's
+        native ones), the same layer on the portable torch ops
+        (``bnswap.sync.DEVICE_KERNELS`` emptied), and torch's own synchronized Function
+        (``torch.nn.modules._functions.SyncBatchNorm``, CUDA only), forward + backward of
+        one layer on (32, 64, 32, 32), in a process group of this one process (NCCL on
+        CUDA, gloo on the CPU; the collectives run, over one rank): kernel names, time per
+        call (interleaved pairs), and the difference of outputs and input gradients.
+        Checks that the kernels the plan's kernel column names (``sync_kernel``) run, and
+        agree with torch's (docs/design.md, "Synchronized BatchNorm")."""
+        from unittest import mock
+
         import torch.distributed as dist
         from torch.nn.modules._functions import SyncBatchNorm as TorchSync
 
-        from bnswap.sync import synchronized_batch_norm
+        from bnswap import sync
 
         backend = "nccl" if self.device == "cuda" else "gloo"
         made = not dist.is_initialized()
@@ -594,9 +601,13 @@ class Check:
 
             def ours():
                 x = x0.detach().requires_grad_(True)
-                out = synchronized_batch_norm(layer, x, group)
+                out = sync.synchronized_batch_norm(layer, x, group)
                 out.backward(dy)
                 return out, x.grad
+
+            def portable():
+                with mock.patch.dict(sync.DEVICE_KERNELS, clear=True):
+                    return ours()
 
             def torchs():
                 x = x0.detach().requires_grad_(True)
@@ -606,25 +617,35 @@ class Check:
                 return out, x.grad
 
             res: dict = {"backend": backend, "shape": [n, c, hw, hw],
-                         "bnswap": profile_names(ours, self.device, all_kernels=True)}
+                         "kernel_column": sync.sync_kernel(self.device),
+                         "bnswap": profile_names(ours, self.device, all_kernels=True),
+                         "bnswap_portable": profile_names(portable, self.device,
+                                                          all_kernels=True)}
             if self.device == "cuda":
                 res["torch_sync"] = profile_names(torchs, self.device, all_kernels=True)
-                (oa, ga), (ob, gb) = ours(), torchs()
-                res["max_abs_diff_out"] = float((oa - ob).abs().max())
-                res["max_abs_diff_grad"] = float((ga - gb).abs().max())
-                res["timing"] = _time_pairs(ours, torchs, 10 if self.quick else 30, 20,
-                                            self.device)
-                res["ok"] = res["max_abs_diff_out"] < 1e-4 and res["max_abs_diff_grad"] < 1e-4
+                ob, gb = torchs()
+                for key, fn in (("", ours), ("_portable", portable)):
+                    oa, ga = fn()
+                    res[f"max_abs_diff_out{key}"] = float((oa - ob).abs().max())
+                    res[f"max_abs_diff_grad{key}"] = float((ga - gb).abs().max())
+                pairs = 10 if self.quick else 30
+                res["timing"] = _time_pairs(ours, torchs, pairs, 20, self.device)
+                res["timing_portable"] = _time_pairs(portable, torchs, pairs, 20, self.device)
+                res["ok"] = all(res[f"max_abs_diff_{k}"] < 1e-4 for k in (
+                    "out", "grad", "out_portable", "grad_portable"))
             else:
                 res["note"] = "torch's synchronized kernels need CUDA; kernel names need CUDA"
                 # over one rank the global batch is the local one: stock BatchNorm's result
-                out, grad = ours()
                 xr = x0.detach().requires_grad_(True)
                 ref = nn.BatchNorm2d(c)(xr)
                 ref.backward(dy)
-                res["max_abs_diff_vs_batchnorm"] = max(float((out - ref).abs().max()),
-                                                       float((grad - xr.grad).abs().max()))
-                res["ok"] = res["max_abs_diff_vs_batchnorm"] < 1e-5
+                for key, fn in (("", ours), ("_portable", portable)):
+                    out, grad = fn()
+                    res[f"max_abs_diff_vs_batchnorm{key}"] = max(
+                        float((out - ref).detach().abs().max()),
+                        float((grad - xr.grad).abs().max()))
+                res["ok"] = max(res["max_abs_diff_vs_batchnorm"],
+                                res["max_abs_diff_vs_batchnorm_portable"]) < 1e-5
             return res
         finally:
             if made:
@@ -885,13 +906,16 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
         detail = f"{len(s['cases'])} cases moved to {s['moved_to']}: " + "; ".join(
             f"{prog} {'/'.join(sorted(k))}" for prog, k in kinds.items())
     elif name == "sync":
-        detail = f"{s['backend']}: bnswap {_kinds(s['bnswap'])}"
+        detail = (f"{s['backend']}: bnswap ({s['kernel_column']}) {_kinds(s['bnswap'])}, "
+                  f"portable {_kinds(s['bnswap_portable'])}")
         if "torch_sync" in s:
-            t = s["timing"]
-            detail += (f"; torch's sync kernels {_kinds(s['torch_sync'])}; fwd+bwd "
-                       f"{t['bnswap_ms']:.3f} / {t['stock_ms']:.3f} ms, ratio "
-                       f"{t['ratio_median']:.3f}; max |d| out {s['max_abs_diff_out']:.1e} "
-                       f"grad {s['max_abs_diff_grad']:.1e}")
+            t, tp = s["timing"], s["timing_portable"]
+            detail += (f"; torch's sync kernels {_kinds(s['torch_sync'])}; fwd+bwd / torch's: "
+                       f"{t['bnswap_ms']:.3f} / {t['stock_ms']:.3f} ms (ratio "
+                       f"{t['ratio_median']:.3f}), portable {tp['ratio_median']:.3f}; max |d| "
+                       f"out {s['max_abs_diff_out']:.1e} grad {s['max_abs_diff_grad']:.1e}, "
+                       f"portable {s['max_abs_diff_out_portable']:.1e} / "
+                       f"{s['max_abs_diff_grad_portable']:.1e}")
     elif name == "training":
         sm = s["summary"]
         detail = f"{s['steps']} steps: " + "; ".join(

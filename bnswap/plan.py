@@ -30,7 +30,7 @@ from bnswap._rows import Rows
 from bnswap.backends import BACKENDS, Backend, backend_named
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.registry import qualified_name
-from bnswap.sync import SYNC_KERNEL, describe_group, sync_class, \
+from bnswap.sync import describe_group, sync_class, sync_kernel, \
     to_sync_batch_norm
 
 __all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "UnmatchedPatternWarning",
@@ -284,8 +284,9 @@ class PlanRow:
     def kernel(self) -> str:
         """The kernel this layer runs with: ``torch._C._select_batch_norm_backend``'s
         choice (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs) for ``aten``;
-        ``"Sync (portable); eval Native"`` for a layer that synchronizes over more than
-        one rank (bnswap's one formulation on every device, :mod:`bnswap.sync`);
+        ``"Sync (Native); eval Native"`` for a layer that synchronizes over more than
+        one rank (:func:`bnswap.sync.sync_kernel`: the device's kernels in the slots of
+        bnswap's one formulation);
         ``"BatchNormInternal (ORT)"`` for ``ort``, ``"-"`` when skipped. Computed when
         read (a probe per layer: it cost more than convert itself on large models,
         benchmarks P5)."""
@@ -296,7 +297,8 @@ class PlanRow:
             return fixed
         kernel = select_kernel(self.module, self.device)
         if self._synchronizes_now():
-            return f"{SYNC_KERNEL}; eval {kernel}"
+            dev = self.device if self.device is not None else _layer_device(self.module)
+            return f"{sync_kernel(dev)}; eval {kernel}"
         return kernel
 
     def to_dict(self) -> dict[str, str]:

@@ -36,6 +36,9 @@ CASES = {
          [[2, 2], [3, 0]], (3, 2, 2), torch.float64, False),
         ("f32_2d_cl", dict(num_features=5), nn.BatchNorm2d, [[4, 2], [3, 6]], (5, 4, 3),
          torch.float32, True),
+        # float32 NCHW: ATen's CPU kernels in the statistics and backward slots
+        ("f32_2d", dict(num_features=4), nn.BatchNorm2d, [[5, 3], [2, 6], [0, 4]], (4, 5, 5),
+         torch.float32, False),
     ],
     3: [
         ("f64_2d", dict(num_features=3), nn.BatchNorm2d, [[2, 0, 3], [1, 4, 2], [0, 0, 3]],
@@ -105,6 +108,59 @@ def run_case(rank: int, world: int, spec) -> dict:
     return dict(records=records, eval=evaluated, eval_input=xs[rank],
                 reverted=back[0] is bn and type(bn) is cls and not bnswap.is_swapped(bn),
                 final=_state(bn), final_params=[p.detach().clone() for p in params])
+
+
+#: The cases also run with the CUDA slots (``bnswap.sync.DEVICE_KERNELS["cuda"]``) on the
+#: CPU, their two CUDA-only kernels replaced by :func:`cuda_kernel_references`.
+CUDA_SLOT_CASES = ("f64_2d", "f32_2d_cl")
+
+
+def cuda_kernel_references(calls: dict) -> dict:
+    """``torch.batch_norm_backward_reduce`` / ``batch_norm_backward_elemt`` as their CUDA
+    kernels compute them (aten/src/ATen/native/cuda/Normalization.cuh), in torch ops for
+    CPU tensors, counting their calls in ``calls``: no CUDA here, so this runs the wiring
+    of bnswap's CUDA slots (argument order, which sums, the int32 counts), not the
+    kernels."""
+
+    def view(t, x):
+        return t.view(1, -1, *([1] * (x.dim() - 2)))
+
+    def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+        calls["backward_reduce"] = calls.get("backward_reduce", 0) + 1
+        dims = [0, *range(2, x.dim())]
+        sum_dy, sum_dy_xmu = dy.sum(dims), (dy * (x - view(mean, x))).sum(dims)
+        return (sum_dy if input_g else None, sum_dy_xmu if input_g else None,
+                sum_dy_xmu * invstd if weight_g else None, sum_dy if bias_g else None)
+
+    def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+        calls["backward_elemt"] = calls.get("backward_elemt", 0) + 1
+        if count.dtype != torch.int32:  # the kernel reads int32 counts
+            raise RuntimeError(f"count must be int32, got {count.dtype}")
+        n = int(count.sum())
+        w = torch.ones_like(mean) if weight is None else weight
+        return ((dy - view(sum_dy / n, x) - (x - view(mean, x))
+                 * view(sum_dy_xmu / n * invstd * invstd, x)) * view(invstd * w, x))
+
+    return {"batch_norm_backward_reduce": backward_reduce,
+            "batch_norm_backward_elemt": backward_elemt}
+
+
+def cuda_slots_cases(rank: int, world: int) -> dict:
+    """:data:`CUDA_SLOT_CASES` with the CPU's slots replaced by the CUDA ones."""
+    from unittest import mock
+
+    from bnswap import sync
+
+    calls: dict = {}
+    refs = cuda_kernel_references(calls)
+    with mock.patch.dict(sync.DEVICE_KERNELS, {"cpu": sync.DEVICE_KERNELS["cuda"]}), \
+            mock.patch.object(torch, "batch_norm_backward_reduce",
+                              refs["batch_norm_backward_reduce"], create=True), \
+            mock.patch.object(torch, "batch_norm_backward_elemt",
+                              refs["batch_norm_backward_elemt"], create=True):
+        out = {spec[0]: run_case(rank, world, spec) for spec in CASES[world]
+               if spec[0] in CUDA_SLOT_CASES}
+    return {"cases": out, "calls": calls}
 
 
 def compiled_case(rank: int) -> dict:
@@ -207,6 +263,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         result["cases"] = {spec[0]: run_case(rank, world, spec) for spec in CASES[world]}
         if world == 2:
+            result["cuda_slots"] = cuda_slots_cases(rank, world)
             result["compiled"] = compiled_case(rank)
             result["errors"] = errors_case(rank, world)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

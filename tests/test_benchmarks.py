@@ -89,9 +89,15 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     t = s["training"]["summary"]
     assert t["exported_bnswap"]["max_abs_diff_vs_eager"] == 0.0
     assert t["exported_stock"]["max_abs_diff_vs_eager"] == 0.0
-    # the synchronized layer over a one-rank gloo group: stock BatchNorm's result
-    assert s["sync"]["backend"] == "gloo" and s["sync"]["ok"] is True
-    assert s["sync"]["bnswap"]["aten_ops"] == ["aten::_batch_norm_no_update"]
+    # the synchronized layer over a one-rank gloo group: stock BatchNorm's result, with
+    # ATen's CPU kernels in its slots (what the plan's kernel column says) and without
+    sy = s["sync"]
+    assert sy["backend"] == "gloo" and sy["ok"] is True and sy["kernel_column"] == "Sync (Native)"
+    assert sy["bnswap"]["aten_ops"] == ["aten::_batch_norm_no_update",
+                                        "aten::batch_norm_update_stats",
+                                        "aten::native_batch_norm_backward"]
+    assert sy["bnswap_portable"]["aten_ops"] == ["aten::_batch_norm_no_update"]
+    assert max(sy["max_abs_diff_vs_batchnorm"], sy["max_abs_diff_vs_batchnorm_portable"]) < 1e-5
     assert gpu_dry["all_ok"] is True
 
 
@@ -137,6 +143,55 @@ def test_gpu_check_dry_fsdp2_bfloat16_step(gpu_dry):
     assert "aten::batch_norm_backward" in f["bnswap"]["aten_ops"]
     assert f["reference"]["max_abs_diff"] == 0.0
     assert f["reference"]["running_var_dtype"] == "torch.float32"
+
+
+def test_bench_sync_quick_reports_the_floor_and_the_breakdown(tmp_path):
+    """benchmarks/bench_sync.py (issue 28) --quick (a 3-layer net, 2 gloo ranks, 3 rounds),
+    its report read back: the four variants' times, the synchronized step's extra as a
+    multiple of the floor's (wall, CPU) and sync / floor CPU time with their intervals, the
+    verdict following from them, the profiler breakdown, and the floor issuing exactly
+    the synchronized step's collectives. The figures themselves are the benchmark's."""
+    stem = tmp_path / "sync"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.bench_sync", "--quick", "--out",
+                        str(stem)], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(stem.with_suffix(".json").read_text())
+    assert doc["backward_collective"] in ("all_gather", "all_reduce")
+    r = doc["results"]["2"]["tiny"]
+    assert r["bn_layers"] == 3 and r["rounds"] == 3
+    assert all(_finite_pos(r["ms"][k]) and _finite_pos(r["cpu_ms"][k])
+               for k in ("unsync", "floor", "sync", "collectives"))
+    for key in ("extra_over_floor_extra", "cpu_extra_over_floor_extra", "cpu_sync_over_floor",
+                "sync_over_unsync", "floor_over_unsync"):
+        lo, hi = r[key]["ci95"]
+        assert lo <= r[key]["median"] <= hi, key
+    assert r["goal_met"] == (r["extra_over_floor_extra"]["median"] <= 1.1
+                             and r["cpu_sync_over_floor"]["median"] <= 1.1)
+    assert r["extra_ratio_of_medians"] == pytest.approx(
+        (r["ms"]["sync"] - r["ms"]["unsync"]) / (r["ms"]["floor"] - r["ms"]["unsync"]))
+    # the floor is the synchronized step's collectives: the same gloo events, one
+    # all_gather forward and one backward collective a layer
+    counts = r["collectives_per_step"]
+    assert counts["floor"] == counts["sync"] != counts["unsync"]
+    assert sum(counts["collectives"].values()) == 2 * r["bn_layers"]
+    # what bnswap.sync did not keep, timed in the same rounds, each over the sync step
+    other = "all_reduce" if doc["backward_collective"] == "all_gather" else "all_gather"
+    assert set(r["alternatives"]) == {"own process group", f"backward {other}",
+                                      "functional collectives"}
+    for alt, v in r["alternatives"].items():
+        for part in ("wall", "cpu"):
+            lo, hi = v[part]["ci95"]
+            assert 0 < lo <= v[part]["median"] <= hi, (alt, part)
+    assert counts[f"sync, backward {other}"].get(f"gloo:{other}", 0) >= r["bn_layers"]
+    b = r["breakdown"]
+    for part in ("forward", "backward"):
+        assert b["sync"][f"sync {part}"] > 0
+        assert 0 < b["sync"][f"sync {part}: collectives and waiting"] <= b["sync"][f"sync {part}"]
+    assert b["floor"]["floor hooks: collectives and waiting"] > 0
+    assert b["unsync"]["stock BatchNorm: _batch_norm_with_update"] > 0
+    md = stem.with_suffix(".md").read_text()
+    assert "| 2 | tiny | 3 |" in md and "sync forward: statistics kernel" in md
 
 
 def test_kernel_name_classification():

@@ -110,6 +110,62 @@ def test_compiled_fullgraph_matches_eager_on_two_ranks(ranks):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+def test_cuda_slots_wired_as_torchs_cuda_kernels_compute(ranks):
+    """Guards the wiring of the CUDA slots (issue 28; no GPU here): the cases of
+    ``sync_cases.CUDA_SLOT_CASES`` run again with the CPU's slots replaced by the CUDA ones
+    (``batch_norm_update_stats``, and references of ``batch_norm_backward_reduce`` /
+    ``batch_norm_backward_elemt`` as their CUDA kernels compute) and give what the CPU run
+    gave: outputs, input and parameter gradients, running statistics."""
+    world, results = ranks
+    if world != 2:
+        pytest.skip("2 ranks")
+    specs = {spec[0]: spec for spec in sync_cases.CASES[2]}
+    for r in range(2):
+        got = results[r]["cuda_slots"]
+        assert got["calls"]["backward_reduce"] > 0 and got["calls"]["backward_elemt"] > 0
+        assert sorted(got["cases"]) == sorted(sync_cases.CUDA_SLOT_CASES)
+        for case, res in got["cases"].items():
+            dtype = specs[case][5]
+            for mine, theirs in zip(res["records"], results[r]["cases"][case]["records"],
+                                    strict=True):
+                for k in ("out", "grad"):
+                    _close(mine[k], theirs[k], dtype)
+                for a, b in zip(mine["pgrads"], theirs["pgrads"], strict=True):
+                    _close(a, b, dtype)
+                for k, v in mine["state"].items():
+                    if v is not None:
+                        _close(v, theirs["state"][k], dtype)
+
+
+def test_cpu_statistics_kernel_only_where_it_sums_accurately():
+    """Guards the layout rule of the CPU statistics slot (issue 28): ATen's batch-norm
+    statistics kernel runs for NCHW-contiguous input (a channel summed in double) and
+    gives its statistics within float32's rounding of the float64 ones at a large mean
+    (1e4, std 1, 262144 values a channel); channels-last and (N, C) input, whose kernel
+    sums a float buffer row after row (the mean off by several std there), take the
+    portable ops (the slot returns None)."""
+    from bnswap import sync
+
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(256, 4, 32, 32, generator=g, dtype=torch.float64) + 1e4
+    x = x64.float()
+    stats = sync.DEVICE_KERNELS["cpu"].stats
+    cases = {"nchw": x, "channels_last": x.to(memory_format=torch.channels_last),
+             "(N, C)": x.permute(0, 2, 3, 1).reshape(-1, 4)}
+    used = {}
+    for name, t in cases.items():
+        got = stats(t)
+        used[name] = got is not None
+        if got is None:
+            continue
+        ref = t.double()
+        dims = [0, *range(2, t.dim())]
+        mean, var = ref.mean(dims), ref.var(dims, unbiased=False)
+        assert ((got[0].double() - mean).abs() / var.sqrt()).max() < 2e-3, name
+        assert ((got[1].double() - var).abs() / var).max() < 1e-5, name
+    assert used == {"nchw": True, "channels_last": False, "(N, C)": False}
+
+
 def test_errors_on_many_ranks(ranks):
     world, results = ranks
     if world != 2:
@@ -344,7 +400,7 @@ def test_ddp_syncbn_example_under_torchrun_matches_one_process(tmp_path):
                              f"--out={tmp_path}", "--float64=true",
                              f"--timeout_s={COLLECTIVE_TIMEOUT_S}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "synchronized over: WORLD, 2 ranks | kernel: Sync (portable); eval Native" \
+    assert "synchronized over: WORLD, 2 ranks | kernel: Sync (Native); eval Native" \
         in proc.stdout
     assert "stock BatchNorm2d layers again" in proc.stdout
     assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]
