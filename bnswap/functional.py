@@ -302,7 +302,7 @@ def mixed_precision_params(input: Tensor, weight: Tensor | None, bias: Tensor | 
 
 def exponential_average_factor(momentum: float | None, num_batches_tracked: Tensor | None,
                                *, traced: bool = False,
-                               dtype: torch.dtype | None = None) -> float | Tensor:
+                               like: Tensor | None = None) -> float | Tensor:
     """torch's ``exponential_average_factor`` (``_BatchNorm.forward``): the weight of the
     batch statistics in the running-statistics update of a training step, after that
     step's ``num_batches_tracked`` increment.
@@ -311,13 +311,15 @@ def exponential_average_factor(momentum: float | None, num_batches_tracked: Tens
         momentum: the layer's momentum; None for a cumulative moving average.
         num_batches_tracked: the layer's 0-dim int64 counter, already incremented; None
             when the step does not count batches (then the factor is momentum, or 0.0).
-        traced: with momentum None, return ``num_batches_tracked.reciprocal()`` (a 0-dim
-            tensor in the counter's dtype, float for int64: ``1 / n``) instead of reading
-            the counter as a Python float. Code being compiled or exported keeps the
-            factor in the graph (stock's ``float()`` breaks it: pytorch issue 194504).
-        dtype: with ``traced``, the dtype ``1 / n`` is computed in (the running
-            statistics' dtype: float64 statistics get the float64 factor stock's Python
-            float gives); None: torch's default float dtype.
+        traced: with momentum None, return ``1 / n`` as a tensor instead of reading the
+            counter as a Python float. Code being compiled or exported keeps the factor in
+            the graph (stock's ``float()`` breaks it: pytorch issue 194504).
+        like: with ``traced``, the tensor ``1 / n`` is made like (the running
+            statistics, (C,)): ``full_like(like, 1.0) / n``, in its dtype (float64
+            statistics get the float64 factor stock's Python float gives) and on its
+            device, shape (C,); the graph names no dtype or device, so it moves as the
+            statistics do (issue 25). None: ``num_batches_tracked.reciprocal()``, a
+            0-dim tensor in torch's default float dtype.
 
     Returns:
         ``momentum``; or ``1 / num_batches_tracked`` (float, or a tensor when ``traced``)
@@ -339,16 +341,18 @@ def exponential_average_factor(momentum: float | None, num_batches_tracked: Tens
         0.0
         >>> exponential_average_factor(None, torch.tensor(4), traced=True)
         tensor(0.2500)
-        >>> exponential_average_factor(None, torch.tensor(3), traced=True, dtype=torch.float64)
-        tensor(0.3333, dtype=torch.float64)
+        >>> stats = torch.zeros(2, dtype=torch.float64)
+        >>> exponential_average_factor(None, torch.tensor(3), traced=True, like=stats)
+        tensor([0.3333, 0.3333], dtype=torch.float64)
     """
     if momentum is not None:
         return momentum
     if num_batches_tracked is None:
         return 0.0
     if traced:
-        n = num_batches_tracked if dtype is None else num_batches_tracked.to(dtype)
-        return n.reciprocal()
+        if like is None:
+            return num_batches_tracked.reciprocal()
+        return torch.full_like(like, 1.0).div_(num_batches_tracked)
     return 1.0 / float(num_batches_tracked)
 
 
@@ -435,8 +439,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     # counter as a float breaks it (pytorch issue 194504). (A momentum is its own factor:
     # no call on every forward for it.)
     factor = momentum if momentum is not None else exponential_average_factor(
-        momentum, nbt if counts else None, traced=compiling,
-        dtype=None if running_mean is None else running_mean.dtype)
+        momentum, nbt if counts else None, traced=compiling, like=running_mean)
 
     if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
@@ -557,7 +560,8 @@ def _update_cumulative_traced(input: Tensor, weight: Tensor, bias: Tensor,
                               eps: float) -> Tensor:
     """``momentum=None`` in a graph: batch statistics via momentum 1 on scratch
     statistics, then ``running += (batch - running) / num_batches_tracked`` (``factor``,
-    a 0-dim tensor in running_mean's dtype), with no graph break.
+    a (C,) tensor made like running_mean: :func:`exponential_average_factor`), with no
+    graph break.
 
     No ``torch.no_grad()`` (nothing here requires grad), and none wanted: under
     torch.export it became a wrap_with_set_grad_enabled node whose missing meta made

@@ -456,9 +456,9 @@ def _apply(todo: ProgramPlan) -> Program:
         if is_program(program):
             warn("bnswap.convert: the program has no batch-norm node; it is returned "
                  "unchanged", UserWarning)
-        return program
+        return _valid(program)
     if todo.swapped and all(r.already for r in todo.swapped):
-        return program  # converted already (idempotent, as for a module)
+        return _valid(program)  # converted already (idempotent, as for a module)
     if not todo.swapped:
         if include is None and exclude is None:
             warn(f"bnswap.convert: none of the {kind}'s {len(todo)} batch-norm nodes can be "
@@ -474,6 +474,20 @@ def _apply(todo: ProgramPlan) -> Program:
         return new
     to_consolidated_ops(gm, names=names.__contains__)
     return gm
+
+
+def _valid(program: Program) -> Program:
+    """``program`` itself when it is valid (or a GraphModule), else its mended copy
+    (:func:`_copy`: a deep copy's renamed placeholder)."""
+    if not isinstance(program, torch.export.ExportedProgram):
+        return program
+    from torch._export.verifier import SpecViolationError
+
+    try:
+        program.validate()
+    except SpecViolationError:
+        return _copy(program)
+    return program
 
 
 def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

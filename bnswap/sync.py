@@ -562,14 +562,15 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
     compiling = torch.compiler.is_compiling()
     factor = exponential_average_factor(
         layer.momentum, nbt if layer.track_running_stats else None, traced=compiling,
-        dtype=running_mean.dtype)
+        like=running_mean)
     with torch.no_grad():
         # An all-empty global batch moves no statistics (stock's early return).
         if isinstance(total, Tensor):  # compiled: a factor of 0 then, with finite batch
             # statistics, so no branch on the count is needed
-            f = (total > 0).to(running_mean.dtype) * factor
-            running_mean.mul_(1 - f).add_(mean.to(running_mean.dtype) * f)
-            running_var.mul_(1 - f).add_(unbiased.to(running_var.dtype) * f)
+            # (made like the statistics, in place: the graph names no dtype, issue 25)
+            f = torch.full_like(running_mean, 0.0).add_(factor).mul_(total > 0)
+            running_mean.mul_(1 - f).add_(mean * f)
+            running_var.mul_(1 - f).add_(unbiased * f)
         elif total:  # eager: the count was read
             f = float(factor)  # (a 0-dim momentum tensor of any dtype, as stock takes it)
             running_mean.lerp_(mean.to(running_mean.dtype), f)

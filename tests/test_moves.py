@@ -272,6 +272,9 @@ def test_a_deep_copied_program_converts_plans_and_goes_back_to_stock():
     assert [r.action for r in bnswap.plan(_deep_copy(ep)).rows] == ["swap"]
     bn = _deep_copy(torch.export.export(bnswap.convert(nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False)).train()), (x,)))
+    again = bnswap.convert(bn)  # a deep copy of bnswap's own program: converted already
+    again.validate()
+    assert torch.equal(again.module()(x), bn.module()(x))
     assert bnswap.to_stock_ops(bn) == 1
     bn.validate()
 
@@ -294,3 +297,36 @@ def test_a_program_invalid_otherwise_is_refused_with_torchs_error_before_any_cha
         assert str(err.value) == str(want.value), call
         assert [(n.name, str(n.target), n.args) for n in ep.graph.nodes] == before
         assert ep.graph_module.code == code
+
+
+def test_a_cumulative_average_program_names_no_device_or_dtype_and_moves():
+    """momentum=None (stock's layer cannot be exported in training: pytorch issue
+    194504): the factor 1 / num_batches_tracked was computed with .to(float32), which
+    torch.export records with an _assert_tensor_metadata(num_batches_tracked,
+    device=cpu) node, so a program captured on one device failed on another
+    ("Tensor device mismatch") and a .double() program kept a float32 factor. It is now
+    made like the running statistics: nothing pinned, and the moved program follows
+    stock's eager layer moved the same way (within one float64 ulp: in a graph the
+    update is tensor maths, where stock's kernel takes a Python float)."""
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None),
+                             nn.BatchNorm2d(4, affine=False, momentum=None)).train()
+
+    x = torch.randn(2, 3, 6, 6)
+    for kind in ("export", "core_aten", "compile"):
+        assert [_pinned(g) for g in _graphs(bnswap.convert(net()), x, kind)] in ([[]], [[], []])
+    # captured on the meta device, run on the CPU
+    on_meta = torch.export.export(bnswap.convert(net().to("meta")), (x.to("meta"),))
+    moved = on_meta.module().to_empty(device="cpu")
+    moved.load_state_dict(net().state_dict())
+    stock = net()
+    assert torch.equal(moved(x), stock(x))
+    # captured on the CPU, moved to float64, three cumulative updates
+    mod = torch.export.export(bnswap.convert(net()), (x,)).module().double()
+    stock = net().double()
+    for _ in range(3):
+        assert torch.equal(mod(x.double()), stock(x.double()))
+    for k, v in stock.state_dict().items():
+        assert v.dtype == mod.state_dict()[k].dtype, k
+        assert torch.allclose(mod.state_dict()[k], v, rtol=2.3e-16, atol=0), k
