@@ -115,6 +115,17 @@ def _has_lightning() -> bool:
             or importlib.util.find_spec("pytorch_lightning") is not None)
 
 
+def _missing_for_the_job() -> str | None:
+    """What the Lightning subcommands need and this environment lacks (both come with
+    the lightning extra): ``"Lightning"``, ``"scikit-learn (the digits data)"``, or
+    None."""
+    if not _has_lightning():
+        return "Lightning"
+    if importlib.util.find_spec("sklearn") is None:  # the main job's data
+        return "scikit-learn (the main job's digits data)"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: ``plan`` / ``convert`` go to :mod:`bnswap.app.plan_cli`, the
     Lightning subcommands to :func:`bnswap.app.cli.run_lightning_subcommand`.
@@ -147,10 +158,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bnswap.app import plan_cli
 
         sys.exit(plan_cli.convert_main(args[1:]))
-    if not _has_lightning():
+    missing = _missing_for_the_job()
+    if missing is not None:
         from bnswap.extras import install_hint  # (imports torch: on this error only)
 
-        print(f"bnswap {args[0]}: error: needs Lightning, which is not installed: "
+        print(f"bnswap {args[0]}: error: needs {missing}, which is not installed: "
               f"{install_hint('lightning')}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     from bnswap.app import cli

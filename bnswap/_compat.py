@@ -408,7 +408,9 @@ def _unswapped_sync_message(names: list[str]) -> str:
         "convert_sync_batchnorm and Trainer(sync_batchnorm=True) make new, unswapped "
         "layers), or bnswap.convert(model, sync_batchnorm=True) in its place, without "
         "excluding them; with Lightning, BNSwap() in the Trainer's callbacks (it handles "
-        "Trainer(sync_batchnorm=True)). bnswap.plan(model) shows each layer")
+        "Trainer(sync_batchnorm=True)), with no exclude / include pattern leaving them out "
+        "(an excluded layer stays torch's SyncBatchNorm, which DDP refuses on the CPU). "
+        "bnswap.plan(model) shows each layer")
 
 
 # ---------------------------------------------------------------------- the table

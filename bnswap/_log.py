@@ -6,11 +6,14 @@ A training script launched on several processes (``torchrun``, Lightning's ``ddp
 plan at INFO on every rank printed the same table once per rank, interleaved. The
 ecosystem logs such messages on rank zero only (Lightning's ``rank_zero_info``, timm's
 ``if utils.is_primary(args)``); bnswap does the same, and keeps the other ranks' lines
-at DEBUG (still there for whoever debugs one rank). The rank is torch.distributed's
-when a default process group is initialized, else the launcher's environment
-(``RANK``: torchrun, torch.distributed.launch, Lightning's cluster environments;
-``LOCAL_RANK``: the only one Lightning's ``ddp`` launcher sets in the processes it
-starts, as Lightning's own ``rank_zero_only`` reads it). Neither: one process, INFO.
+at DEBUG (still there for whoever debugs one rank); bnswap's warnings follow the same
+rule (:mod:`bnswap._warn`). The rank is torch.distributed's when a default process
+group is initialized, else the launcher's environment (``RANK``: torchrun,
+torch.distributed.launch, Lightning's cluster environments; ``LOCAL_RANK``: the only one
+Lightning's ``ddp`` launcher sets in the processes it starts, as Lightning's own
+``rank_zero_only`` reads it). Neither: one process, INFO. ``torch.multiprocessing.spawn``
+sets neither: a script that converts before ``init_process_group`` logs on every rank
+(convert after it, or set ``RANK``).
 
 bnswap never ``print``s; it adds no handler (a script shows INFO with
 ``logging.basicConfig(level=logging.INFO)``).

@@ -1,5 +1,7 @@
 """Warnings attributed to the user's line: the first frame outside the bnswap package
-and the trainer that calls bnswap's callback (Lightning).
+and the trainer that calls bnswap's callback (Lightning); once per job: on global rank
+zero (or in one process), as Lightning's ``rank_zero_warn``, and as a DEBUG line of the
+``bnswap`` logger on the other ranks (:mod:`bnswap._log` says how the rank is known).
 
 A fixed ``stacklevel`` points at bnswap's own code when the warning is raised a few
 calls deep (``convert`` -> ``plan``), so the user sees ``bnswap/convert.py:88``. Python
@@ -12,6 +14,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+
+from bnswap import _log
 
 __all__ = ["UnmatchedPatternWarning", "warn"]
 
@@ -38,7 +42,9 @@ def _skipped() -> tuple[str, ...]:
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the innermost caller outside
     the bnswap package and Lightning (its file and line in the warning, its module for
-    the filters): the user's ``bnswap.convert(...)`` or ``trainer.fit(...)`` line.
+    the filters): the user's ``bnswap.convert(...)`` or ``trainer.fit(...)`` line. On a
+    rank other than zero of a job of several processes it is logged at DEBUG instead
+    (every rank converts the same model: a torchrun job of N processes warned N times).
 
     Examples::
 
@@ -50,6 +56,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
         >>> caught[0].category.__name__, "bnswap" in caught[0].filename
         ('UserWarning', False)
     """
+    if _log.rank() not in (None, 0):
+        _log.logger.debug("%s: %s", category.__name__, message)
+        return
     skipped = _skipped()
     level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
     while frame is not None and frame.f_code.co_filename.startswith(skipped):

@@ -9,8 +9,6 @@ device, dtype, hooks, ``qconfig``, parametrizations and state_dict keys are all 
 
 from __future__ import annotations
 
-from collections import Counter
-
 from torch import nn
 from torch.fx import GraphModule
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -150,7 +148,7 @@ def convert(
     out = todo.apply()
     if nodes is not None:  # its stock batch-norm call_function nodes too, in place
         programs._apply(nodes)
-    left = _left_unasked(todo)
+    left = _left_unasked(todo, sync_batchnorm)
     if left:
         warn(left, UserWarning)
     # (str() computes the kernel column, a probe per layer: only when it is logged)
@@ -158,24 +156,49 @@ def convert(
     return out
 
 
-def _left_unasked(todo: Plan) -> str:
+def _named(rows: list, limit: int = 5) -> str:
+    """``'a', 'b' and 3 more`` of the rows' qualified names."""
+    names = ", ".join(repr(r.name) for r in rows[:limit])
+    return names + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
+
+
+def _reasons(rows: list, drop: str = "") -> str:
+    """``reason: 'a', 'b'; other reason: 'c'``, the rows grouped by their reason (its
+    first clause, without the prefix ``drop``)."""
+    by: dict[str, list] = {}
+    for r in rows:
+        by.setdefault(r.reason.partition("; ")[0].removeprefix(drop), []).append(r)
+    return "; ".join(f"{text}: {_named(rs)}" for text, rs in by.items())
+
+
+def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
     """The warning for the layers ``todo`` leaves on their own forward although the user's
-    include / exclude did not leave them out (how many, and why), or ``""``."""
+    include / exclude did not leave them out, and with ``sync_batchnorm`` the swapped
+    layers that stay unsynchronized: how many, why, and which (qualified names), or
+    ``""``."""
     left = [r for r in todo.skipped if not r.excluded]
-    if not left:
+    unsynced = [r for r in todo.rows if sync_batchnorm and r.action != "skip"
+                and not r.synchronized] if sync_batchnorm else []
+    if not left and not unsynced:
         return ""
-    why: Counter[str] = Counter()
-    for r in left:
-        text = r.reason.partition("; ")[0]
-        if text.endswith(" overrides forward"):
-            text += " and has no adapter (bnswap.register, docs/adapters.md)"
-        why[text] += 1
-    reasons = "; ".join(f"{text} ({n} layer{'s' if n > 1 else ''})" for text, n in why.items())
-    n, of = len(left), len(todo)
-    what = (f"none of the model's {of} BatchNorm layers can be swapped" if n == of else
-            f"{n} of the model's {of} BatchNorm layers {'was' if n == 1 else 'were'} not "
-            f"swapped (kept {'its' if n == 1 else 'their'} own forward)")
-    return f"bnswap.convert: {what}: {reasons}; bnswap.plan(model) shows each layer and why"
+    of = len(todo)
+    parts = []
+    if left:
+        n = len(left)
+        what = (f"none of the model's {of} BatchNorm layers can be swapped" if n == of else
+                f"{n} of the model's {of} BatchNorm layers {'was' if n == 1 else 'were'} "
+                f"not swapped (kept {'its' if n == 1 else 'their'} own forward)")
+        parts.append(f"{what}: {_reasons(left)}")
+        if any(r.reason.partition("; ")[0].endswith(" overrides forward") for r in left):
+            parts.append("a subclass that overrides forward needs an adapter "
+                         "(bnswap.register, docs/adapters.md)")
+    if unsynced:
+        n = len(unsynced)
+        parts.append(f"{n} swapped layer{'s' if n > 1 else ''} stay{'' if n > 1 else 's'} "
+                     f"unsynchronized with sync_batchnorm=True: "
+                     f"{_reasons(unsynced, drop='not synchronized: ')}")
+    return "bnswap.convert: " + "; ".join(parts) + \
+        "; bnswap.plan(model) shows each layer and why"
 
 
 def revert(module: nn.Module) -> nn.Module:

@@ -518,6 +518,16 @@ def _display(name: str) -> str:
     return name or "(root)"
 
 
+def _bn_parent(name: str, rows: dict[str, PlanRow]) -> PlanRow | None:
+    """The row of the innermost BatchNorm layer that holds the layer ``name`` (a
+    submodule of it, as timm's ``SplitBatchNorm2d`` holds its ``aux_bn``), or None."""
+    while "." in name:
+        name = name.rpartition(".")[0]
+        if name in rows:
+            return rows[name]
+    return rows.get("") if name and "" in rows else None
+
+
 def _row(name: str, m: nn.Module, cls: type, backend: Backend, device, action: str,
          reason: str, adapter: Adapter | None = None, **kw: object) -> PlanRow:
     if action == "skip" and backend.skip_note and not (
@@ -704,6 +714,7 @@ def _plan_layers(
     exc = _pattern_list(exclude, "exclude")
     used: dict[str, set[int]] = {"include": set(), "exclude": set()}
     rows: list[PlanRow] = []
+    by_name: dict[str, PlanRow] = {}  # (qualified name as named_modules gives it)
     for name, m in module.named_modules(remove_duplicate=True):
         if not isinstance(m, _BatchNorm):
             continue
@@ -720,8 +731,19 @@ def _plan_layers(
         uninit = (f"uninitialized {cls.__name__}: keeps the swap when it initializes"
                   if lazy else "")
         current = adapter_of(m)
-        to_sync = (sync_class(cls) if sync_batchnorm and type(m) is cls and not hit_exc
-                   and (not inc or hit_inc) else None)
+        # a BatchNorm layer inside another (timm's SplitBatchNorm2d and its aux_bn, which
+        # its adapter calls) follows it: left out with it, chosen with it, synchronized
+        # only with it (a half-converted layer otherwise)
+        parent = _bn_parent(name, by_name)
+        if hit_exc:
+            left_out: str | None = f"excluded by {_pattern_str(exc[hit_exc[0]])}"
+        elif parent is not None:
+            left_out = (f"excluded with the BatchNorm layer it is part of, {parent.name!r}"
+                        if parent.excluded else None)
+        else:
+            left_out = "not matched by include" if inc and not hit_inc else None
+        to_sync = (sync_class(cls) if sync_batchnorm and type(m) is cls and left_out is None
+                   and (parent is None or parent.synchronized) else None)
         if to_sync is not None and (current is not None or "forward" not in vars(m)):
             rows.append(_row(name, m, cls, be, device, "swap",
                              _sync_reason(to_sync), registry.lookup(to_sync),
@@ -736,12 +758,8 @@ def _plan_layers(
             reason = "already swapped" + ("; " + uninit if lazy else "")
             rows.append(_row(name, m, cls, be, device, "keep", reason, current,
                              lazy=lazy, already=True))
-        elif hit_exc:
-            rows.append(_row(name, m, cls, be, device, "skip",
-                             f"excluded by {_pattern_str(exc[hit_exc[0]])}", excluded=True))
-        elif inc and not hit_inc:
-            rows.append(_row(name, m, cls, be, device, "skip", "not matched by include",
-                             excluded=True))
+        elif left_out is not None:
+            rows.append(_row(name, m, cls, be, device, "skip", left_out, excluded=True))
         elif isinstance(m, nn.SyncBatchNorm) and not be.synchronizes and wrap == "model":
             rows.append(_row(name, m, cls, be, device, "skip",
                              be.cannot_sync + " (convert refuses the model: "
@@ -753,7 +771,9 @@ def _plan_layers(
         elif (adapter := registry.lookup(cls)) is not None:
             note = uninit.replace("keeps", "swapped now, keeps")
             if sync_batchnorm and not isinstance(m, nn.SyncBatchNorm):
-                note = "; ".join(filter(None, [note, _NOT_SYNCED]))
+                why = (_NOT_SYNCED if parent is None or parent.synchronized else
+                       f"not synchronized: part of {parent.name!r}, which is not")
+                note = "; ".join(filter(None, [note, why]))
             rows.append(_row(name, m, cls, be, device, "swap", note, adapter, lazy=lazy))
         else:
             rows.append(_row(
@@ -761,6 +781,7 @@ def _plan_layers(
                 f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
                 f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
                 "see docs/adapters.md"))
+        by_name[name] = rows[-1]
     unmatched = [(kind, p) for kind, pats in (("include", inc), ("exclude", exc))
                  for i, p in enumerate(pats) if i not in used[kind]]
     parents: dict[int, list[tuple[nn.Module, str]]] = {}

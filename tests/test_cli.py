@@ -59,6 +59,27 @@ def test_bnswap_train_on_two_ddp_devices_finishes_and_reports_once(tmp_path):
     assert "sync_dist=True" not in out
 
 
+def test_a_lightning_subcommand_without_scikit_learn_says_so_in_one_line(monkeypatch, capsys):
+    """A newcomer's find (issue 26): with Lightning but no scikit-learn, ``bnswap train``
+    ended in a ModuleNotFoundError traceback (exit 1) from the digits data. One line now,
+    exit 2, naming what is missing and the extra that brings it, before any import of the
+    job."""
+    import importlib.util
+
+    import _bnswap_command
+    from bnswap.extras import install_hint
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sklearn" else real(name, *a))
+    with pytest.raises(SystemExit) as done:
+        _bnswap_command.main(["train", "--config", str(CONFIG)])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == (
+        "bnswap train: error: needs scikit-learn (the main job's digits data), which is not "
+        f"installed: {install_hint('lightning')}\n")
+
+
 def test_configs_differ_only_by_the_callback():
     a, b = yaml.safe_load(CONFIG.read_text()), yaml.safe_load(STOCK.read_text())
     cbs = a["trainer"].pop("callbacks")

@@ -413,17 +413,18 @@ def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
 
     only_sync = nn.Sequential(*[BatchNormTimesTwo(3) for _ in range(2)])  # (no adapter)
     none = ("bnswap.convert: none of the model's 2 BatchNorm layers can be swapped: "
-            "BatchNormTimesTwo overrides forward and has no adapter (bnswap.register, "
-            "docs/adapters.md) (2 layers); bnswap.plan(model) shows each layer and why")
+            "BatchNormTimesTwo overrides forward: '0', '1'; a subclass that overrides forward "
+            "needs an adapter (bnswap.register, docs/adapters.md); bnswap.plan(model) shows "
+            "each layer and why")
     assert _warnings_of(bnswap.convert, only_sync) == [(UserWarning, none, True)]
     # what include / exclude leave out is what the user asked for: not warned about; the
     # layer they selected and bnswap cannot swap is (issue 26: it was not, with a pattern)
     assert _warnings_of(bnswap.convert, only_sync, exclude=["0", "1"]) == []
     assert _warnings_of(bnswap.convert, only_sync, include="1") == [
         (UserWarning, "bnswap.convert: 1 of the model's 2 BatchNorm layers was not swapped "
-         "(kept its own forward): BatchNormTimesTwo overrides forward and has no adapter "
-         "(bnswap.register, docs/adapters.md) (1 layer); bnswap.plan(model) shows each layer "
-         "and why", True)]
+         "(kept its own forward): BatchNormTimesTwo overrides forward: '1'; a subclass that "
+         "overrides forward needs an adapter (bnswap.register, docs/adapters.md); "
+         "bnswap.plan(model) shows each layer and why", True)]
     assert _warnings_of(bnswap.convert, only_sync, include="*") == [(UserWarning, none, True)]
     # a pattern that matches nothing, from convert (two calls deep) and from plan
     from bnswap.plan import UnmatchedPatternWarning
@@ -448,9 +449,9 @@ def test_convert_warns_once_per_call_about_layers_it_left_that_were_not_excluded
     model = copy.deepcopy(stock)
     both = ("bnswap.convert: 2 of the model's 4 BatchNorm layers were not swapped (kept their "
             "own forward): its forward is set on the instance (by a library's hook, e.g. "
-            "accelerate's, or by hand) (1 layer); BatchNormTimesTwo overrides forward and has "
-            "no adapter (bnswap.register, docs/adapters.md) (1 layer); bnswap.plan(model) "
-            "shows each layer and why")
+            "accelerate's, or by hand): '2'; BatchNormTimesTwo overrides forward: '3'; a "
+            "subclass that overrides forward needs an adapter (bnswap.register, "
+            "docs/adapters.md); bnswap.plan(model) shows each layer and why")
     for _ in range(2):  # once per call, again on the next (convert is idempotent)
         assert _warnings_of(bnswap.convert, model) == [(UserWarning, both, True)]
     assert [bnswap.is_swapped(m) for m in bns(model)] == [True, False, False, True]
@@ -459,10 +460,29 @@ def test_convert_warns_once_per_call_about_layers_it_left_that_were_not_excluded
     assert _warnings_of(bnswap.convert, one, exclude="3") == [
         (UserWarning, "bnswap.convert: 1 of the model's 4 BatchNorm layers was not swapped "
          "(kept its own forward): its forward is set on the instance (by a library's hook, "
-         "e.g. accelerate's, or by hand) (1 layer); bnswap.plan(model) shows each layer and "
+         "e.g. accelerate's, or by hand): '2'; bnswap.plan(model) shows each layer and "
          "why", True)]
     assert _warnings_of(bnswap.convert, copy.deepcopy(stock), exclude=["2", "3"]) == []
     assert _warnings_of(bnswap.convert, net()) == []  # every layer swapped: nothing to say
+
+
+def test_convert_with_sync_batchnorm_warns_about_swapped_layers_left_unsynchronized():
+    """A newcomer's find (issue 26): convert(model, sync_batchnorm=True) left a BatchNorm
+    subclass (it keeps torch's forward, so it is swapped) unsynchronized in silence, so
+    under DDP it normalized with each rank's batch. It warns, naming the layer and why;
+    the exact classes are synchronized and say nothing."""
+    class KeepBN(nn.BatchNorm2d):
+        pass
+
+    model = nn.Sequential(KeepBN(3), nn.BatchNorm2d(3))
+    assert _warnings_of(bnswap.convert, model, sync_batchnorm=True) == [
+        (UserWarning, "bnswap.convert: 1 swapped layer stays unsynchronized with "
+         "sync_batchnorm=True: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact class, "
+         "not parametrized) and timm's BatchNormAct2d: '0'; bnswap.plan(model) shows each "
+         "layer and why", True)]
+    assert isinstance(model[1], nn.SyncBatchNorm) and type(model[0]) is KeepBN
+    assert _warnings_of(bnswap.convert, nn.Sequential(nn.BatchNorm2d(3)),
+                        sync_batchnorm=True) == []
 
 
 def test_plan_apply_and_convert_of_a_model_warn_once_for_a_pattern_that_matches_nothing():

@@ -45,9 +45,13 @@ def test_torchrun_job_logs_the_plan_once_and_ddp_names_unswapped_sync_layers(tmp
     # one per rank, interleaved
     summaries = [ln for ln in err.splitlines() if "bnswap plan:" in ln]
     one = "bnswap plan: 51 of 52 BatchNorm layers swapped, 1 skipped"  # (the excluded one)
+    small = "bnswap plan: 1 of 2 BatchNorm layers swapped, 1 skipped"  # (Doubled's net)
     assert summaries == [f"[rank 0] INFO bnswap: {t}"
-                         for t in (TABLE, TABLE, TABLE, one, TABLE)], summaries
+                         for t in (TABLE, small, TABLE, TABLE, one, TABLE)], summaries
     assert not re.search(r"^\[rank 1\] INFO", err, flags=re.M), err[-3000:]
+    # bnswap's warnings once per job too (a layer convert leaves: it warned per rank)
+    assert err.count("UserWarning: bnswap.convert: 1 of the model's 2 BatchNorm layers "
+                     "was not swapped") == 1, err[-3000:]
     rows = [ln for ln in err.splitlines() if ln.startswith("features.")]
     assert len(rows) == 5 * 52, len(rows)  # (the table's rows: no prefix of their own)
     # after init_process_group the synchronized rows say over what: 52 + 51 + 52 rows
@@ -70,4 +74,5 @@ def test_torchrun_job_logs_the_plan_once_and_ddp_names_unswapped_sync_layers(tmp
                     "timm's convert_sync_batchnorm and Trainer(sync_batchnorm=True) make new, "
                     "unswapped layers), or bnswap.convert(model, sync_batchnorm=True) in its "
                     "place, without excluding them; with Lightning, BNSwap() in the "
-                    "Trainer's callbacks") in e["message"]
+                    "Trainer's callbacks (it handles Trainer(sync_batchnorm=True)), with no "
+                    "exclude / include pattern leaving them out") in e["message"]

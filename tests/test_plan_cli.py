@@ -80,7 +80,8 @@ def test_include_and_exclude_take_a_bare_pattern_or_a_list(capsys, option, args,
         assert code == 2 and out == ""
         assert err.splitlines()[0] == (
             "bnswap plan: error: exclude: expected a glob pattern or a list of patterns "
-            "(str), got '[12]'"), err
+            "(str), got '[12]'; a pattern that is itself a YAML list goes in one: "
+            "--exclude '[\"[12]\"]'"), err
         return
     key = option.strip("-+")
     want = bnswap.plan(plan_models.mixed_net(), **{key: api})
@@ -223,6 +224,17 @@ def test_a_pattern_that_matches_nothing_warns_in_one_line(capsys):
     # not pass; an include that matches some layers exits 0, issue 26)
     assert code == 3 and "not matched by include" in out
     assert err == "bnswap plan: warning: include pattern 'nothing*' matches no BatchNorm layer\n"
+
+
+def test_convert_with_sync_batchnorm_says_why_programs_take_none(capsys, tmp_path):
+    """A newcomer's find (issue 26): ``bnswap convert m.pt2 -o o.pt2 --sync_batchnorm``
+    answered a bare "unrecognized arguments", where ``bnswap plan --program`` explains.
+    The same one line, exit 2, from both."""
+    assert plan_cli.convert_main([str(tmp_path / "m.pt2"), "-o", str(tmp_path / "o.pt2"),
+                                  "--sync_batchnorm"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"bnswap convert: error: {plan_cli._NO_SYNC_FOR_PROGRAMS}\n"
+    assert "process group" in err
 
 
 def test_an_include_that_chooses_some_layers_exits_0_and_one_that_chooses_none_3(capsys):

@@ -361,6 +361,32 @@ def test_timm_split_batchnorm_swapped_whole_and_bitwise(kwargs):
     assert not any(bnswap.is_swapped(m) for _, m in _bn_layers(converted))
 
 
+def test_timm_split_batchnorm_is_left_out_and_synchronized_whole():
+    """A newcomer's find (issue 26): excluding a SplitBatchNorm2d left its aux_bn children
+    swapped, and sync_batchnorm=True made the children synchronized SyncBatchNorm while
+    the layer itself stayed unsynchronized: half-converted layers, in silence. A
+    BatchNorm layer inside another follows it: excluded with it, chosen with it by an
+    include, unsynchronized with it (and convert says so, naming them)."""
+    timm = _import("timm")
+    layer = timm.layers.SplitBatchNorm2d(4, num_splits=3)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), layer)
+    plan = bnswap.plan(model, exclude="1")
+    assert [(r.name, r.action, r.excluded) for r in plan] == [
+        ("1", "skip", True), ("1.aux_bn.0", "skip", True), ("1.aux_bn.1", "skip", True)]
+    assert plan.rows[1].reason == "excluded with the BatchNorm layer it is part of, '1'"
+    assert [r.action for r in bnswap.plan(model, include="1")] == ["swap"] * 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bnswap.convert(copy.deepcopy(model), sync_batchnorm=True)
+    synced = bnswap.plan(model, sync_batchnorm=True)
+    assert [r.synchronized for r in synced] == [False] * 3
+    assert [str(w.message) for w in caught if "unsynchronized" in str(w.message)] == [
+        "bnswap.convert: 3 swapped layers stay unsynchronized with sync_batchnorm=True: "
+        "sync_batchnorm=True converts BatchNorm1d/2d/3d (exact class, not parametrized) and "
+        "timm's BatchNormAct2d: '1'; part of '1', which is not: '1.aux_bn.0', '1.aux_bn.1'; "
+        "bnswap.plan(model) shows each layer and why"]
+
+
 def test_timm_convert_splitbn_model_swapped_whole_and_bitwise():
     """A timm model as ``train.py --split-bn`` makes it (``convert_splitbn_model``: every
     BatchNormAct2d becomes a SplitBatchNorm2d holding its drop / act): every layer is

@@ -405,7 +405,8 @@ def _pattern_error(cfg: Any) -> str | None:
                 continue  # a glob such as '[ab]*'
             if isinstance(loaded, list):
                 return (f"{option}: expected a glob pattern or a list of patterns (str), "
-                        f"got {value!r}")
+                        f"got {value!r}; a pattern that is itself a YAML list goes in one: "
+                        f"--{option} '{json.dumps([value])}'")
     return None
 
 
@@ -443,6 +444,12 @@ def _usage_error(message: str, command: str = "plan") -> int:
     """Print ``bnswap plan: error: message`` to stderr; the usage-error exit status."""
     print(f"bnswap {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+#: Why ``--sync_batchnorm`` takes no program (``bnswap plan --program``, ``bnswap convert``).
+_NO_SYNC_FOR_PROGRAMS = ("--sync_batchnorm converts a model's BatchNorm layers; a program's "
+                         "batch-norm nodes have no process group (convert the model with "
+                         "sync_batchnorm=True, then export it)")
 
 
 def _left_out_on_purpose(row: Any) -> bool:
@@ -507,9 +514,7 @@ def main(argv: Sequence[str]) -> int:
         return _usage_error(f"--backend {cfg.backend} runs modules; a program converts to "
                             "the aten backend's ops only")
     if cfg.program is not None and cfg.sync_batchnorm:
-        return _usage_error("--sync_batchnorm converts a model's BatchNorm layers; a "
-                            "program's batch-norm nodes have no process group (convert the "
-                            "model with sync_batchnorm=True, then export it)")
+        return _usage_error(_NO_SYNC_FOR_PROGRAMS)
     if cfg.device is not None and (error := _device_error(cfg.device)):
         return _usage_error(error)  # (before the model is built)
     synced = False
@@ -648,6 +653,8 @@ def convert_main(argv: Sequence[str]) -> int:
     input file (refused before anything is read: never overwritten), a file that is no
     program, a missing folder)."""
     try:
+        if "--sync_batchnorm" in argv or any(a.startswith("--sync_batchnorm=") for a in argv):
+            return _usage_error(_NO_SYNC_FOR_PROGRAMS, "convert")
         cfg = _convert_parser().parse_args(list(argv))
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
