@@ -189,11 +189,14 @@ def imported_modules(importtime_stderr: str) -> set[str]:
 
 
 def run_bnswap(args: list[str], cwd: Any = ROOT, timeout: float = 300,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+               env: dict[str, str] | None = None, processes: bool = False
+               ) -> subprocess.CompletedProcess:
     """``bnswap ARGS`` through the installed console script (the ``bnswap`` executable
     next to this interpreter; ``python -m _bnswap_command`` where there is none), with
     this checkout first on ``PYTHONPATH`` (so its ``bnswap`` and front door run, from any
-    ``cwd``) and one OpenMP thread; ``capture_output``, ``text``, within ``timeout``."""
+    ``cwd``) and one OpenMP thread; ``capture_output``, ``text``, within ``timeout``.
+    ``processes``: the command starts processes of its own (a Lightning ddp run), run by
+    :func:`run_processes` (its whole session killed past ``timeout``)."""
     import shutil
 
     exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
@@ -201,5 +204,7 @@ def run_bnswap(args: list[str], cwd: Any = ROOT, timeout: float = 300,
     env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    if processes:
+        return run_processes([*cmd, *args], timeout, cwd=cwd, env=env)
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
                           cwd=cwd, env=env)

@@ -47,11 +47,18 @@ def test_bnswap_train_on_two_ddp_devices_finishes_and_reports_once(tmp_path):
     broadcast rank 0 then waited on ("Connection closed by peer"). It finishes, writes
     the history once, prints the final figures once, and Lightning's sync_dist
     recommendation for the already-reduced validation figures is gone. Real ddp
-    processes on 127.0.0.1, within the subprocess timeout."""
+    processes on 127.0.0.1: collectives time out after COLLECTIVE_TIMEOUT_S, and the
+    whole process session is killed past the test's timeout."""
+    from datetime import timedelta
+
+    from tests._helpers import COLLECTIVE_TIMEOUT_S
+
     proc = run_bnswap(["train", "--config", str(CONFIG), *tiny(tmp_path),
                        "--trainer.max_epochs=1", "--trainer.devices=2",
-                       "--trainer.strategy=ddp", "--trainer.accelerator=cpu"],
-                      cwd=tmp_path, timeout=300)
+                       "--trainer.strategy=lightning.pytorch.strategies.DDPStrategy",
+                       f"--trainer.strategy.timeout={timedelta(seconds=COLLECTIVE_TIMEOUT_S)}",
+                       "--trainer.accelerator=cpu"],
+                      cwd=tmp_path, timeout=300, processes=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("final validation accuracy:") == 1
