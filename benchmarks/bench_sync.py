@@ -49,6 +49,7 @@ import socket
 import statistics
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -283,11 +284,17 @@ def alternatives(times: dict) -> dict:
     return out
 
 
+#: Seconds a collective waits for a rank that never joins.
+COLLECTIVE_TIMEOUT_S = 120
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, ROOT)
+    # a rank that dies leaves the others waiting no longer than this (gloo's default is
+    # 30 minutes): the longest collective here takes milliseconds
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     import bnswap
     from bnswap import sync
     from torch.nn.parallel import DistributedDataParallel as DDP

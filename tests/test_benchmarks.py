@@ -152,9 +152,10 @@ def test_bench_sync_quick_reports_the_floor_and_the_breakdown(tmp_path):
     verdict following from them, the profiler breakdown, and the floor issuing exactly
     the synchronized step's collectives. The figures themselves are the benchmark's."""
     stem = tmp_path / "sync"
-    p = subprocess.run([sys.executable, "-m", "benchmarks.bench_sync", "--quick", "--out",
-                        str(stem)], capture_output=True, text=True, env=_env(), cwd=ROOT,
-                       timeout=300)
+    from tests._helpers import run_processes  # (spawned ranks: the whole session is killed)
+
+    p = run_processes([sys.executable, "-m", "benchmarks.bench_sync", "--quick", "--out",
+                       str(stem)], 300, env=_env(), cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(stem.with_suffix(".json").read_text())
     assert doc["backward_collective"] in ("all_gather", "all_reduce")
