@@ -215,6 +215,17 @@ def _signature_renames(ep: torch.export.ExportedProgram) -> list[tuple[Node, str
     return renames
 
 
+def validation_error(ep: torch.export.ExportedProgram) -> Exception | None:
+    """``ep.validate()``'s ``SpecViolationError``, or None for a valid program."""
+    from torch._export.verifier import SpecViolationError
+
+    try:
+        ep.validate()
+    except SpecViolationError as err:
+        return err
+    return None
+
+
 def check_program(ep: torch.export.ExportedProgram, *, repair: bool) -> None:
     """Raise torch's error (``ep.validate()``'s ``SpecViolationError``) for a program that
     is not valid, unless renaming nodes to the names its graph signature gives makes it
@@ -224,32 +235,23 @@ def check_program(ep: torch.export.ExportedProgram, *, repair: bool) -> None:
     ``run_decompositions``), so bnswap takes it. With ``repair`` the renames are kept (the
     program is then valid); without, ``ep`` is left exactly as it was. Nothing is changed
     when the error is raised."""
-    from torch._export.verifier import SpecViolationError
-
-    try:
-        ep.validate()
+    error = validation_error(ep)
+    if error is None:
         return
-    except SpecViolationError as err:
-        error = err
     renames = _signature_renames(ep)
     before = [(n, n.name, n.target) for n, _ in renames]
     for node, name in renames:
         node.name = name  # (torch.export names its placeholders so, past the namespace)
         if node.op == "placeholder":
             node.target = name
-    try:
-        if not renames:
-            raise error
-        ep.validate()
-    except SpecViolationError:
-        for node, name, target in before:
-            node.name, node.target = name, target
-        raise error from None
-    if repair:
+    mended = bool(renames) and validation_error(ep) is None
+    if mended and repair:
         ep.graph_module.recompile()
-    else:
-        for node, name, target in before:
-            node.name, node.target = name, target
+        return
+    for node, name, target in before:  # back as they were
+        node.name, node.target = name, target
+    if not mended:
+        raise error
 
 
 def to_stock_ops(module: GraphModule | torch.export.ExportedProgram, *,

@@ -42,6 +42,7 @@ from bnswap._graph import (
     stock_call,
     to_consolidated_ops,
     to_stock_ops,
+    validation_error,
 )
 from bnswap._rows import Rows
 from bnswap._warn import UnmatchedPatternWarning, warn
@@ -479,13 +480,7 @@ def _apply(todo: ProgramPlan) -> Program:
 def _valid(program: Program) -> Program:
     """``program`` itself when it is valid (or a GraphModule), else its mended copy
     (:func:`_copy`: a deep copy's renamed placeholder)."""
-    if not isinstance(program, torch.export.ExportedProgram):
-        return program
-    from torch._export.verifier import SpecViolationError
-
-    try:
-        program.validate()
-    except SpecViolationError:
+    if isinstance(program, torch.export.ExportedProgram) and validation_error(program):
         return _copy(program)
     return program
 
