@@ -4,9 +4,9 @@
 ``python -m _bnswap_command SUBCOMMAND --help`` and shows its output as a literal block:
 the CLI reference is generated from the parsers themselves (the front door's table,
 jsonargparse's ``plan`` / ``convert`` parsers, LightningCLI's for the Trainer
-subcommands), so it cannot drift from them. Every help is started once, all at once, when
-the build starts (each imports torch, the Lightning ones Lightning: about 7 s apiece).
-A subcommand whose help fails is a build error.
+subcommands), so it cannot drift from them. The first directive starts every help at
+once, four at a time (each imports torch, the Lightning ones Lightning: 2-7 s apiece); a
+build that uses none starts none. A subcommand whose help fails is a build error.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _help(sub: str) -> str:
     return p.stdout.rstrip()
 
 
-def _start(app: Sphinx) -> None:
+def _start() -> None:
     pool = ThreadPoolExecutor(max_workers=4)
     for sub in HELPS:
         _RUNS[sub] = pool.submit(_help, sub)
@@ -57,13 +57,14 @@ class BnswapHelp(SphinxDirective):
         sub = self.arguments[0] if self.arguments else ""
         if sub not in HELPS:
             raise self.error(f"bnswap-help: no subcommand {sub!r} (one of {HELPS[1:]})")
-        text = _RUNS[sub].result() if sub in _RUNS else _help(sub)
+        if not _RUNS:
+            _start()
+        text = _RUNS[sub].result()
         block = nodes.literal_block(text, text)
         block["language"] = "text"
         return [block]
 
 
 def setup(app: Sphinx) -> dict[str, object]:
-    app.connect("builder-inited", _start)
     app.add_directive("bnswap-help", BnswapHelp)
     return {"version": "1", "parallel_read_safe": True}
