@@ -6,8 +6,8 @@ not imported by then is patched when it is, by an import hook, so bnswap imports
 them. Each is version-gated, listed in :data:`PATCHES` (and ``docs/patches.md``), can be
 turned off with ``BNSWAP_DISABLE_PATCHES`` (``all`` or names, comma-separated), and
 changes nothing for a model that holds no swapped layer. Each is what a consumer that
-hands the model to a runtime of its own needs to see stock's BatchNorm (README, "After
-training").
+hands the model to a runtime of its own needs to see stock's BatchNorm (the guide "After
+training", docs/after-training.md).
 
 * **TorchScript** (``torch.jit.script``, ``torch.jit.trace``):
   ``torch.jit._recursive.create_script_module`` builds its module from a *stock view* of
