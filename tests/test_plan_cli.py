@@ -387,6 +387,20 @@ def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_pat
     assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
 
 
+def test_convert_refuses_a_missing_folder_before_loading_the_program(capsys, tmp_path, monkeypatch):
+    """Guards (issue 33's newcomer): ``bnswap convert m.pt2 -o /missing/dir/out.pt2``
+    loaded the whole program before refusing the folder. The program is never read."""
+    src = tmp_path / "m.pt2"
+    src.write_bytes(b"not read")
+    loaded = []
+    monkeypatch.setattr(plan_cli, "load_program", lambda path: loaded.append(path))
+    out = tmp_path / "nothere" / "o.pt2"
+    code = plan_cli.convert_main([str(src), "-o", str(out)])
+    cap = capsys.readouterr()
+    assert (code, cap.out, loaded) == (2, "", [])
+    assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
+
+
 def test_convert_to_a_folder_or_an_unwritable_place_is_a_one_line_usage_error(capsys, tmp_path):
     """Guards (a newcomer's report): ``-o`` naming an existing folder, or a place torch's
     zip writer cannot open (``/proc/...``), ended in torch.export.save's RuntimeError

@@ -650,8 +650,8 @@ def convert_main(argv: Sequence[str]) -> int:
     Returns the exit status (0 all converted or left out by the patterns, 3 some left
     that bnswap cannot convert (:func:`_exit_status`), 2 usage errors on stderr: a
     missing PROGRAM or ``-o/--output`` (named, with an example), an ``-o`` that is the
-    input file (refused before anything is read: never overwritten), a file that is no
-    program, a missing folder)."""
+    input file (refused before anything is read: never overwritten), a missing folder
+    for the output (refused before the program is loaded), a file that is no program)."""
     try:
         if "--sync_batchnorm" in argv or any(a.startswith("--sync_batchnorm=") for a in argv):
             return _usage_error(_NO_SYNC_FOR_PROGRAMS, "convert")
@@ -676,14 +676,15 @@ def convert_main(argv: Sequence[str]) -> int:
     if os.path.isdir(cfg.output):
         return _usage_error(f"-o/--output {cfg.output} is a folder; give a file name, e.g. "
                             f"-o {os.path.join(cfg.output, 'model_bnswap.pt2')}", "convert")
+    parent = os.path.dirname(os.path.abspath(cfg.output))
+    if not os.path.isdir(parent):  # before the program is loaded (a large file: seconds);
+        # torch.export.save raised a RuntimeError with a traceback here
+        return _usage_error(f"{cfg.output}: no such folder: {os.path.dirname(cfg.output)}",
+                            "convert")
     try:
         ep = load_program(cfg.program)
     except ProgramFileError as e:
         return _usage_error(str(e), "convert")
-    parent = os.path.dirname(os.path.abspath(cfg.output))
-    if not os.path.isdir(parent):  # (torch.export.save raised a RuntimeError with traceback)
-        return _usage_error(f"{cfg.output}: no such folder: {os.path.dirname(cfg.output)}",
-                            "convert")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = bnswap.plan(ep, include=cfg.include, exclude=cfg.exclude)
