@@ -504,6 +504,9 @@ def test_a_mistyped_subcommand_gets_a_did_you_mean_not_the_whole_help():
     assert _bnswap_command.help_text().splitlines()[0] == usage
     for typed, error in (("plann", "unknown subcommand 'plann'; did you mean 'plan'?"),
                          ("trian", "unknown subcommand 'trian'; did you mean 'train'?"),
+                         # issue 33: an option was "an unknown subcommand", with no hint
+                         ("--verison", "unknown option '--verison'; did you mean '--version'?"),
+                         ("--hlep", "unknown option '--hlep'; did you mean '--help'?"),
                          ("nope", "unknown subcommand 'nope' (choose from "
                                   + ", ".join(_bnswap_command.SUBCOMMANDS) + ")")):
         p = run_bnswap([typed], timeout=120)
