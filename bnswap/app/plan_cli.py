@@ -33,6 +33,7 @@ can gate on it), 2 on usage errors.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -42,7 +43,7 @@ import re
 import sys
 import warnings
 from argparse import ArgumentError
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, Literal, get_type_hints
 
@@ -475,6 +476,25 @@ def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
     return EXIT_ALL_SWAPPED
 
 
+@contextlib.contextmanager
+def _prog(prog: str) -> Iterator[None]:
+    """``sys.argv[0]`` as ``prog`` while parsing: jsonargparse's ``--model.help CLASS``
+    builds a parser of its own, whose usage line names ``sys.argv[0]`` (``usage: bnswap
+    [--model.width WIDTH]``, or ``_bnswap_command.py`` under ``python -m``)."""
+    saved = sys.argv[0] if sys.argv else None
+    if sys.argv:
+        sys.argv[0] = prog
+    else:
+        sys.argv.append(prog)
+    try:
+        yield
+    finally:
+        if saved is None:
+            sys.argv.clear()
+        else:
+            sys.argv[0] = saved
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``bnswap plan`` with ``argv`` (the arguments after ``plan``); return the exit
     status (0 all swapped or left out on purpose, 3 some skipped that bnswap cannot swap,
@@ -491,7 +511,8 @@ def main(argv: Sequence[str]) -> int:
         print(_factory_help(parser, _model_path(argv) or ""))
         return EXIT_ALL_SWAPPED
     try:
-        cfg = parser.parse_args(argv)
+        with _prog("bnswap plan"):
+            cfg = parser.parse_args(argv)
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
     except ArgumentError as e:
