@@ -154,6 +154,13 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
         assert f == {k: r["history"][-1][k] for k in ("val_loss", "val_acc")}  # float64
         assert f"{label}: final val_acc {f['val_acc']:.4f}" in out
         assert r["seconds_per_epoch"] > 0 and f"{r['seconds_per_epoch']} s per epoch" in out
+    # issue 33: the seconds came in run order with no word on it, so stock (first) looked
+    # 1.6x slower; each says its run, and a line says they are no speed comparison
+    lines = out.strip().splitlines()
+    assert "(run 1: " in lines[-3] and lines[-3].lstrip().startswith("stock:")
+    assert "(run 2: " in lines[-2] and lines[-2].lstrip().startswith("bnswap (aten):")
+    from bnswap.app.cli import TIMES_NOTE
+    assert lines[-1] == TIMES_NOTE and "not a speed comparison" in lines[-1]
     assert f"wrote {png} and {png.with_suffix('.json')}" in out
     # the right value is stock's: on CPU both run the same native kernels
     assert res["stock"]["history"] == res["bnswap (aten)"]["history"]
