@@ -44,6 +44,9 @@ myst_enable_extensions = ["colon_fence"]
 # API: one page per public name (api/*.md), members in source order, signatures without
 # the annotations (the docstrings' Args say the types in words: shapes, dtypes).
 autodoc_member_order = "bysource"
+# bnswap.Plan and bnswap.plan: two pages whose names differ in case only, which collide on
+# a case-insensitive file system (macOS, Windows)
+autosummary_filename_map = {"bnswap.Plan": "bnswap.Plan-class"}
 autodoc_typehints = "none"
 autodoc_default_options = {"show-inheritance": False}
 napoleon_google_docstring = True
