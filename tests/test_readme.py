@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import shlex
@@ -120,7 +121,7 @@ def _run_lightning_block(block: str) -> dict:
     return scope
 
 
-def test_readme_lightning_quick_start_trains_like_stock():
+def test_readme_lightning_quick_start_trains_like_stock(caplog):
     """The block as written, and the same block without ``BNSwap()`` (stock BatchNorm,
     compiled the same way): the same weights and running statistics after the epoch
     (float32 rounding: the compiled graphs differ in their batch-norm ops only)."""
@@ -128,7 +129,11 @@ def test_readme_lightning_quick_start_trains_like_stock():
     block = _python_blocks()[1]
     assert "callbacks=[BNSwap()]" in block and "configure_model" in block
     torch._dynamo.reset()
-    ours = _run_lightning_block(block)
+    with caplog.at_level(logging.INFO):
+        ours = _run_lightning_block(block)
+    line = "BNSwap (fit): 1 of 1 BatchNorm layers swapped, 0 skipped"  # (rank_zero_info)
+    assert f"(`{line}`)" in (ROOT / "README.md").read_text().replace("\n", " ")
+    assert [r.getMessage() for r in caplog.records].count(line) == 1, caplog.text[-2000:]
     torch._dynamo.reset()
     stock = _run_lightning_block(block.replace("callbacks=[BNSwap()]", "callbacks=[]"))
     trained = ours["trainer"].lightning_module.net._orig_mod
