@@ -195,6 +195,7 @@ def test_sdist_and_wheel_pass_twine_and_hold_what_they_should(venv):
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     version = _pyproject()["version"]
     assert wheel.name == f"bnswap-{version}-py3-none-any.whl"
+    assert f"pip install dist/{wheel.name}" in (ROOT / "README.md").read_text()  # as it says
     assert "bnswap/py.typed" in names and "_bnswap_command.py" in names
     configs = {n for n in names if n.startswith("bnswap/app/configs/") and n.endswith(".yaml")}
     assert configs == {f"bnswap/app/configs/{p.name}"
