@@ -406,3 +406,22 @@ def test_nodes_bnswap_cannot_tell_apart_stay_as_torchao_made_them_with_one_warni
         "'batch_norm_1') stay on stock's aten.batch_norm (cudnn_enabled=False: the native "
         "kernel on CUDA, pytorch issue 111384): torchao turned the graph's 3 batch-norm "
         "nodes into 2")
+
+
+def test_qat_example_gives_stocks_figures():
+    """examples/qat_pt2e.py (the issue's flow on the digits data, a tiny budget): stock
+    and bnswap print the same float / int8 accuracies; int8 logits and the final QAT
+    state are bitwise identical; bnswap's prepared graph trains on the consolidated op."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "qat_pt2e.py"
+    spec = importlib.util.spec_from_file_location("qat_pt2e", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.main(epochs=1, qat_epochs=1, limit=2, width_mult=0.25, num_threads=None)
+    assert res["identical"] is True
+    s, b = res["stock"], res["bnswap"]
+    assert (s["float_acc"], s["int8_acc"]) == (b["float_acc"], b["int8_acc"])
+    n = s["batch_norm_ops"]["batch_norm"]
+    assert n > 0 and b["batch_norm_ops"] == {"_batch_norm_with_update": n}
