@@ -272,8 +272,8 @@ def _stays(where: str, nodes: list, why: str) -> None:
     warn(f"bnswap: {where}: {len(nodes)} batch-norm node{'s' if len(nodes) != 1 else ''} of "
          f"swapped layers ({_names(nodes)}) stay{'s' if len(nodes) == 1 else ''} on stock's "
          "aten.batch_norm (cudnn_enabled=False: the native kernel on CUDA, pytorch issue "
-         f"111384): {why}. The graph is as torchao made it for stock; "
-         "bnswap.convert(graph) rewrites the nodes it can", UserWarning)
+         f"111384): {why}. The graph is as torchao made it for stock (bnswap.plan(graph) "
+         "lists its batch-norm nodes and what bnswap.convert(graph) would do)", UserWarning)
 
 
 def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str) -> int:
