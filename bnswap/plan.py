@@ -491,11 +491,12 @@ _NONE: tuple = ()
 
 
 def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:
-    """A graph module with batch-norm nodes and no BatchNorm submodule
-    (``exported_program.module()``): planned node by node."""
+    """A graph module with batch-norm nodes (stock's or consolidated ones) and no
+    BatchNorm submodule (``exported_program.module()``, a pt2e prepared graph): planned
+    node by node."""
     from bnswap import programs
 
-    return programs.stock_nodes(gm) > 0 and not any(
+    return programs.stock_nodes(gm, consolidated=True) > 0 and not any(
         isinstance(m, _BatchNorm) for m in gm.modules())
 
 

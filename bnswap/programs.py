@@ -511,7 +511,9 @@ def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     return new
 
 
-def stock_nodes(gm: GraphModule) -> int:
-    """How many stock batch-norm nodes ``gm`` holds (its own graph and nested ones)."""
+def stock_nodes(gm: GraphModule, consolidated: bool = False) -> int:
+    """How many stock batch-norm nodes ``gm`` holds (its own graph and nested ones);
+    with ``consolidated``, the consolidated ones too (every node :func:`plan` lists)."""
+    targets = (*STOCK_TARGETS, *CONSOLIDATED_TARGETS) if consolidated else STOCK_TARGETS
     return sum(1 for sub in gm.modules() for n in getattr(sub, "graph", torch.fx.Graph()).nodes
-               if n.op == "call_function" and n.target in STOCK_TARGETS)
+               if n.op == "call_function" and n.target in targets)

@@ -307,7 +307,7 @@ def test_plain_pytorch_example_matches_stock():
     assert res["stock"]["val_acc"] == res["bnswap"]["val_acc"]
 
 
-@pytest.mark.parametrize("name", ["ddp_syncbn", "plain_pytorch"])
+@pytest.mark.parametrize("name", ["ddp_syncbn", "plain_pytorch", "qat_pt2e"])
 def test_each_examples_help_gives_its_whole_description(name):
     """Guards (a new user's try): ``python examples/ddp_syncbn.py --help`` cut its
     description mid-sentence ("Train ``steps`` steps of ``batch_size`` (the global batch,
