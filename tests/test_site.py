@@ -21,6 +21,7 @@ import functools
 import html.parser
 import http.server
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+import torch
 
 import bnswap
 
@@ -115,6 +117,16 @@ def test_site_builds_with_a_page_per_public_name(site):
         assert page.is_file(), f"no page for {name}"
     convert = (site / "generated" / "bnswap.convert.html").read_text()
     assert "Examples" in convert and "sync_batchnorm" in convert
+    # bnswap.BatchNorm1d/2d/3d: stock's signature, and no "Bases: object" (they build
+    # torch's own class's instances)
+    for n in ("1d", "2d", "3d"):
+        layer = (site / "generated" / f"bnswap.BatchNorm{n}.html").read_text()
+        sig = html.unescape(re.sub(r"<[^>]+>", "", re.search(r'<dt class="sig[^>]*>(.*?)</dt>',
+                                                             layer, re.S).group(1)))
+        assert "num_features, eps=1e-05, momentum=0.1" in sig and "*args" not in sig, sig
+        assert "Bases:" not in layer
+        assert inspect.signature(getattr(bnswap, f"BatchNorm{n}")).parameters == \
+            inspect.signature(getattr(torch.nn, f"BatchNorm{n}")).parameters
     cli = (site / "cli.html").read_text()
     for sub in ("plan", "convert", "train", "compare"):
         assert f"usage: bnswap {sub}" in cli or f"usage: bnswap [options] {sub}" in cli, sub
