@@ -133,6 +133,9 @@ def test_site_builds_with_a_page_per_public_name(site):
     # the README is the landing page; its links into docs/ point at the pages
     index = (site / "index.html").read_text()
     assert 'href="performance.html"' in index and 'href="api.html"' in index
+    # the install commands live once, on the landing page; the Install guide links there
+    install = (site / "install.html").read_text()
+    assert 'href="index.html#install"' in install and "whl/cpu" not in install
 
 
 
