@@ -16,6 +16,7 @@ swapped, and ``isinstance(layer, bnswap.BatchNorm2d)`` is True for any swapped
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import Tensor, nn
@@ -59,6 +60,11 @@ def batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
     return module_batch_norm(layer, input)  # type: ignore[arg-type]
 
 
+def _stock_signature(stock: type) -> inspect.Signature:
+    """``stock``'s constructor signature, returning what it builds (not ``None``)."""
+    return inspect.signature(stock).replace(return_annotation=inspect.Signature.empty)
+
+
 class _SwappedClass(type):
     """Metaclass of :class:`BatchNorm1d` / ``2d`` / ``3d``: calling one builds the stock
     layer and swaps it; ``isinstance`` is True for swapped layers of the stock class."""
@@ -96,6 +102,8 @@ class BatchNorm1d(metaclass=_SwappedClass):
     """
 
     _stock = nn.BatchNorm1d
+    #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
+    __signature__ = _stock_signature(nn.BatchNorm1d)
 
 
 class BatchNorm2d(metaclass=_SwappedClass):
@@ -111,6 +119,8 @@ class BatchNorm2d(metaclass=_SwappedClass):
     """
 
     _stock = nn.BatchNorm2d
+    #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
+    __signature__ = _stock_signature(nn.BatchNorm2d)
 
 
 class BatchNorm3d(metaclass=_SwappedClass):
@@ -126,3 +136,5 @@ class BatchNorm3d(metaclass=_SwappedClass):
     """
 
     _stock = nn.BatchNorm3d
+    #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
+    __signature__ = _stock_signature(nn.BatchNorm3d)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from importlib.metadata import distribution
@@ -211,6 +212,12 @@ def test_sdist_and_wheel_pass_twine_and_hold_what_they_should(venv):
     classifiers = {v for k, v in fields if k == "Classifier"}
     assert {"Programming Language :: Python :: 3.11", "Typing :: Typed"} <= classifiers
     assert meta.split("\n\n", 1)[1].startswith("# bnswap")  # the README, as the description
+    # the sdist (MANIFEST.in): what a packager reads, and no tests/ or benchmarks/
+    # (setuptools' default adds tests/test_*.py without the helpers they import)
+    with tarfile.open(sdist) as t:
+        files = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml"} <= files, sorted(files)
+    assert not [n for n in files if n.split("/")[0] in ("tests", "benchmarks")], sorted(files)
 
 
 def test_one_version_source(venv):

@@ -96,8 +96,13 @@ def test_the_readme_is_a_landing_page():
     text = (ROOT / "README.md").read_text()
     lines = text.splitlines()
     assert len(lines) <= 230, len(lines)  # ~200, with room for one more section
-    first_screen = "\n".join(lines[:45])
+    first_screen = "\n".join(lines[:25])  # issue 33: the two commands in the first screen
     assert "make demo" in first_screen and "make test" in first_screen
+    # the benefit is torch's selection rule, not a GPU measurement (issue 33); the site is
+    # viewed served (file:// search shows no snippets)
+    assert "torch._C._select_batch_norm_backend" in first_screen
+    assert "not yet observed on a GPU" in first_screen
+    assert "python -m http.server -d build/docs/html" in text
     assert "torch.compile(lit_module)" not in text.replace("not `torch.compile(lit_module)`", "")
     assert "configure_model" in text
 
@@ -109,7 +114,7 @@ def test_readme_pytorch_quick_start_prints_the_plan_it_shows(capsys):
     exec(compile(block, "README.md (Quick start: PyTorch)", "exec"), scope)
     printed = capsys.readouterr().out.strip()
     text = (ROOT / "README.md").read_text()
-    shown = re.search(r"```python\n.*?```\n\n```\n(.*?)```", text, flags=re.S).group(1).strip()
+    shown = re.search(r"```python\n.*?```\n\n```text\n(.*?)```", text, flags=re.S).group(1).strip()
     assert printed == shown
     model = scope["model"]  # reverted: stock again, the same as a fresh stock copy
     assert not bnswap.is_swapped(model[1]) and type(model[1]) is torch.nn.BatchNorm2d

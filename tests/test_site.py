@@ -18,8 +18,10 @@ The doctests of the docstrings run in ``tests/test_docs.py``, not here: once.
 from __future__ import annotations
 
 import functools
+import html.parser
 import http.server
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -28,9 +30,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
+import torch
 
 import bnswap
 
@@ -113,12 +117,108 @@ def test_site_builds_with_a_page_per_public_name(site):
         assert page.is_file(), f"no page for {name}"
     convert = (site / "generated" / "bnswap.convert.html").read_text()
     assert "Examples" in convert and "sync_batchnorm" in convert
+    # bnswap.BatchNorm1d/2d/3d: stock's signature, and no "Bases: object" (they build
+    # torch's own class's instances)
+    for n in ("1d", "2d", "3d"):
+        layer = (site / "generated" / f"bnswap.BatchNorm{n}.html").read_text()
+        sig = html.unescape(re.sub(r"<[^>]+>", "", re.search(r'<dt class="sig[^>]*>(.*?)</dt>',
+                                                             layer, re.S).group(1)))
+        assert "num_features, eps=1e-05, momentum=0.1" in sig and "*args" not in sig, sig
+        assert "Bases:" not in layer
+        assert inspect.signature(getattr(bnswap, f"BatchNorm{n}")).parameters == \
+            inspect.signature(getattr(torch.nn, f"BatchNorm{n}")).parameters
     cli = (site / "cli.html").read_text()
     for sub in ("plan", "convert", "train", "compare"):
         assert f"usage: bnswap {sub}" in cli or f"usage: bnswap [options] {sub}" in cli, sub
     # the README is the landing page; its links into docs/ point at the pages
     index = (site / "index.html").read_text()
     assert 'href="performance.html"' in index and 'href="api.html"' in index
+    # the install commands live once, on the landing page; the Install guide links there
+    install = (site / "install.html").read_text()
+    assert 'href="index.html#install"' in install and "whl/cpu" not in install
+
+
+
+def _cli_blocks(site: Path) -> list[str]:
+    """The literal blocks of the CLI reference page, as text."""
+    page = (site / "cli.html").read_text(encoding="utf-8")
+    return [html.unescape(re.sub(r"<[^>]+>", "", b)) for b in re.findall(r"<pre>(.*?)</pre>", page, re.S)]
+
+
+def test_cli_reference_shows_the_trainer_options_once(site):
+    """``train``'s help in full; ``validate`` / ``test`` / ``predict`` (the same ~450 lines
+    of Lightning's Trainer options) only their usage's first line and what differs."""
+    blocks = _cli_blocks(site)
+    full = [b for b in blocks if "--trainer.gradient_clip_algorithm GRADIENT" in b]
+    assert len(full) == 1 and full[0].startswith("usage: bnswap [options] train"), len(full)
+    for sub, own in (("validate", "--verbose"), ("test", "--verbose"),
+                     ("predict", "--return_predictions")):
+        (block,) = [b for b in blocks if b.startswith(f"usage: bnswap [options] {sub} ")]
+        assert "every option of `bnswap train --help`" in block and own in block, block
+        assert "--ckpt_path" in block and len(block.splitlines()) < 80, block
+    assert sum(len(b.splitlines()) for b in blocks) < 900
+
+
+def test_bnswap_help_text_has_no_rest_roles(site):
+    """The help bnswap writes itself (option-group titles from its Trainer's docstrings,
+    ``compare``'s Args) reads as plain text in a terminal; Lightning's own docstrings'
+    roles (``:class:`datetime.timedelta```, ``:paramref:`~lightning...```) may stay."""
+    text = "\n".join(_cli_blocks(site))
+    roles = re.findall(r":(\w+):`~?([\w.]+)", text)
+    assert roles, "no role at all: the check would pass on anything"
+    foreign = ("lightning.", "torch.", "datetime.")
+    assert [(r, t) for r, t in roles
+            if not (t.startswith(foreign) or "lightning.".startswith(t))] == []
+
+
+class _Anchors(html.parser.HTMLParser):
+    """The ids (and ``<a name>``) of one HTML page and its ``href``s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        self.ids.update(v for k, v in attrs if k == "id" and v)
+        if tag == "a" and a.get("name"):
+            self.ids.add(a["name"])
+        if a.get("href"):
+            self.hrefs.append(a["href"])
+
+
+def broken_fragments(site: Path) -> list[str]:
+    """Every internal ``href`` with a ``#fragment`` in the built HTML whose target page has
+    no such id (``page.html: href``), as a browser would resolve it."""
+    pages = {}
+    for f in site.rglob("*.html"):
+        parser = _Anchors()
+        parser.feed(f.read_text(encoding="utf-8"))
+        pages[f.resolve()] = parser
+    broken = []
+    for f, parser in pages.items():
+        for href in parser.hrefs:
+            url = urllib.parse.urlsplit(href)
+            if url.scheme or url.netloc or not url.fragment:
+                continue
+            target = (f.parent / urllib.parse.unquote(url.path)).resolve() if url.path else f
+            fragment = urllib.parse.unquote(url.fragment)
+            if target not in pages or fragment not in pages[target].ids:
+                broken.append(f"{f.relative_to(site.resolve())}: {href}")
+    return broken
+
+
+def test_every_internal_anchor_resolves(site, tmp_path):
+    """An ``href="page.html#id"`` lands on an element of that page (sphinx -n checks the
+    references it resolves, not the ids the pages end up with: a ``.. module::`` placed
+    after other content of its section left ``api.html#module-bnswap.sync`` pointing at
+    nothing). The check itself, on a planted page: a missing id is reported."""
+    assert broken_fragments(site) == []
+    (tmp_path / "a.html").write_text('<p id="here"><a href="b.html#gone">x</a>'
+                                     '<a href="#here">y</a><a href="https://x.org/#z">z</a></p>')
+    (tmp_path / "b.html").write_text('<a name="kept" href="a.html#here">k</a>')
+    assert broken_fragments(tmp_path) == ["a.html: b.html#gone"]
 
 
 PLANTED = {
@@ -126,7 +226,25 @@ PLANTED = {
     "a link to a missing heading": ("[gone](#no-such-heading)", "no-such-heading"),
     "a reference to a name with no page": ("{py:func}`bnswap.not_a_function`",
                                           "bnswap.not_a_function"),
+    # in a docstring, as autodoc renders it: a typo in a bnswap module's name, an attribute
+    # of a name that conf.py's nitpick_ignore_regex lets through (Module), must fail too
+    "a docstring's reference to a missing bnswap function": (
+        "```{eval-rst}\n.. autofunction:: planted.bad_function\n```",
+        "bnswap.functional.nonexistent"),
+    "a docstring's reference to a missing attribute": (
+        "```{eval-rst}\n.. autofunction:: planted.bad_attribute\n```", "Module.bogus"),
 }
+
+PLANTED_MODULE = '''
+def fine():
+    """See :func:`bnswap.documented` and :class:`torch.nn.Module`."""
+
+def bad_function():
+    """See :func:`bnswap.functional.nonexistent`."""
+
+def bad_attribute():
+    """See :class:`Module.bogus`."""
+'''
 
 
 @pytest.mark.parametrize("what", PLANTED)
@@ -136,11 +254,13 @@ def test_a_broken_reference_fails_the_build(what, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "conf.py").write_text(f"exec(open({str(DOCS / 'conf.py')!r}).read())\n"
-                                 f"HERE = __import__('pathlib').Path({str(DOCS)!r})\n")
+                                 f"HERE = __import__('pathlib').Path({str(DOCS)!r})\n"
+                                 f"sys.path.insert(0, {str(src)!r})\n")
     shutil.copytree(DOCS / "_ext", src / "_ext")
+    (src / "planted.py").write_text(PLANTED_MODULE)
     page = ("# Title\n\n## A heading\n\nSee [it](#a-heading), [the page](index.md) and "
             "{py:func}`bnswap.documented`.\n\n```{eval-rst}\n.. py:function:: bnswap.documented()\n"
-            "```\n\n")
+            "\n.. autofunction:: planted.fine\n```\n\n")
     (src / "index.md").write_text(page)
     assert _sphinx(src, tmp_path / "ok").returncode == 0
     text, needle = PLANTED[what]

@@ -61,12 +61,16 @@ _CKPT_ALIASES = ("last", "best", "hpc", "registry")
 DEFAULT_CONFIGS = ("digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml")
 
 class Trainer(pl.Trainer):
-    """``lightning.pytorch.Trainer`` with :meth:`train`, the CLI's main-job subcommand."""
+    """Lightning's Trainer with a train method, the CLI's main-job subcommand.
+
+    Its docstrings' first lines are ``bnswap train --help``'s group titles and descriptions
+    (jsonargparse prints them as they are): plain text, no reST roles.
+    """
 
     def train(self, model: pl.LightningModule, train_dataloaders: Any = None,
               val_dataloaders: Any = None, datamodule: pl.LightningDataModule | None = None,
               ckpt_path: str | None = None) -> None:
-        """Train the model (``Trainer.fit``) and report the final validation accuracy.
+        """Train the model (Trainer.fit) and report the final validation accuracy.
 
         Args:
             model: the LightningModule.
@@ -79,8 +83,10 @@ class Trainer(pl.Trainer):
         self.fit_seconds = round(time.perf_counter() - t0, 2)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.predict``, keeping what it returns as :attr:`predictions` (the
-        ``predict`` subcommand writes them to a file)."""
+        """Trainer.predict, keeping what it returns in self.predictions.
+
+        The ``predict`` subcommand writes them to a file.
+        """
         #: What the last ``predict`` returned: one tensor per batch.
         self.predictions = super().predict(*args, **kwargs)
         return self.predictions
@@ -327,7 +333,7 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
             ``--trainer.default_root_dir`` (``runs``).
         overrides: extra ``bnswap train`` arguments applied to every run, e.g.
             ``["--trainer.max_epochs=3"]`` (on the command line, ``bnswap compare
-            --trainer.max_epochs 3`` does the same: :func:`split_compare_args`).
+            --trainer.max_epochs 3`` does the same: split_compare_args moves them here).
 
     Returns:
         ``{label: {"final": {...}, "history": [...], "seconds": float,

@@ -4,7 +4,10 @@
 ``python -m _bnswap_command SUBCOMMAND --help`` and shows its output as a literal block:
 the CLI reference is generated from the parsers themselves (the front door's table,
 jsonargparse's ``plan`` / ``convert`` parsers, LightningCLI's for the Trainer
-subcommands), so it cannot drift from them. The first directive starts every help at
+subcommands), so it cannot drift from them. ``:same-as: train`` shows only what differs
+from ``bnswap train --help``: the first line of the usage, then the sections (the
+description, an option group) that ``train``'s help does not hold word for word (the
+Trainer subcommands share some 450 lines of Lightning's Trainer options). The first directive starts every help at
 once, four at a time (each imports torch, the Lightning ones Lightning: 2-7 s apiece); a
 build that uses none starts none. A subcommand whose help fails is a build error.
 """
@@ -39,6 +42,28 @@ def _help(sub: str) -> str:
     return p.stdout.rstrip()
 
 
+def _sections(text: str) -> list[str]:
+    """The blocks of one ``--help`` after its usage: each starts at a line in column 0
+    (a description, an option group's title) and runs to the next."""
+    out: list[list[str]] = []
+    for line in text.splitlines():
+        if line and not line[0].isspace() and not line.startswith("usage:"):
+            out.append([line])
+        elif out:
+            out[-1].append(line)
+    return ["\n".join(block).rstrip() for block in out]
+
+
+def differences(text: str, base: str, base_name: str) -> str:
+    """``text`` (one subcommand's help) as far as it differs from ``base`` (another's):
+    its usage's first line, a line naming ``base_name``, the blocks ``base`` lacks."""
+    usage = text.splitlines()[0].rstrip()
+    shared = set(_sections(base))
+    own = [block for block in _sections(text) if block not in shared]
+    return "\n\n".join([f"{usage} ...",
+                          f"(every option of `bnswap {base_name} --help`; these differ:)", *own])
+
+
 def _start() -> None:
     pool = ThreadPoolExecutor(max_workers=4)
     for sub in HELPS:
@@ -51,7 +76,7 @@ class BnswapHelp(SphinxDirective):
 
     optional_arguments = 1
     has_content = False
-    option_spec = {"caption": directives.unchanged}
+    option_spec = {"caption": directives.unchanged, "same-as": directives.unchanged}
 
     def run(self) -> list[nodes.Node]:
         sub = self.arguments[0] if self.arguments else ""
@@ -60,6 +85,11 @@ class BnswapHelp(SphinxDirective):
         if not _RUNS:
             _start()
         text = _RUNS[sub].result()
+        base = self.options.get("same-as")
+        if base is not None:
+            if base not in HELPS[1:]:
+                raise self.error(f"bnswap-help: :same-as: {base!r} is no subcommand")
+            text = differences(text, _RUNS[base].result(), base)
         block = nodes.literal_block(text, text)
         block["language"] = "text"
         return [block]
