@@ -52,6 +52,7 @@ training").
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.abc
 import importlib.machinery
@@ -66,14 +67,17 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from bnswap._graph import to_stock_ops
 from bnswap._swap import (
+    INTERNAL_BUFFER_PREFIX,
     INTERNAL_HOOK,
     SwappedForward,
     internal_buffer_names,
     is_swapped,
     on_first_swap,
+    swap,
     wrapped_model,
 )
 
@@ -413,6 +417,70 @@ def _unswapped_sync_message(names: list[str]) -> str:
         "bnswap.plan(model) shows each layer")
 
 
+# ------------------------------------------------------------ whole-model checkpoints
+_BN_CLASS = torch.nn.modules.batchnorm._BatchNorm
+
+
+def _stock_state(state: Any) -> Any:
+    """``state`` (a BatchNorm layer's ``__getstate__``) without anything of bnswap's: the
+    swap entry and internal buffers; a new dict when something is left out."""
+    if not isinstance(state, dict):
+        return state
+    buffers = state.get("_buffers")
+    internal = ([k for k in buffers if k.startswith(INTERNAL_BUFFER_PREFIX)]
+                if isinstance(buffers, dict) else [])
+    if type(state.get("forward")) is not SwappedForward and not internal:
+        return state
+    state = {k: v for k, v in state.items()
+             if not (k == "forward" and type(v) is SwappedForward)}
+    if internal:
+        state["_buffers"] = type(buffers)((k, v) for k, v in buffers.items() if k not in internal)
+        nonpersistent = state.get("_non_persistent_buffers_set")
+        if isinstance(nonpersistent, set):
+            state["_non_persistent_buffers_set"] = nonpersistent - set(internal)
+    return state
+
+
+def _patch_checkpoints() -> bool:
+    """``torch.save`` / pickle and ``copy.copy`` of a BatchNorm layer leave bnswap's swap
+    out (the layer loads as stock's, where bnswap is not installed too: nothing of
+    bnswap's is pickled); ``copy.deepcopy`` keeps it, bound to the copy."""
+    cls = _BN_CLASS
+    prev = cls.__getstate__
+    if _patched(prev):
+        return True
+    if ("__getstate__" in vars(cls) or "__deepcopy__" in vars(cls)
+            or hasattr(cls, "__deepcopy__") or not hasattr(copy, "_reconstruct")):
+        logger.debug("bnswap: torch's BatchNorm defines its own __getstate__ / __deepcopy__; "
+                     "whole-model pickles of swapped layers reference bnswap here")
+        return False
+
+    @_mark
+    def __getstate__(self: nn.Module) -> Any:
+        return _stock_state(prev(self))
+
+    @_mark
+    def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
+        # copy.deepcopy's own procedure for a class without __deepcopy__ (the reduction,
+        # then copy._reconstruct), then the swap, bound to the copy
+        entry = self.__dict__.get("forward")
+        if parametrize.is_parametrized(self):
+            # torch's parametrized classes refuse __getstate__; torch deep-copies their
+            # __dict__ (parametrize's default_deepcopy), the entry binding itself
+            y = type(self).__new__(type(self))
+            memo[id(self)] = y
+            y.__dict__ = copy.deepcopy(self.__dict__, memo)
+            return y
+        y = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+        if type(entry) is SwappedForward and entry.module is self:
+            swap(y, entry.adapter)
+        return y
+
+    cls.__getstate__ = __getstate__
+    cls.__deepcopy__ = __deepcopy__
+    return True
+
+
 # ---------------------------------------------------------------------- the table
 class Patch(NamedTuple):
     """One patch: its ``name`` (for ``BNSWAP_DISABLE_PATCHES``), the ``module`` it
@@ -455,6 +523,13 @@ PATCHES: tuple[Patch, ...] = (
           "DistributedDataParallel wraps a CPU module whose SyncBatchNorm layers are all "
           "swapped (stock refuses any SyncBatchNorm on the CPU: its kernels are CUDA-only)",
           "the method exists; tested on torch 2.13 / 2.14"),
+    Patch("checkpoints", None, _patch_checkpoints,
+          "torch.nn.modules.batchnorm._BatchNorm.__getstate__ / __deepcopy__ (added)",
+          "torch.save / pickle of a whole model and copy.copy leave the swap out (nothing of "
+          "bnswap's in a checkpoint: it loads where bnswap is not installed, as stock's "
+          "layers); copy.deepcopy keeps it, bound to the copy",
+          "_BatchNorm defines neither (inherits nn.Module's __getstate__), copy._reconstruct "
+          "exists; tested on torch 2.13 / 2.14"),
     Patch("core_aten", None, patch_core_aten_decompositions,
           "torch._decomp._core_aten_decompositions_post_autograd",
           "ExportedProgram.run_decompositions() (the default, core ATen table) turns the "
@@ -464,7 +539,7 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 #: Environment variable: ``all``, or patch names (``torchscript``, ``onnx``,
-#: ``torchao``, ``ddp``, ``core_aten``), comma-separated, that :func:`install` leaves out.
+#: ``torchao``, ``ddp``, ``checkpoints``, ``core_aten``), comma-separated, that :func:`install` leaves out.
 DISABLE_ENV = "BNSWAP_DISABLE_PATCHES"
 _NAMES = {p.name for p in PATCHES}
 _applied: set[str] = set()
