@@ -446,10 +446,10 @@ def _patch_checkpoints() -> bool:
     out (the layer loads as stock's, where bnswap is not installed too: nothing of
     bnswap's is pickled); ``copy.deepcopy`` keeps it, bound to the copy."""
     cls = _BN_CLASS
-    prev = cls.__getstate__
-    if _patched(prev):
+    prev = getattr(cls, "__getstate__", None)   # nn.Module's (object's on Python 3.11+)
+    if prev is not None and _patched(prev):
         return True
-    if ("__getstate__" in vars(cls) or "__deepcopy__" in vars(cls)
+    if (prev is None or "__getstate__" in vars(cls) or "__deepcopy__" in vars(cls)
             or hasattr(cls, "__deepcopy__") or not hasattr(copy, "_reconstruct")):
         logger.debug("bnswap: torch's BatchNorm defines its own __getstate__ / __deepcopy__; "
                      "whole-model pickles of swapped layers reference bnswap here")

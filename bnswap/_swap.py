@@ -7,8 +7,23 @@ the stock class, and the module, its Parameters, buffers, hooks and state_dict k
 untouched. :func:`unswap` deletes the entry: the exact inverse. Where a consumer records
 the model for another runtime (the TorchScript tracer, ``torch.onnx.export``, fx tracing
 through a non-leaf layer) the layer runs its class's own ``forward``, so that consumer
-gets stock's graph. Why this design and what it costs (shallow copies share the entry):
-``docs/design.md``.
+gets stock's graph. Why this design and what it costs: ``docs/design.md``.
+
+What the entry means where it is carried (issue 32; the rule: state that a copy or a
+checkpoint carries means the same thing there, or is not there at all):
+
+* ``copy.deepcopy``: the copy's entry is bound to the copy.
+* ``torch.save`` / pickle of a whole model and ``copy.copy``: no entry (the
+  ``checkpoints`` patch of :mod:`bnswap._compat`): a checkpoint names nothing of
+  bnswap's and loads as stock's layers, where bnswap is not installed too.
+* A copy of the layer's ``__dict__`` (learn2learn's ``clone_module``, higher's
+  ``monkeypatch``, ``nn.DataParallel``'s replicas) carries the entry bound to the
+  original; when such a copy calls it, :meth:`SwappedForward.__call__` sees (the entry
+  then has another holder, ``sys.getrefcount``; the frame of ``nn.Module.__call__`` says
+  which module called) and runs the copy's own state: the adapter, or the copy's class's
+  forward where that class overrides the layer's (higher's). Not seen while dynamo
+  traces: a ``torch.compile``'d ``__dict__`` copy runs the original layer
+  (``docs/recipes.md``).
 """
 
 from __future__ import annotations
@@ -97,6 +112,11 @@ def _records_stock(args: tuple, kwargs: dict) -> bool:
     calls), is never traced."""
     if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
         return torch.onnx.is_in_onnx_export()
+    return _records_stock_eager(args, kwargs)
+
+
+def _records_stock_eager(args: tuple, kwargs: dict) -> bool:
+    """:func:`_records_stock` outside dynamo."""
     if _is_tracing():
         return not records_consolidated_ops()
     # fx tracing through a layer that is not a leaf: any argument may be the Proxy
@@ -119,8 +139,9 @@ class SwappedForward:
             (:func:`bnswap.layers.batch_norm_forward` for torch's classes).
 
     Calls take and return what ``module``'s own ``forward`` does: input (N, C, *) of a
-    floating dtype, output of the same shape, dtype and memory format. Pickled and
-    deep-copied with the layer (bound to the copy).
+    floating dtype, output of the same shape, dtype and memory format. Deep-copied with
+    the layer (bound to the copy); left out of the layer's pickle and ``copy.copy``
+    (:mod:`bnswap._compat`'s ``checkpoints`` patch; without it, pickled by reference).
     """
 
     __slots__ = ("module", "adapter")
@@ -134,14 +155,17 @@ class SwappedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        # Held by more than its layer's __dict__ (and this call): maybe a __dict__ copy
-        # is calling (see the module docstring). A C call, 0.03 us; never reached while
-        # dynamo traces (it folds is_compiling, and sees the entry's layer only).
-        if _getrefcount(self) > _SOLE_HOLDER and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
+            if torch.onnx.is_in_onnx_export():
+                return type(module).forward(module, *args, **kwargs)
+            return self.adapter(module, *args, **kwargs)
+        # Held by more than its layer's __dict__ (and this call): maybe a copy of that
+        # __dict__ is calling (see the module docstring). A C call, 0.03 us.
+        if _getrefcount(self) > _SOLE_HOLDER:
             caller = _calling_module()
             if caller is not None and caller is not module:
                 return _run_copy(self, caller, args, kwargs)
-        if _records_stock(args, kwargs):
+        if _records_stock_eager(args, kwargs):
             return type(module).forward(module, *args, **kwargs)
         return self.adapter(module, *args, **kwargs)
 
@@ -275,9 +299,10 @@ def undo_of(module: nn.Module) -> Callable[[], None]:
 
 
 def bound_elsewhere(module: object) -> bool:
-    """True if ``module`` holds a swap entry bound to another layer: ``copy.copy`` of a
-    swapped layer shares its ``__dict__`` entries, so the copy would run the original's
-    flags and statistics until :func:`bnswap.convert` binds it to itself."""
+    """True if ``module`` holds a swap entry bound to another layer: a copy of a swapped
+    layer's ``__dict__`` (learn2learn's ``clone_module``, ``nn.DataParallel``'s replicas)
+    shares its entry; called through the copy, the entry runs the copy's own state (see
+    the module docstring), and :func:`bnswap.convert` binds it to the copy."""
     entry = _entry(module)
     return entry is not None and entry.module is not module
 
