@@ -23,13 +23,16 @@ export MPLBACKEND ?= Agg
 
 # After torch, every install runs with a constraints file pinning it, so no package's
 # own torch requirement can make pip fetch another build.
+# transformers + accelerate (the Hugging Face Trainer recipe, tests/test_recipes.py) go
+# into .venv only: its CPU torch makes them cheap; the zoo skips that test.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python $(PIP) --upgrade pip
 	$(VENV)/bin/python $(PIP) $(TORCH) 2>/dev/null || \
 		$(VENV)/bin/python $(PIP) --extra-index-url $(TORCH_INDEX) $(TORCH)
 	echo '$(TORCH)' > $(VENV)/constraints.txt
-	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev]'
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev]' \
+		transformers==5.23.0 accelerate==1.16.0
 	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
 	$(VENV)/bin/python -m bnswap.ort build
 	touch $@

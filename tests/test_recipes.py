@@ -46,3 +46,56 @@ def test_fabric_two_ranks_synchronized_train_like_one_process(when, tmp_path):
             continue
         torch.testing.assert_close(s0[k].double(), want, rtol=1e-6, atol=1e-6,
                                    msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------- Hugging Face Trainer
+class _Images(torch.utils.data.Dataset):
+    """16 random 3x16x16 images with labels of 3 classes, as the Trainer takes them."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(16, 3, 16, 16, generator=g)
+        self.y = torch.randint(0, 3, (16,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"pixel_values": self.x[i], "labels": self.y[i]}
+
+
+def test_hugging_face_trainer_recipe_is_bitwise_stock(tmp_path):
+    """A tiny randomly initialised transformers ResNet (no download: ``ResNetConfig`` +
+    ``save_pretrained``), loaded with ``from_pretrained`` (stock layers: bnswap's swap is
+    never saved, issue 32), ``bnswap.convert`` before its ``Trainer``: three SGD steps end
+    bitwise equal to stock's (every parameter and buffer), every BatchNorm layer swapped."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import bnswap
+
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                       depths=[1, 1], layer_type="basic", num_labels=3)
+    transformers.ResNetForImageClassification(config).save_pretrained(tmp_path / "model")
+    states, models = [], []
+    for convert in (False, True):
+        model = transformers.ResNetForImageClassification.from_pretrained(tmp_path / "model")
+        assert not any(bnswap.is_swapped(m) for m in model.modules())
+        if convert:
+            bnswap.convert(model)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"out{convert}"), max_steps=3,
+            per_device_train_batch_size=4, learning_rate=0.1, report_to=[], use_cpu=True,
+            save_strategy="no", logging_strategy="no", seed=0, dataloader_num_workers=0,
+            disable_tqdm=True)
+        transformers.Trainer(model=model, args=args, train_dataset=_Images()).train()
+        states.append(model.state_dict())
+        models.append(model)
+    bns = [m for m in models[1].modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(bns) == 6 and all(bnswap.is_swapped(m) for m in bns)
+    assert states[0].keys() == states[1].keys()
+    assert [k for k in states[0] if not torch.equal(states[0][k], states[1][k])] == []
+    initial = transformers.ResNetForImageClassification.from_pretrained(
+        tmp_path / "model").state_dict()
+    moved = [k for k in initial if not torch.equal(initial[k], states[1][k])]
+    assert any(k.endswith("running_mean") for k in moved)   # it trained
