@@ -7,6 +7,7 @@ BatchNorm on the global batch (float64).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -99,3 +100,47 @@ def test_hugging_face_trainer_recipe_is_bitwise_stock(tmp_path):
         tmp_path / "model").state_dict()
     moved = [k for k in initial if not torch.equal(initial[k], states[1][k])]
     assert any(k.endswith("running_mean") for k in moved)   # it trained
+
+
+# ------------------------------------------------------------------------- Ultralytics
+def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_path):
+    """YOLOv8n (Ultralytics' bundled yaml, no download) on a tiny data set the script
+    writes, trained with the recipe's trainer (``get_model`` returns
+    ``bnswap.convert(super().get_model(...))``) and with stock's: every step runs 57
+    swapped layers in the model and in its EMA copy, the checkpoint after the first epoch
+    (model and EMA) and the one after a resume are bitwise stock's, and neither names
+    bnswap (it loads where bnswap is not installed, issue 32)."""
+    pytest.importorskip("ultralytics")
+    import zipfile
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        import ultralytics_fit as script
+    finally:
+        sys.path.pop(0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "YOLO_OFFLINE": "1",
+           "YOLO_CONFIG_DIR": str(tmp_path / "config")}
+    ckpts, seen = {}, {}
+    for kind in ("stock", "bnswap"):
+        seen[kind] = []
+        for phase in ("first", "resume"):
+            proc = run_processes([sys.executable, script.__file__, kind, phase, str(tmp_path)],
+                                 timeout=600, env=env)
+            assert proc.returncode == (3 if phase == "first" else 0), proc.stderr[-4000:]
+            seen[kind] += json.loads(proc.stdout.strip().splitlines()[-1])
+            last = tmp_path / kind / "run" / "weights" / "last.pt"
+            with zipfile.ZipFile(last) as z:
+                pickled = b"".join(z.read(n) for n in z.namelist() if n.endswith(".pkl"))
+            assert b"SwappedForward" not in pickled and b"bnswap." not in pickled
+            ckpts[kind, phase] = torch.load(last, weights_only=False)
+    assert seen["stock"] == [[0, 0]] * 4 and seen["bnswap"] == [[57, 57]] * 4
+    # Ultralytics 8.4 saves the EMA copy (its "model" entry is None) during training, and
+    # strips last.pt to the EMA weights as "model" when the run ends
+    for phase, key in (("first", "ema"), ("resume", "model")):
+        a, b = ckpts["stock", phase], ckpts["bnswap", phase]
+        for k in ("model", "ema"):
+            assert (a[k] is None) == (b[k] is None), (phase, k)
+        sa, sb = a[key].state_dict(), b[key].state_dict()
+        assert sa.keys() == sb.keys() and len(sa) > 300
+        assert [k for k in sa if not torch.equal(sa[k], sb[k])] == [], (phase, key)
+        assert not any("forward" in vars(m) for m in b[key].modules())
