@@ -42,7 +42,7 @@ $(ZOO)/.installed: pyproject.toml Makefile
 	$(ZOO)/bin/python $(PIP) --upgrade pip
 	$(ZOO)/bin/python $(PIP) $(ZOO_TORCH)
 	printf '%s\n' $(ZOO_TORCH) > $(ZOO)/constraints.txt
-	$(ZOO)/bin/python $(PIP) -c $(ZOO)/constraints.txt -e '.[lightning,dev]' timm==1.0.31
+	$(ZOO)/bin/python $(PIP) -c $(ZOO)/constraints.txt -e '.[lightning,dev]' timm==1.0.31 ultralytics==8.4.190
 	touch $@
 
 setup: $(VENV)/.installed

@@ -127,6 +127,10 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
             proc = run_processes([sys.executable, script.__file__, kind, phase, str(tmp_path)],
                                  timeout=600, env=env)
             assert proc.returncode == (3 if phase == "first" else 0), proc.stderr[-4000:]
+            # Ultralytics configures its own logger only: bnswap's line shows regardless
+            line = ("bnswap.convert: 57 of 57 BatchNorm layers swapped, 0 skipped (the table: "
+                    "logging.getLogger('bnswap') at INFO)\n")
+            assert (proc.stderr + proc.stdout).count(line) == (kind == "bnswap")
             seen[kind] += json.loads(proc.stdout.strip().splitlines()[-1])
             last = tmp_path / kind / "run" / "weights" / "last.pt"
             with zipfile.ZipFile(last) as z:
@@ -144,3 +148,41 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
         assert sa.keys() == sb.keys() and len(sa) > 300
         assert [k for k in sa if not torch.equal(sa[k], sb[k])] == [], (phase, key)
         assert not any("forward" in vars(m) for m in b[key].modules())
+
+
+# ------------------------------------------------------------------- the swap, visible
+_CONVERT = """
+import logging, os, sys, torch, bnswap
+{setup}
+bnswap.convert(torch.nn.Sequential(torch.nn.BatchNorm1d(2), torch.nn.Linear(2, 2),
+                                   torch.nn.BatchNorm1d(2)))
+"""
+_LINE = ("bnswap.convert: 2 of 2 BatchNorm layers swapped, 0 skipped (the table: "
+         "logging.getLogger('bnswap') at INFO)\n")
+
+
+@pytest.mark.parametrize("setup, env, want", [
+    ("", {}, _LINE),                                             # nothing configured
+    ("logging.getLogger('ultralytics').addHandler(logging.StreamHandler())", {}, _LINE),
+    ("logging.basicConfig(level=logging.WARNING)", {}, ""),      # the user's choice
+    ("logging.getLogger('bnswap').setLevel(logging.WARNING)", {}, ""),
+    ("", {"RANK": "1"}, ""),                                     # rank zero only
+    ("logging.basicConfig(level=logging.INFO, format='%(message)s')", {}, "table"),
+])
+def test_the_swap_is_visible_where_logging_is_not_configured(setup, env, want):
+    """A script or trainer that configures no logging (or only its own logger, as
+    Ultralytics does) sees bnswap.convert's one-line summary on stderr (Python drops INFO
+    there: logging.lastResort shows WARNING and above); a configured process gets what it
+    configured (the whole table at INFO, nothing at WARNING), other ranks nothing."""
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    e["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                       e.get("PYTHONPATH", "")])
+    proc = run_processes([sys.executable, "-c", _CONVERT.format(setup=setup)], timeout=120,
+                         env={**e, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if want == "table":
+        assert proc.stderr.startswith("bnswap plan: 2 of 2 BatchNorm layers swapped")
+        assert _LINE not in proc.stderr
+    else:
+        assert proc.stderr == want
+    assert proc.stdout == ""
