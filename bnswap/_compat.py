@@ -441,10 +441,23 @@ def _stock_state(state: Any) -> Any:
     return state
 
 
+def _forking_codes() -> frozenset:
+    from multiprocessing import reduction
+
+    return frozenset(f.__code__ for f in (reduction.ForkingPickler.dumps.__func__,
+                                          reduction.dump)
+                     if hasattr(f, "__code__"))
+
+
+_FORKING_CODES: frozenset = frozenset()
+
+
 def _patch_checkpoints() -> bool:
     """``torch.save`` / pickle and ``copy.copy`` of a BatchNorm layer leave bnswap's swap
     out (the layer loads as stock's, where bnswap is not installed too: nothing of
-    bnswap's is pickled); ``copy.deepcopy`` keeps it, bound to the copy."""
+    bnswap's is pickled); ``copy.deepcopy`` keeps it, bound to the copy, and so does a
+    pickle for another process of the job (multiprocessing's ``ForkingPickler``:
+    ``torch.multiprocessing.spawn``'s arguments, its queues)."""
     cls = _BN_CLASS
     prev = getattr(cls, "__getstate__", None)   # nn.Module's (object's on Python 3.11+)
     if prev is not None and _patched(prev):
@@ -457,7 +470,13 @@ def _patch_checkpoints() -> bool:
 
     @_mark
     def __getstate__(self: nn.Module) -> Any:
-        return _stock_state(prev(self))
+        state = prev(self)
+        # pickled for another process of this job (mp.spawn, torch.multiprocessing
+        # queues: multiprocessing's ForkingPickler, called from these two functions, the
+        # pickler itself being C) keeps the swap: that process runs this environment
+        if sys._getframe(1).f_code in _FORKING_CODES:
+            return state
+        return _stock_state(state)
 
     @_mark
     def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
@@ -476,6 +495,8 @@ def _patch_checkpoints() -> bool:
             swap(y, entry.adapter)
         return y
 
+    global _FORKING_CODES
+    _FORKING_CODES = _forking_codes()
     cls.__getstate__ = __getstate__
     cls.__deepcopy__ = __deepcopy__
     return True
@@ -527,7 +548,8 @@ PATCHES: tuple[Patch, ...] = (
           "torch.nn.modules.batchnorm._BatchNorm.__getstate__ / __deepcopy__ (added)",
           "torch.save / pickle of a whole model and copy.copy leave the swap out (nothing of "
           "bnswap's in a checkpoint: it loads where bnswap is not installed, as stock's "
-          "layers); copy.deepcopy keeps it, bound to the copy",
+          "layers); copy.deepcopy and multiprocessing's pickles (mp.spawn) keep it, bound "
+          "to the copy",
           "_BatchNorm defines neither (inherits nn.Module's __getstate__), copy._reconstruct "
           "exists; tested on torch 2.13 / 2.14"),
     Patch("core_aten", None, patch_core_aten_decompositions,

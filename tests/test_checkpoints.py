@@ -341,3 +341,22 @@ def test_whole_model_checkpoint_loads_where_bnswap_cannot_be_imported(tmp_path):
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def test_a_pickle_for_another_process_keeps_the_swap():
+    """multiprocessing's ForkingPickler (torch.multiprocessing.spawn's arguments, its
+    queues) pickles for a process of the same job, same environment: the swap goes
+    along, bound to the copy, which runs like stock (issue 32)."""
+    from multiprocessing import reduction
+
+    for how in ("dumps", "dump"):
+        swapped = converted(trained())   # (the copy shares its tensors' memory: torch's
+        buf = io.BytesIO()               # reductions for multiprocessing)
+        if how == "dump":
+            reduction.dump(swapped, buf)
+        clone = pickle.loads(bytes(reduction.ForkingPickler.dumps(swapped))
+                             if how == "dumps" else buf.getvalue())
+        assert isinstance(clone[1], bnswap.BatchNorm2d) and clone[1].forward.module is clone[1]
+        assert state_diff(clone, swapped) == []
+        assert_run_alike(trained(), clone)
+    assert b"bnswap" not in pickle.dumps(swapped)   # a plain pickle still names nothing
