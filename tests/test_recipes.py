@@ -106,8 +106,9 @@ def test_hugging_face_trainer_recipe_is_bitwise_stock(tmp_path):
 def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_path):
     """YOLOv8n (Ultralytics' bundled yaml, no download) on a tiny data set the script
     writes, trained with the recipe's trainer (``get_model`` returns
-    ``bnswap.convert(super().get_model(...))``) and with stock's: every step runs 57
-    swapped layers in the model and in its EMA copy, the checkpoint after the first epoch
+    ``bnswap.convert(super().get_model(...))``), with the recipe's
+    ``on_pretrain_routine_end`` callback (converts the model and ``trainer.ema.ema``) and
+    with stock's: every step runs 57 swapped layers in the model and in its EMA copy, the checkpoint after the first epoch
     (model and EMA) and the one after a resume are bitwise stock's, and neither names
     bnswap (it loads where bnswap is not installed, issue 32)."""
     pytest.importorskip("ultralytics")
@@ -121,7 +122,7 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
     env = {**os.environ, "OMP_NUM_THREADS": "1", "YOLO_OFFLINE": "1",
            "YOLO_CONFIG_DIR": str(tmp_path / "config")}
     ckpts, seen = {}, {}
-    for kind in ("stock", "bnswap"):
+    for kind in ("stock", "bnswap", "callback"):
         seen[kind] = []
         for phase in ("first", "resume"):
             proc = run_processes([sys.executable, script.__file__, kind, phase, str(tmp_path)],
@@ -130,24 +131,27 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
             # Ultralytics configures its own logger only: bnswap's line shows regardless
             line = ("bnswap.convert: 57 of 57 BatchNorm layers swapped, 0 skipped (the table: "
                     "logging.getLogger('bnswap') at INFO)\n")
-            assert (proc.stderr + proc.stdout).count(line) == (kind == "bnswap")
+            assert (proc.stderr + proc.stdout).count(line) == (kind != "stock") * (
+                2 if kind == "callback" else 1)
             seen[kind] += json.loads(proc.stdout.strip().splitlines()[-1])
             last = tmp_path / kind / "run" / "weights" / "last.pt"
             with zipfile.ZipFile(last) as z:
                 pickled = b"".join(z.read(n) for n in z.namelist() if n.endswith(".pkl"))
             assert b"SwappedForward" not in pickled and b"bnswap." not in pickled
             ckpts[kind, phase] = torch.load(last, weights_only=False)
-    assert seen["stock"] == [[0, 0]] * 4 and seen["bnswap"] == [[57, 57]] * 4
+    assert seen["stock"] == [[0, 0]] * 4
+    assert seen["bnswap"] == seen["callback"] == [[57, 57]] * 4
     # Ultralytics 8.4 saves the EMA copy (its "model" entry is None) during training, and
     # strips last.pt to the EMA weights as "model" when the run ends
     for phase, key in (("first", "ema"), ("resume", "model")):
-        a, b = ckpts["stock", phase], ckpts["bnswap", phase]
-        for k in ("model", "ema"):
-            assert (a[k] is None) == (b[k] is None), (phase, k)
-        sa, sb = a[key].state_dict(), b[key].state_dict()
-        assert sa.keys() == sb.keys() and len(sa) > 300
-        assert [k for k in sa if not torch.equal(sa[k], sb[k])] == [], (phase, key)
-        assert not any("forward" in vars(m) for m in b[key].modules())
+        a = ckpts["stock", phase]
+        for b in (ckpts["bnswap", phase], ckpts["callback", phase]):
+            for k in ("model", "ema"):
+                assert (a[k] is None) == (b[k] is None), (phase, k)
+            sa, sb = a[key].state_dict(), b[key].state_dict()
+            assert sa.keys() == sb.keys() and len(sa) > 300
+            assert [k for k in sa if not torch.equal(sa[k], sb[k])] == [], (phase, key)
+            assert not any("forward" in vars(m) for m in b[key].modules())
 
 
 # ------------------------------------------------------------------- the swap, visible

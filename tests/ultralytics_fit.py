@@ -2,12 +2,13 @@
 this script writes, stock or with bnswap's recipe, in two phases: the run stops after its
 first checkpoint, then resumes from ``last.pt``.
 
-    python tests/ultralytics_fit.py {stock|bnswap} {first|resume} ROOT
+    python tests/ultralytics_fit.py {stock|bnswap|callback} {first|resume} ROOT
 
-The recipe of docs/recipes.md: a trainer whose ``get_model`` returns
-``bnswap.convert(super().get_model(...))`` (``YOLO(...).train(trainer=...)``); its EMA
+The recipes of docs/recipes.md: ``bnswap``, a trainer whose ``get_model`` returns
+``bnswap.convert(super().get_model(...))`` (``YOLO(...).train(trainer=...)``): its EMA
 copy (``copy.deepcopy`` of the model) is swapped with it, and a resume builds the model
-through ``get_model`` again. Prints, as its last line, a JSON list with the number of
+through ``get_model`` again; ``callback``, an ``on_pretrain_routine_end`` callback that
+converts ``trainer.model`` and ``trainer.ema.ema``. Prints, as its last line, a JSON list with the number of
 swapped layers in the model and in the EMA copy at every training step. Used by
 tests/test_recipes.py (the zoo environment: Ultralytics needs torchvision).
 """
@@ -70,6 +71,9 @@ def main(kind: str, phase: str, root: str) -> None:
     else:
         yolo = YOLO(last)
     yolo.add_callback("on_train_batch_end", count)
+    if kind == "callback":
+        yolo.add_callback("on_pretrain_routine_end",
+                          lambda tr: (bnswap.convert(tr.model), bnswap.convert(tr.ema.ema)))
     try:
         if phase == "first":
             yolo.train(trainer=trainer, data=dataset(root), epochs=2, imgsz=64, batch=2,
