@@ -77,7 +77,6 @@ from bnswap._swap import (
     internal_buffer_names,
     is_swapped,
     on_first_swap,
-    swap,
     wrapped_model,
 )
 
@@ -452,6 +451,13 @@ def _forking_codes() -> frozenset:
 _FORKING_CODES: frozenset = frozenset()
 
 
+class _Keep(threading.local):
+    active = 0
+
+
+_keep = _Keep()
+
+
 def _patch_checkpoints() -> bool:
     """``torch.save`` / pickle and ``copy.copy`` of a BatchNorm layer leave bnswap's swap
     out (the layer loads as stock's, where bnswap is not installed too: nothing of
@@ -471,18 +477,21 @@ def _patch_checkpoints() -> bool:
     @_mark
     def __getstate__(self: nn.Module) -> Any:
         state = prev(self)
-        # pickled for another process of this job (mp.spawn, torch.multiprocessing
-        # queues: multiprocessing's ForkingPickler, called from these two functions, the
-        # pickler itself being C) keeps the swap: that process runs this environment
-        if sys._getframe(1).f_code in _FORKING_CODES:
+        # deep-copied (__deepcopy__ below), or pickled for another process of this job
+        # (mp.spawn, torch.multiprocessing queues: multiprocessing's ForkingPickler,
+        # called from these two functions, the pickler itself being C): the swap goes
+        # along, that process running this environment
+        if _keep.active or sys._getframe(1).f_code in _FORKING_CODES:
+            entry = state.get("forward") if isinstance(state, dict) else None
+            if type(entry) is SwappedForward and entry.module is not self:
+                state = {k: v for k, v in state.items() if k != "forward"}
             return state
         return _stock_state(state)
 
     @_mark
     def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
         # copy.deepcopy's own procedure for a class without __deepcopy__ (the reduction,
-        # then copy._reconstruct), then the swap, bound to the copy
-        entry = self.__dict__.get("forward")
+        # then copy._reconstruct), with the swap and internal buffers kept
         if parametrize.is_parametrized(self):
             # torch's parametrized classes refuse __getstate__; torch deep-copies their
             # __dict__ (parametrize's default_deepcopy), the entry binding itself
@@ -490,10 +499,15 @@ def _patch_checkpoints() -> bool:
             memo[id(self)] = y
             y.__dict__ = copy.deepcopy(self.__dict__, memo)
             return y
-        y = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
-        if type(entry) is SwappedForward and entry.module is self:
-            swap(y, entry.adapter)
-        return y
+        # the full state (the entry deep-copies bound to the copy, which _reconstruct
+        # has put in memo before it copies the state)
+        depth = _keep.active
+        _keep.active = depth + 1
+        try:
+            rv = self.__reduce_ex__(4)
+        finally:
+            _keep.active = depth
+        return copy._reconstruct(self, memo, *rv)
 
     global _FORKING_CODES
     _FORKING_CODES = _forking_codes()
