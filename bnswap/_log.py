@@ -19,8 +19,8 @@ bnswap never ``print``s and adds no handler (a script shows INFO with
 ``logging.basicConfig(level=logging.INFO)``). Where nothing is configured at all (no
 handler on the ``bnswap`` logger or above it, no level of its own: Python then drops INFO,
 its ``logging.lastResort`` shows WARNING and above), a line that must not go unseen (the
-swap's one-line summary, :func:`bnswap.convert`) goes to ``sys.stderr`` on rank zero, as
-``lastResort`` would write it: a trainer that configures only its own logger
+swap's one-line summary, :func:`bnswap.convert`) goes to ``sys.stderr`` on rank zero, once
+per process, as ``lastResort`` would write it: a trainer that configures only its own logger
 (Ultralytics') shows that bnswap swapped (issue 32).
 """
 
@@ -77,6 +77,7 @@ class _Stderr(logging.StreamHandler):
     def __init__(self) -> None:
         super().__init__()
         self.setFormatter(logging.Formatter("%(message)s"))
+        self.used = False
 
     @property  # type: ignore[override]
     def stream(self):  # noqa: ANN201
@@ -103,7 +104,8 @@ def info(log: logging.Logger, msg: str, *args: object,
     """``log.info(msg, *args)`` on rank zero, ``log.debug(...)`` on the other ranks; the
     message is formatted only when that level is enabled (``%s`` arguments, as
     ``logging`` does). ``unconfigured_line``, if given, goes to ``sys.stderr`` instead on
-    rank zero when logging is not configured at all (:func:`unconfigured`).
+    rank zero when logging is not configured at all (:func:`unconfigured`), once per
+    process.
 
     Examples::
 
@@ -114,5 +116,7 @@ def info(log: logging.Logger, msg: str, *args: object,
     level = info_level()
     if log.isEnabledFor(level):
         log.log(level, msg, *args, stacklevel=2)
-    elif unconfigured_line is not None and level == logging.INFO and unconfigured(log):
+    elif (unconfigured_line is not None and not _STDERR.used and level == logging.INFO
+          and unconfigured(log)):
+        _STDERR.used = True   # once per process (a script converting many models)
         _STDERR.handle(log.makeRecord(log.name, level, "", 0, unconfigured_line, (), None))
