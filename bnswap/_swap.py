@@ -160,7 +160,8 @@ class SwappedForward:
                 return type(module).forward(module, *args, **kwargs)
             return self.adapter(module, *args, **kwargs)
         # Held by more than its layer's __dict__ (and this call): maybe a copy of that
-        # __dict__ is calling (see the module docstring). A C call: +0.02 us per call (docs/design.md).
+        # __dict__ is calling (see the module docstring). A C call: +0.02 us per call
+        # (docs/design.md).
         if _getrefcount(self) > _SOLE_HOLDER:
             caller = _calling_module()
             if caller is not None and caller is not module:
