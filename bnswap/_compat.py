@@ -40,6 +40,12 @@ training").
 * **DDP on the CPU**: ``DistributedDataParallel``'s check that refuses CPU modules
   holding a ``SyncBatchNorm`` lets modules through whose SyncBatchNorm layers are all
   swapped (:func:`_patch_ddp_syncbn_check`).
+* **Whole-model checkpoints** (``checkpoints``): ``_BatchNorm`` gets a ``__getstate__``
+  that leaves the swap entry and internal buffers out of ``torch.save`` / pickle and
+  ``copy.copy`` (a checkpoint names nothing of bnswap's and loads as stock's layers,
+  where bnswap is not installed too; issue 32), and a ``__deepcopy__`` that keeps them
+  (the copy is swapped, bound to itself); a pickle for another process of the job
+  (multiprocessing's ``ForkingPickler``) keeps them too (:func:`_patch_checkpoints`).
 * **core ATen** (``ExportedProgram.run_decompositions()`` with the default table):
   ``torch._decomp._core_aten_decompositions_post_autograd`` (the list the default table
   starts from) also decomposes the consolidated ops into stock's core ATen batch-norm
@@ -575,7 +581,8 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 #: Environment variable: ``all``, or patch names (``torchscript``, ``onnx``,
-#: ``torchao``, ``ddp``, ``checkpoints``, ``core_aten``), comma-separated, that :func:`install` leaves out.
+#: ``torchao``, ``ddp``, ``checkpoints``, ``core_aten``), comma-separated, that
+#: :func:`install` leaves out.
 DISABLE_ENV = "BNSWAP_DISABLE_PATCHES"
 _NAMES = {p.name for p in PATCHES}
 _applied: set[str] = set()
