@@ -2,7 +2,11 @@
 # environment on first use. torch is always installed FIRST and pinned, so pip never
 # resolves a newer (multi-GB CUDA) build.
 #   make demo   - set up .venv and train the MobileNetV2-style net on the digits data
-#   make test   - set up .venv and .venv-zoo and run the whole suite in both
+#   make test   - set up .venv and .venv-zoo and run the whole suite in both (in .venv
+#                 it builds the docs site too: tests/test_site.py)
+#   make docs   - build the docs site into build/docs/html (warnings are errors) and run
+#                 the docstrings' examples (tests/test_docs.py)
+#   make dist   - build the sdist and the wheel into dist/ and check them (twine --strict)
 #   make compat - the core suite on each torch release of COMPAT_TORCH, one venv each
 #                 (.venv-compat-<release>); slow (3-4 GB per release), not part of test
 PYTHON ?= python3
@@ -19,7 +23,7 @@ PIP := -m pip install -q --disable-pip-version-check
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 export MPLBACKEND ?= Agg
 
-.PHONY: setup setup-zoo demo test test-main test-zoo compat bench mutation clean
+.PHONY: setup setup-zoo demo test test-main test-zoo docs docs-html dist compat bench mutation clean
 
 # After torch, every install runs with a constraints file pinning it, so no package's
 # own torch requirement can make pip fetch another build.
@@ -31,7 +35,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(VENV)/bin/python $(PIP) $(TORCH) 2>/dev/null || \
 		$(VENV)/bin/python $(PIP) --extra-index-url $(TORCH_INDEX) $(TORCH)
 	echo '$(TORCH)' > $(VENV)/constraints.txt
-	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev]' \
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev,docs]' \
 		transformers==5.23.0 accelerate==1.16.0
 	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
 	$(VENV)/bin/python -m bnswap.ort build
@@ -51,11 +55,26 @@ setup-zoo: $(ZOO)/.installed
 demo: setup
 	$(VENV)/bin/bnswap train --config configs/digits_mobilenetv2.yaml
 
+# -rs: the closing lines list every skipped test with its reason
 test-main: setup
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests
 
 test-zoo: setup-zoo
-	$(ZOO)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(ZOO)/bin/python -m pytest -q -rs -p no:cacheprovider tests
+
+# The site: Sphinx over docs/ (nitpicky: every reference must resolve), warnings are errors.
+# The docstrings' examples run once, in tests/test_docs.py (make test runs it and, through
+# tests/test_site.py, this build).
+docs-html: setup
+	$(VENV)/bin/python -m sphinx -b html -n -W --keep-going -q docs build/docs/html
+
+docs: docs-html
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_docs.py
+
+dist: setup
+	rm -rf dist
+	$(VENV)/bin/python -m build --no-isolation --outdir dist .
+	$(VENV)/bin/python -m twine check --strict dist/*
 
 test: test-main test-zoo
 

@@ -23,7 +23,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "SUBCOMMANDS", "help_text",
+__all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "OPTIONS", "SUBCOMMANDS", "help_text",
            "import_from_cwd", "main", "unknown_subcommand", "usage_line"]
 
 #: Every subcommand of the console script, with its one-line help.
@@ -39,6 +39,9 @@ SUBCOMMANDS = {
     "convert": "convert a torch.export program file (.pt2) to the consolidated batch-norm "
                "ops: bnswap convert model.pt2 -o model_bnswap.pt2",
 }
+
+#: The options ``bnswap`` takes before a subcommand.
+OPTIONS = ("--help", "--version", "-h", "-V")
 
 #: The subcommands that need the ``lightning`` extra.
 LIGHTNING_SUBCOMMANDS = ("train", "validate", "test", "predict", "compare")
@@ -76,16 +79,25 @@ def usage_line() -> str:
 def unknown_subcommand(name: str) -> str:
     """The error for ``bnswap NAME`` with no such subcommand: the closest one
     (:func:`difflib.get_close_matches`, as argparse does from Python 3.12 and git does),
-    else the choices.
+    else the choices; for an unknown option (``--verison``) the closest of ``--help`` /
+    ``--version``.
 
     Examples::
 
         >>> unknown_subcommand("plann")
         "bnswap: error: unknown subcommand 'plann'; did you mean 'plan'?"
+        >>> unknown_subcommand("--verison")
+        "bnswap: error: unknown option '--verison'; did you mean '--version'?"
         >>> unknown_subcommand("nope")
         "bnswap: error: unknown subcommand 'nope' (choose from train, validate, test, \
 predict, compare, plan, convert)"
     """
+    if name.startswith("-"):  # an option before any subcommand: --help or --version
+        close = difflib.get_close_matches(name.lower(), OPTIONS, n=1)
+        if close:
+            return f"bnswap: error: unknown option {name!r}; did you mean {close[0]!r}?"
+        return (f"bnswap: error: unknown option {name!r} (bnswap takes -h/--help, "
+                f"-V/--version or a subcommand: {', '.join(SUBCOMMANDS)})")
     close = difflib.get_close_matches(name.lower(), SUBCOMMANDS, n=1)
     if close:
         return f"bnswap: error: unknown subcommand {name!r}; did you mean {close[0]!r}?"

@@ -19,7 +19,12 @@ bnswap layers and for stock ``nn.BatchNorm``:
 * ``converted_program``: a *stock* model exported on the CPU, the program given to
   ``bnswap.convert``, both moved to CUDA (``torch.export.passes.move_to_device_pass``):
   the converted program runs cuDNN where the original runs the native kernel (dry mode:
-  the two agree bitwise on the CPU and run on the meta device).
+  the two agree bitwise on the CPU and run on the meta device);
+* ``qat_pt2e`` (issue 31): stock's and bnswap's nets exported on the CPU,
+  ``prepare_qat_pt2e`` (torchao, XNNPACK's quantizer), the prepared graphs trained on
+  CUDA: bnswap's graph runs ``_batch_norm_with_update`` (cuDNN), stock's
+  ``aten.batch_norm(cudnn_enabled=False)`` (native); losses and time per step side by
+  side (dry: a few steps on the CPU, bitwise equal).
 
 * ``sync`` (issues 18, 28): one synchronized layer forward + backward in a one-process
   NCCL group: bnswap's synchronized layer with the device's kernels in its slots
@@ -708,6 +713,59 @@ class Check:
                 "curves_every": every, "curves": {k2: v[::every] for k2, v in curves.items()},
                 "ok": all(s["finite"] for s in summary.values())}
 
+    def qat_pt2e(self) -> dict:
+        """pt2e QAT (torchao, docs/qat.md): stock's and bnswap's nets exported on the CPU,
+        ``prepare_qat_pt2e`` (XNNPACK's quantizer), the prepared graphs trained on the
+        device: their batch-norm ops, the kernel names of one step, a few steps' losses and
+        time per step side by side (the same initial weights and batches). On the CPU
+        (dry) the two runs must agree bitwise; on CUDA bnswap's graph must run cuDNN and
+        stock's the native kernel (pytorch issue 111384)."""
+        try:
+            from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+            from torchao.testing.pt2e._xnnpack_quantizer import (
+                XNNPACKQuantizer,
+                get_symmetric_quantization_config,
+            )
+        except ImportError as e:
+            return {"ok": None, "note": f"torchao is not installed ({e})"}
+        import warnings
+
+        a, b = _pair(self.nets[self.net])
+        n, hw = self.shape
+        x_cpu, y_cpu = _batch(n, hw, "cpu")
+        x, y = x_cpu.to(self.device), y_cpu.to(self.device)
+        steps = 3 if self.dry else (20 if self.quick else 60)
+        res: dict = {"net": self.net, "steps": steps, "graph_ops": {}, "losses": {},
+                     "step_ms": {}}
+        for name, m in (("bnswap", a), ("stock", b)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated!"
+                quantizer = XNNPACKQuantizer().set_global(
+                    get_symmetric_quantization_config(is_qat=True))
+            prepared = prepare_qat_pt2e(torch.export.export(m, (x_cpu,)).module(), quantizer)
+            res["graph_ops"][name] = _bn_ops(prepared.graph)
+            step = _eager_step(prepared.to(self.device), x, y, lr=0.01)
+            losses = [float(step().detach())]  # (the first step builds the observers' state)
+            res[name] = profile_names(step, self.device)
+            _sync(self.device)
+            t0 = time.perf_counter()
+            losses += [float(step().detach()) for _ in range(steps)]
+            _sync(self.device)
+            res["step_ms"][name] = (time.perf_counter() - t0) / steps * 1e3
+            res["losses"][name] = losses
+        res["ops_ok"] = (res["graph_ops"]["bnswap"] == ["aten._batch_norm_with_update.default"]
+                         and res["graph_ops"]["stock"] == ["aten.batch_norm.default"])
+        res["max_abs_loss_diff"] = max(abs(u - v) for u, v in zip(res["losses"]["bnswap"],
+                                                                  res["losses"]["stock"]))
+        if self.device != "cuda":
+            res["ok"] = res["ops_ok"] and res["max_abs_loss_diff"] == 0.0
+            res["note"] = "kernel names need CUDA: graph ops and bitwise losses checked"
+        else:
+            res["expected"] = {"bnswap": "cudnn", "stock": "native"}
+            res["ok"] = (res["ops_ok"] and res["bnswap"]["kinds"] == ["cudnn"]
+                         and res["stock"]["kinds"] == ["native"])
+        return res
+
     def fsdp2_bf16(self) -> dict:
         """FSDP2 mixed precision (``fully_shard(..., mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16))``) on a one-rank process group (nccl on CUDA, gloo on
@@ -781,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
                          "compile_inductor,exported,converted_program,moved_programs,training,"
-                         "sync,fsdp2_bf16")
+                         "sync,qat_pt2e,fsdp2_bf16")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dry = args.dry or args.rehearse or not cuda
@@ -808,6 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         ("moved_programs", chk.moved_programs, True),
         ("training", chk.training, True),
         ("sync", chk.sync, True),
+        ("qat_pt2e", chk.qat_pt2e, True),
         ("fsdp2_bf16", chk.fsdp2_bf16, True),
         ("compile_inductor", chk.compile_inductor, not dry or args.rehearse),
     ]
@@ -921,6 +980,14 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
         detail = f"{s['steps']} steps: " + "; ".join(
             f"{k} final {v['final_loss_mean_last']:.4f} (max |d| vs eager {v['max_abs_diff_vs_eager']:.2e})"
             for k, v in sm.items())
+    elif name == "qat_pt2e":
+        ops = {k: ",".join(o.removeprefix("aten.").removesuffix(".default") for o in v)
+               for k, v in s["graph_ops"].items()}
+        detail = (f"prepared graphs: bnswap {ops['bnswap']} ({_kinds(s['bnswap'])}), stock "
+                  f"{ops['stock']} ({_kinds(s['stock'])}); {s['steps']} steps: loss "
+                  f"{s['losses']['bnswap'][-1]:.4f} / {s['losses']['stock'][-1]:.4f}, "
+                  f"{s['step_ms']['bnswap']:.2f} / {s['step_ms']['stock']:.2f} ms per step, "
+                  f"max |d loss| {s['max_abs_loss_diff']:.1e}")
     elif name == "fsdp2_bf16":
         r = s["reference"]
         detail = (f"{s['process_group']}: bnswap {_kinds(s['bnswap']) if 'error' not in s['bnswap'] else s['bnswap']['error']}; "

@@ -10,6 +10,7 @@ Lightning callback) and ``bnswap.ort`` load on first use.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata as _metadata
 import types
 from typing import Any
 
@@ -22,7 +23,15 @@ from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from bnswap.plan import Plan, PlanRow, check_patterns, plan
 from bnswap.registry import register, safe_globals, unregister
 
-__version__ = "0.1.0"
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml's, the one version source."""
+    try:
+        return _metadata.version("bnswap")
+    except _metadata.PackageNotFoundError:  # a checkout on sys.path, never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "BNSwap",

@@ -6,8 +6,8 @@ not imported by then is patched when it is, by an import hook, so bnswap imports
 them. Each is version-gated, listed in :data:`PATCHES` (and ``docs/patches.md``), can be
 turned off with ``BNSWAP_DISABLE_PATCHES`` (``all`` or names, comma-separated), and
 changes nothing for a model that holds no swapped layer. Each is what a consumer that
-hands the model to a runtime of its own needs to see stock's BatchNorm (README, "After
-training").
+hands the model to a runtime of its own needs to see stock's BatchNorm (the guide "After
+training", docs/after-training.md).
 
 * **TorchScript** (``torch.jit.script``, ``torch.jit.trace``):
   ``torch.jit._recursive.create_script_module`` builds its module from a *stock view* of
@@ -26,17 +26,24 @@ training").
   decomposed into Sub / Mul / Add, and track_running_stats=False layers lost their batch
   statistics. Gate: that function and its ``_decomp`` helpers exist (tested on torch
   2.9.1, 2.13, 2.14, 2.15.0; torch 2.4 has no such module: nothing is patched there).
-* **torchao pt2e** (``prepare_pt2e`` / ``prepare_qat_pt2e``, and
+* **torchao pt2e** (``prepare_pt2e`` / ``prepare_qat_pt2e``, ``convert_pt2e``, and
   ``move_exported_model_to_eval`` / ``_train``): their conv-BN fold, the quantizers'
   conv-BN patterns and the train / eval switch look for stock's ``aten.batch_norm``; the
   graph of a swapped model carries the consolidated ops, so they silently matched
   nothing. The first helper each calls by its module-global name
-  (``quantize_pt2e._get_node_name_to_scope``, ``export_utils._replace_batchnorm``) now
-  runs :func:`bnswap.to_stock_ops` on the graph first, so every later step sees stock's
-  graph, however the user imported the public function. A ``momentum=None`` layer is
+  (``quantize_pt2e._get_node_name_to_scope`` and ``_convert_to_reference_decomposed_fx``,
+  ``export_utils._replace_batchnorm``) now runs :func:`bnswap.to_stock_ops` on the graph
+  first, so every later step sees stock's graph, however the user imported the public
+  function. Then the graph the user trains gets the consolidated ops back: the prepared
+  graph (``quantize_pt2e.prepare``, the last step of both prepares) and the switched one
+  run ``_batch_norm_with_update`` / ``_batch_norm_no_update`` again in the nodes that ran
+  them before (told apart by a ``node.meta`` mark torchao's fuse copies, else by graph
+  order: :func:`_consolidated_again`), so a QAT graph picks cuDNN on CUDA (pytorch issue
+  111384); ``convert_pt2e``'s quantized graph is stock's. A ``momentum=None`` layer is
   refused there with a clear error (stock's graph cannot hold it: ``torch.export`` of a
   stock one raises; torchao would drop bnswap's cumulative update). Gate: torchao >= 0.18
-  (tested 0.18.0) and the helpers called by name.
+  (tested 0.18.0) and the helpers called by name; otherwise nothing is patched and one
+  warning names what stays on stock's op and the calls that do it by hand.
 * **DDP on the CPU**: ``DistributedDataParallel``'s check that refuses CPU modules
   holding a ``SyncBatchNorm`` lets modules through whose SyncBatchNorm layers are all
   swapped (:func:`_patch_ddp_syncbn_check`).
@@ -75,7 +82,13 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from bnswap._graph import to_stock_ops
+from bnswap._graph import (
+    CONSOLIDATED_TARGETS,
+    batch_norm_nodes,
+    consolidated_target,
+    to_consolidated_ops,
+    to_stock_ops,
+)
 from bnswap._swap import (
     INTERNAL_BUFFER_PREFIX,
     INTERNAL_HOOK,
@@ -85,6 +98,7 @@ from bnswap._swap import (
     on_first_swap,
     wrapped_model,
 )
+from bnswap._warn import warn
 
 __all__ = ["CORE_ATEN_DECOMPOSITIONS", "DISABLE_ENV", "MIN_TORCHAO", "PATCHES", "Patch",
            "applied", "install", "patch_core_aten_decompositions", "stock_view"]
@@ -232,46 +246,220 @@ def _refuse_cumulative(gm: torch.fx.GraphModule) -> None:
                 "bnswap.revert(model).")
 
 
-def _rewrite_first(helper: Callable) -> Callable:
+#: ``node.meta`` key: whether a batch-norm node of a graph handed to torchao's prepare ran
+#: a consolidated op before (a swapped layer's) or stock's; removed when prepare returns
+_ORIGIN = "_bnswap_consolidated"
+#: what prepare_pt2e / prepare_qat_pt2e's first helper saw, for their ``prepare`` call
+_pending = threading.local()
+_TORCHAO_OPS = ("prepare_pt2e / prepare_qat_pt2e, move_exported_model_to_eval / _train, "
+                "convert_pt2e")
+
+
+def _stock_for_torchao(gm: torch.fx.GraphModule, mark: bool) -> list[bool] | None:
+    """Rewrite ``gm``'s consolidated batch-norm nodes into stock's ``aten.batch_norm``, in
+    place, for torchao's patterns; whether each forward batch-norm node was consolidated,
+    in graph order (None: none was, nothing changed). With ``mark`` each node's
+    ``meta`` records it too (:data:`_ORIGIN`; torchao's QAT fuse copies it over)."""
+    _refuse_cumulative(gm)
+    nodes = batch_norm_nodes(gm)
+    flags = [n.target in CONSOLIDATED_TARGETS for n in nodes]
+    if not any(flags):
+        return None
+    if mark:
+        for n, f in zip(nodes, flags):
+            n.meta[_ORIGIN] = f  # (to_stock_ops copies the meta to the new node)
+    to_stock_ops(gm)
+    return flags
+
+
+def _names(nodes: list) -> str:
+    shown = ", ".join(repr(n.name) for n in nodes[:_NAMED])
+    return shown + (f" and {len(nodes) - _NAMED} more" if len(nodes) > _NAMED else "")
+
+
+def _stays(where: str, nodes: list, why: str) -> None:
+    warn(f"bnswap: {where}: {len(nodes)} batch-norm node{'s' if len(nodes) != 1 else ''} of "
+         f"swapped layers ({_names(nodes)}) stay{'s' if len(nodes) == 1 else ''} on stock's "
+         "aten.batch_norm (cudnn_enabled=False: the native kernel on CUDA, pytorch issue "
+         f"111384): {why}. The graph is as torchao made it for stock (bnswap.plan(graph) "
+         "lists its batch-norm nodes and what bnswap.convert(graph) would do)", UserWarning)
+
+
+def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str) -> int:
+    """The other half of :func:`_stock_for_torchao`, once torchao is done: the stock
+    batch-norm nodes that ran a consolidated op before run it again
+    (:func:`bnswap._graph.to_consolidated_ops`), told by their ``meta`` mark when every
+    node kept it, else by graph order (torchao replaces each node by one), else all
+    when all were consolidated. All or none: a node that cannot be rewritten, or a graph
+    whose nodes cannot be told apart, stays as torchao made it, with one warning.
+    Returns the number of nodes rewritten."""
+    nodes = [n for n in batch_norm_nodes(gm) if n.target not in CONSOLIDATED_TARGETS]
+    marks = [n.meta.pop(_ORIGIN, None) for n in nodes]
+    if all(m is not None for m in marks):
+        chosen = [n for n, m in zip(nodes, marks) if m]
+    elif len(nodes) == len(flags):
+        chosen = [n for n, f in zip(nodes, flags) if f]
+    elif all(flags):
+        chosen = nodes
+    else:
+        _stays(where, nodes, f"torchao turned the graph's {len(flags)} batch-norm nodes "
+               f"into {len(nodes)}, some stock's, and bnswap cannot tell which is which")
+        return 0
+    cannot = [(n, consolidated_target(n)[1]) for n in chosen]
+    cannot = [(n, why) for n, why in cannot if why != "-"]
+    if cannot:
+        _stays(where, chosen, f"bnswap cannot rewrite {cannot[0][0].name!r} ({cannot[0][1]})")
+        return 0
+    names = {n.name for n in chosen}
+    return len(to_consolidated_ops(gm, names=names.__contains__)) if names else 0
+
+
+def _before_prepare(helper: Callable, mark: bool) -> Callable:
+    """prepare_pt2e / prepare_qat_pt2e's first helper: the graph as stock's for torchao
+    (and the nodes' origin for :func:`_after_prepare`, when ``mark``)."""
     @functools.wraps(helper)
     def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
+        _pending.flags = None
         if isinstance(model, torch.fx.GraphModule):
-            _refuse_cumulative(model)
-            to_stock_ops(model)
+            flags = _stock_for_torchao(model, mark)
+            _pending.flags = flags if mark else None
         return helper(model, *args, **kwargs)
 
     return _mark(patched)
 
 
-def _patch_torchao(mod: Any, helper_name: str, callers: tuple[str, ...]) -> bool:
-    """Make ``mod``'s ``helper_name`` (which each of ``callers`` calls by its module-global
-    name, first) rewrite swapped layers' nodes to stock's; False if not applicable."""
-    helper = getattr(mod, helper_name, None)
-    if helper is None or _patched(helper):
-        return helper is not None
-    if _version("torchao") < MIN_TORCHAO:
-        logger.debug("bnswap: torchao %s is older than tested; %s not patched",
-                     _version("torchao"), mod.__name__)
+def _after_prepare(prepare: Callable) -> Callable:
+    """torchao's ``prepare`` (the last step of prepare_pt2e / prepare_qat_pt2e): the
+    prepared graph's nodes of swapped layers on the consolidated ops again."""
+    @functools.wraps(prepare)
+    def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
+        flags, _pending.flags = getattr(_pending, "flags", None), None
+        out = prepare(model, *args, **kwargs)
+        if flags is not None and isinstance(out, torch.fx.GraphModule):
+            qat = kwargs.get("is_qat", args[1] if len(args) > 1 else False)
+            _consolidated_again(out, flags, "prepare_qat_pt2e" if qat else "prepare_pt2e")
+        return out
+
+    return _mark(patched)
+
+
+def _stock_first(helper: Callable) -> Callable:
+    """convert_pt2e's first helper: the graph as stock's (the quantized graph is stock's)."""
+    @functools.wraps(helper)
+    def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(model, torch.fx.GraphModule):
+            _stock_for_torchao(model, mark=False)
+        return helper(model, *args, **kwargs)
+
+    return _mark(patched)
+
+
+def _switch_keeping(helper: Callable) -> Callable:
+    """``_replace_batchnorm(m, train_to_eval)`` (move_exported_model_to_eval / _train):
+    switches stock's nodes, then the swapped layers' run the consolidated ops again."""
+    @functools.wraps(helper)
+    def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
+        flags = (_stock_for_torchao(model, mark=False)
+                 if isinstance(model, torch.fx.GraphModule) else None)
+        out = helper(model, *args, **kwargs)
+        if flags is not None:
+            to_eval = kwargs.get("train_to_eval", args[0] if args else True)
+            _consolidated_again(model, flags, "move_exported_model_to_"
+                                + ("eval" if to_eval else "train"))
+        return out
+
+    return _mark(patched)
+
+
+_unpatched_warned: set[str] = set()
+
+
+def _unpatched(why: str) -> None:
+    """The one warning of a process whose torchao bnswap does not patch (older than
+    :data:`MIN_TORCHAO`, or its helpers moved)."""
+    if why in _unpatched_warned:
+        return
+    _unpatched_warned.add(why)
+    warn(f"bnswap: {why}; torchao's {_TORCHAO_OPS} are not patched: a swapped model's "
+         "exported graph keeps the consolidated batch-norm ops, which torchao's conv-BN "
+         "fold and quantizer patterns do not match (silently), and a prepared graph stays "
+         "on stock's aten.batch_norm. By hand: bnswap.to_stock_ops(graph) before each of "
+         "those calls, bnswap.convert(prepared) after prepare for the consolidated ops; "
+         "or use torchao " + ".".join(map(str, MIN_TORCHAO)) + " (tested)", UserWarning)
+
+
+def _calls(mod: Any, helper_name: str, callers: tuple[str, ...]) -> bool:
+    """Each of ``callers`` (functions of ``mod``) calls ``mod``'s ``helper_name`` by its
+    module-global name."""
+    if getattr(mod, helper_name, None) is None:
         return False
     for name in callers:
         fn = getattr(mod, name, None)
-        if fn is None or helper_name not in fn.__code__.co_names:
-            logger.debug("bnswap: torchao's %s does not call %s; not patched", name,
-                         helper_name)
+        code = getattr(fn, "__code__", None)
+        if code is None or helper_name not in code.co_names:
+            logger.debug("bnswap: torchao's %s does not call %s", name, helper_name)
             return False
-    setattr(mod, helper_name, _rewrite_first(helper))
     return True
 
 
+def _torchao_too_old() -> bool:
+    if _version("torchao") < MIN_TORCHAO:
+        _unpatched("torchao " + ".".join(map(str, _version("torchao"))) + " is older than "
+                   + ".".join(map(str, MIN_TORCHAO)))
+        return True
+    return False
+
+
 def patch_torchao_pt2e(mod: Any) -> bool:
-    """torchao's ``quantize_pt2e``: ``prepare_pt2e`` / ``prepare_qat_pt2e``."""
-    return _patch_torchao(mod, "_get_node_name_to_scope", ("prepare_pt2e", "prepare_qat_pt2e"))
+    """torchao's ``quantize_pt2e``: ``prepare_pt2e`` / ``prepare_qat_pt2e`` see stock's
+    graph (their first helper, ``_get_node_name_to_scope``, rewrites it) and return the
+    swapped layers' nodes on the consolidated ops (their last, ``prepare``);
+    ``convert_pt2e`` sees stock's graph (``_convert_to_reference_decomposed_fx``). Without
+    the last two, prepared graphs stay on stock's op (a warning says so). False: nothing
+    patched (torchao too old, or the first helper moved: a warning says so)."""
+    scope = "_get_node_name_to_scope"
+    helper = getattr(mod, scope, None)
+    if helper is not None and _patched(helper):
+        return True
+    if _torchao_too_old():
+        return False
+    if not _calls(mod, scope, ("prepare_pt2e", "prepare_qat_pt2e")):
+        _unpatched(f"torchao's {mod.__name__}.prepare_pt2e / prepare_qat_pt2e no longer "
+                   f"call {scope}")
+        return False
+    post = (_calls(mod, "prepare", ("prepare_pt2e", "prepare_qat_pt2e"))
+            and _calls(mod, "_convert_to_reference_decomposed_fx", ("convert_pt2e",)))
+    setattr(mod, scope, _before_prepare(helper, mark=post))
+    if post:
+        mod.prepare = _after_prepare(mod.prepare)
+        mod._convert_to_reference_decomposed_fx = _stock_first(
+            mod._convert_to_reference_decomposed_fx)
+    else:
+        warn(f"bnswap: torchao's {mod.__name__}.prepare_pt2e / prepare_qat_pt2e no longer call "
+             "prepare, or convert_pt2e _convert_to_reference_decomposed_fx, by name: "
+             "prepared graphs stay on stock's aten.batch_norm (cudnn_enabled=False: the "
+             "native kernel on CUDA, pytorch issue 111384). By hand: "
+             "bnswap.convert(prepared), and bnswap.to_stock_ops(prepared) before "
+             "move_exported_model_to_eval / _train and convert_pt2e", UserWarning)
+    return True
 
 
 def patch_torchao_export_utils(mod: Any) -> bool:
-    """torchao's ``export_utils``: ``move_exported_model_to_eval`` / ``_train``."""
-    return _patch_torchao(mod, "_replace_batchnorm", ("_move_exported_model_to_eval",
-                                                      "_move_exported_model_to_train"))
+    """torchao's ``export_utils``: ``move_exported_model_to_eval`` / ``_train`` switch the
+    swapped layers' nodes (their ``_replace_batchnorm`` runs on stock's nodes, which then
+    run the consolidated ops again)."""
+    name = "_replace_batchnorm"
+    helper = getattr(mod, name, None)
+    if helper is not None and _patched(helper):
+        return True
+    if _torchao_too_old():
+        return False
+    if not _calls(mod, name, ("_move_exported_model_to_eval", "_move_exported_model_to_train")):
+        _unpatched(f"torchao's {mod.__name__}._move_exported_model_to_eval / _train no "
+                   f"longer call {name}")
+        return False
+    setattr(mod, name, _switch_keeping(helper))
+    return True
 
 
 # ---------------------------------------------------------------------- core ATen
@@ -553,11 +741,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch("torchao", "torchao.quantization.pt2e.quantize_pt2e", patch_torchao_pt2e,
           "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope",
           "prepare_pt2e / prepare_qat_pt2e see stock's aten.batch_norm (conv-BN fold, "
-          "quantizer patterns)",
+          "quantizer patterns) and return the swapped layers' nodes on the consolidated "
+          "ops (also patched: prepare); convert_pt2e sees stock's graph (also patched: "
+          "_convert_to_reference_decomposed_fx)",
           f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name"),
     Patch("torchao", "torchao.quantization.pt2e.export_utils", patch_torchao_export_utils,
           "torchao.quantization.pt2e.export_utils._replace_batchnorm",
-          "move_exported_model_to_eval / _train switch the swapped layers' nodes",
+          "move_exported_model_to_eval / _train switch the swapped layers' nodes, which "
+          "stay on the consolidated ops",
           f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name"),
     Patch("ddp", None, _patch_ddp_syncbn_check,
           "torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle",

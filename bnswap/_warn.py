@@ -25,9 +25,10 @@ class UnmatchedPatternWarning(UserWarning):
     batch-norm node of a program)."""
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-#: Packages whose frames stand between the user's line and bnswap's callback
-#: (``trainer.fit(...)`` -> Lightning's hooks -> BNSwap): skipped when they are loaded.
-_CALLERS = ("lightning", "pytorch_lightning", "lightning_fabric")
+#: Packages whose frames stand between the user's line and bnswap's code
+#: (``trainer.fit(...)`` -> Lightning's hooks -> BNSwap; ``prepare_qat_pt2e(...)`` ->
+#: torchao -> bnswap's torchao patch): skipped when they are loaded.
+_CALLERS = ("lightning", "pytorch_lightning", "lightning_fabric", "torchao")
 
 
 def _skipped() -> tuple[str, ...]:

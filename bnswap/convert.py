@@ -51,7 +51,7 @@ def convert(
     ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` (pytorch PR 116092) in
     eager, ``torch.compile`` and ``torch.export``; what hands the model to another runtime
     records stock's ops (``torch.jit.script`` / ``trace``, ``torch.onnx.export``; see the
-    README, "What convert does").
+    guide "After training", ``docs/after-training.md``).
 
     Given a ``torch.export.ExportedProgram``, returns a new program whose batch-norm
     nodes run the consolidated ops (:func:`bnswap.programs.convert`); given a

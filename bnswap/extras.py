@@ -33,7 +33,9 @@ EXTRAS = {
     "ort-cpu": "onnxruntime-training-cpu 1.19.2: backend='ort' (then pip install --no-deps "
                "torch-ort==1.19.2)",
     "ort": "onnxruntime-training 1.19.2 (CUDA), torch-ort 1.19.2: backend='ort' on GPUs",
-    "dev": "pytest, hypothesis, torchao, ptflops: bnswap's own test suite",
+    "dev": "pytest, hypothesis, torchao, ptflops, build, twine: bnswap's own test suite",
+    "docs": "Sphinx, furo, myst-parser, playwright: the documentation site (make docs) "
+            "and its browser check",
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))

@@ -170,7 +170,7 @@ def check_batch_norm_input(
     """Raise what stock ``F.batch_norm`` raises for ``input``, before any kernel runs.
 
     Args:
-        input: (N, C, *) floating-point tensor.
+        input: ``(N, C, *)`` floating-point tensor.
         weight, bias, running_mean, running_var: (C,) tensors or None, as they will be
             passed to the kernel (running stats are None when not used).
         use_batch_stats: True when the batch statistics are used (``F.batch_norm``'s
@@ -268,7 +268,7 @@ def mixed_precision_params(input: Tensor, weight: Tensor | None, bias: Tensor | 
     are that run's, cast back to the parameters' dtype by autograd.
 
     Args:
-        input: (N, C, *) tensor.
+        input: ``(N, C, *)`` tensor.
         weight, bias: (C,) tensors or None, as the layer holds them.
         running_mean, running_var: (C,) tensors, or None when not used.
 
@@ -385,7 +385,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         bn: the layer (its ``training``, ``track_running_stats``, ``momentum``, ``eps``,
             ``weight``, ``bias``, ``running_mean``, ``running_var``,
             ``num_batches_tracked`` are read; the buffers are updated in place).
-        input: (N, C, *) tensor, float16 / bfloat16 / float32 / float64, any memory
+        input: ``(N, C, *)`` tensor, float16 / bfloat16 / float32 / float64, any memory
             format (channels_last is preserved). Rank checks are the caller's
             (``bn._check_input_dim``).
 
@@ -495,7 +495,7 @@ _CHANNEL_INDEX = {rank: (0, slice(None)) + (0,) * (rank - 2) for rank in range(2
 
 
 def _channel_view(input: Tensor) -> Tensor:
-    """A (C,) view of ``input`` (N, C, *): the first element of each channel. No kernel
+    """A (C,) view of ``input`` ``(N, C, *)``: the first element of each channel. No kernel
     runs and nothing is copied; it is what a layer without any (C,) tensor of its own
     makes its stand-ins like (:func:`_stand_ins`). One indexing call (a graph records
     ``aten.select`` nodes): a loop of ``select`` calls cost several times as much on

@@ -33,17 +33,18 @@ def batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
 
     Args:
         layer: a ``_BatchNorm`` (its ``_check_input_dim`` checks the rank).
-        input: (N, C, *) tensor, float16 / bfloat16 / float32 / float64, any memory format.
+        input: ``(N, C, *)`` tensor, float16 / bfloat16 / float32 / float64, any memory format.
 
     Returns:
         Tensor of the same shape, dtype and memory format.
 
     Raises:
-        What stock raises: ValueError for the wrong rank (``"expected 4D input (got 3D
-        input)"``) or one value per channel in training, RuntimeError for the wrong
-        channel count, NotImplementedError for integer input, all before any state
-        changes (:func:`bnswap.functional.check_batch_norm_input`); RuntimeError
-        ``"mixed dtype (CPU): ..."`` from the kernel, after counting the batch, as stock.
+        ValueError: as stock, for the wrong rank (``"expected 4D input (got 3D
+            input)"``) or one value per channel in training, before any state changes
+            (:func:`bnswap.functional.check_batch_norm_input`).
+        RuntimeError: as stock, for the wrong channel count, before any state changes;
+            ``"mixed dtype (CPU): ..."`` from the kernel, after counting the batch.
+        NotImplementedError: as stock, for integer input, before any state changes.
 
     Examples::
 

@@ -443,7 +443,7 @@ class BNSwap(_BNSwapBase, pl.Callback):
     kernel, from before checkpoint restore, the optimizers and the DDP wrapper exist.
 
     Shapes, dtypes and numerics are those of stock ``nn.BatchNorm1d/2d/3d``: input
-    (N, C, *) float16 / bfloat16 / float32 / float64, output the same. Layers built
+    ``(N, C, *)`` float16 / bfloat16 / float32 / float64, output the same. Layers built
     during fit (a finetuning step that rebuilds them, a new head) are swapped before
     their first training step. With ``Trainer(sync_batchnorm=True)`` every BatchNorm
     becomes a swapped, synchronized ``nn.SyncBatchNorm`` (global batch statistics, any

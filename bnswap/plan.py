@@ -261,7 +261,7 @@ class PlanRow:
 
     @property
     def sync(self) -> str:
-        """Over what the layer synchronizes in training: ``"WORLD, 2 ranks"``, ``"group
+        """Over what the layer synchronizes in training, for example ``"WORLD, 2 ranks"``, ``"group
         of 4 ranks"``, ``"WORLD after init_process_group; unsynchronized before"`` (before
         ``torch.distributed.init_process_group`` training normalizes with this process's
         batch alone, as stock ``SyncBatchNorm`` does); ``"-"`` for a layer that does not
@@ -282,7 +282,7 @@ class PlanRow:
 
     @property
     def kernel(self) -> str:
-        """The kernel this layer runs with: ``torch._C._select_batch_norm_backend``'s
+        """The kernel this layer runs with, ``torch._C._select_batch_norm_backend``'s
         choice (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs) for ``aten``;
         ``"Sync (Native); eval Native"`` for a layer that synchronizes over more than
         one rank (:func:`bnswap.sync.sync_kernel`: the device's kernels in the slots of
@@ -366,8 +366,9 @@ class Plan(Rows[PlanRow]):
 
         Raises:
             ValueError: the plan has no model.
-            What :func:`bnswap.ort.wrap` raises, for ``backend="ort"``;
-            ``bnswap.ort.errors.UnsupportedLayerError`` for a ``SyncBatchNorm`` there.
+            bnswap.ort.ORTBackendError: what :func:`bnswap.ort.wrap` raises, for
+                ``backend="ort"``; its ``UnsupportedLayerError`` for a ``SyncBatchNorm``
+                there.
 
         Examples::
 
@@ -490,11 +491,12 @@ _NONE: tuple = ()
 
 
 def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:
-    """A graph module with batch-norm nodes and no BatchNorm submodule
-    (``exported_program.module()``): planned node by node."""
+    """A graph module with batch-norm nodes (stock's or consolidated ones) and no
+    BatchNorm submodule (``exported_program.module()``, a pt2e prepared graph): planned
+    node by node."""
     from bnswap import programs
 
-    return programs.stock_nodes(gm) > 0 and not any(
+    return programs.stock_nodes(gm, consolidated=True) > 0 and not any(
         isinstance(m, _BatchNorm) for m in gm.modules())
 
 
@@ -621,7 +623,7 @@ def plan(
         process_group: the converted layers' ``process_group`` (None: WORLD).
         wrap: for a backend that wraps (``"ort"``): ``"model"`` wraps the whole model;
             ``"children"`` wraps each direct child whose BatchNorm layers are all swapped
-            and initialized (what :class:`bnswap.BNSwap` does: a LightningModule cannot be
+            and initialized (what :class:`bnswap.lightning.BNSwap` does: a LightningModule cannot be
             wrapped), and the swapped layers of the other children run eager on aten
             (their rows say so). Ignored for ``"aten"``.
 

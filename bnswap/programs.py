@@ -10,7 +10,7 @@ directions of one rewrite:
 
 * :func:`convert` (``bnswap.convert(program)``): stock's batch-norm nodes become the
   consolidated ops, which pick cuDNN / MIOpen / native at run time;
-* :func:`to_stock_ops`: bnswap's nodes become stock's, for graph tools written against
+* :func:`bnswap.to_stock_ops`: bnswap's nodes become stock's, for graph tools written against
   stock's graph (torchao's pt2e, ONNX; bnswap applies it for them).
 
 :func:`plan` says what :func:`convert` would do to each node. And a bnswap program reaches
@@ -388,14 +388,14 @@ def convert(program: Program, backend: str = "aten", *,
       weight): ``aten.full_like`` of the node's first (C,) tensor or of a (C,) view of its
       input (``aten.select``), exactly what bnswap's own layers record, so the program
       carries no device or dtype of its own and moves as the original does, and
-      :func:`to_stock_ops` turns them back;
+      :func:`bnswap.to_stock_ops` turns them back;
     * ``native_batch_norm_backward`` (joint / backward graphs) -> ``batch_norm_backward``
       with its forward's reserve (output 3);
     * an input whose size is dynamic (``Dim("batch")`` admits 0) gets bnswap's empty-batch
       assertion (:data:`bnswap.functional.EMPTY_BATCH_MESSAGE`, a RuntimeError), right
       after the input is computed, so before the node's ``num_batches_tracked`` /
       statistics updates: the consolidated ops reject an empty batch, where stock's
-      ``aten.batch_norm`` returns early. :func:`to_stock_ops` removes it again.
+      ``aten.batch_norm`` returns early. :func:`bnswap.to_stock_ops` removes it again.
 
     A node is left as it is (:func:`plan` says why) when its training flag or momentum is
     not a constant, or it has neither a weight, a bias nor statistics and its input no
@@ -511,7 +511,9 @@ def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     return new
 
 
-def stock_nodes(gm: GraphModule) -> int:
-    """How many stock batch-norm nodes ``gm`` holds (its own graph and nested ones)."""
+def stock_nodes(gm: GraphModule, consolidated: bool = False) -> int:
+    """How many stock batch-norm nodes ``gm`` holds (its own graph and nested ones);
+    with ``consolidated``, the consolidated ones too (every node :func:`plan` lists)."""
+    targets = (*STOCK_TARGETS, *CONSOLIDATED_TARGETS) if consolidated else STOCK_TARGETS
     return sum(1 for sub in gm.modules() for n in getattr(sub, "graph", torch.fx.Graph()).nodes
-               if n.op == "call_function" and n.target in STOCK_TARGETS)
+               if n.op == "call_function" and n.target in targets)

@@ -196,12 +196,12 @@ class Slots(NamedTuple):
     tensors, and the portable torch ops run instead.
 
     * ``stats(x)``: this rank's per-channel (mean, biased variance), two (C,) tensors
-      in ``x``'s dtype, of non-empty float32 / float64 ``x`` (N, C, *);
+      in ``x``'s dtype, of non-empty float32 / float64 ``x`` ``(N, C, *)``;
     * ``sums(dy, x, mean, invstd, weight)``: this rank's per-channel ``(sum(dy),
-      sum(dy * (x - mean)))``, two (C,) tensors, for ``dy`` and ``x`` (N, C, *), the
+      sum(dy * (x - mean)))``, two (C,) tensors, for ``dy`` and ``x`` ``(N, C, *)``, the
       global ``mean`` and ``invstd`` (C,) and ``weight`` (C,) or None;
     * ``input_grad(dy, x, mean, invstd, weight, sums, counts, n)``: the input gradient
-      (N, C, *) from ``sums``, the (2C,) ``sums`` added over every rank, ``counts``, the
+      ``(N, C, *)`` from ``sums``, the (2C,) ``sums`` added over every rank, ``counts``, the
       (R,) per-rank counts, and ``n``, their sum (a Python int);
     * ``label``: what the plan's kernel column says (:func:`sync_kernel`).
 
@@ -529,7 +529,7 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
     Args:
         layer: the layer; its running statistics and ``num_batches_tracked`` are updated
             in place (when it tracks them), after the collective.
-        input: (N, C, *) tensor, float16 / bfloat16 / float32 / float64; N may differ
+        input: ``(N, C, *)`` tensor, float16 / bfloat16 / float32 / float64; N may differ
             between ranks and be 0.
         group: the process group (every rank of it must call this for the layer).
 
@@ -583,7 +583,7 @@ def sync_batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
 
     Args:
         layer: an ``nn.SyncBatchNorm``.
-        input: (N, C, *) tensor with at least 2 dimensions.
+        input: ``(N, C, *)`` tensor with at least 2 dimensions.
 
     Returns:
         Tensor of the same shape and dtype.

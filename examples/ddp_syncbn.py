@@ -16,8 +16,12 @@ Run with torchrun (gloo on CPU; NCCL when CUDA is available)::
     torchrun --nproc_per_node=2 examples/ddp_syncbn.py --steps 20 --out runs/syncbn
 
 It needs scikit-learn (the digits data: ``pip install scikit-learn``, or the ``lightning``
-extra); without it each rank says so in one line (no traceback) and exits with status 1
-before any process group starts.
+extra); without it each rank says so in one line (no traceback of the example's) and
+exits with status 1 before any process group starts. torchrun then prints its own report
+of the failed ranks (``ChildFailedError``, about 30 lines, a traceback of torchrun's own
+frames), as it does whenever a rank exits non-zero: no script can silence it, so read the
+lines above it. Run as ``python examples/ddp_syncbn.py`` (one process), the one line is
+all.
 
 At its defaults (60 steps of 64 images, SGD with momentum 0.9 and a learning rate
 falling linearly from 0.05 towards 0) two processes reach a validation accuracy of about

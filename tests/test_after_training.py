@@ -274,7 +274,8 @@ def test_fx_graph_mode_quantization_fuses_conv_bn_like_stock(qat):
 def test_torchao_pt2e_prepare_gives_stocks_graph(qat):
     """Guards bnswap._compat's torchao patch: torchao's conv-BN QAT fold and its
     quantizers find conv-BN pairs by stock's aten.batch_norm; on the consolidated op the
-    fold was silently not applied (6 observers instead of 5)."""
+    fold was silently not applied (6 observers instead of 5). The prepared QAT graph
+    then runs the consolidated ops again (tests/test_qat.py): as stock's it is stock's."""
     pytest.importorskip("torchao")
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
     from torchao.testing.pt2e._xnnpack_quantizer import (
@@ -288,6 +289,7 @@ def test_torchao_pt2e_prepare_gives_stocks_graph(qat):
         gm = torch.export.export(m, (X,)).module()
         quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=qat))
         prepared = (prepare_qat_pt2e if qat else prepare_pt2e)(gm, quantizer)
+        assert bnswap.to_stock_ops(prepared) == (2 if qat and m is swapped else 0)
         ops = collections.Counter(str(n.target) for n in prepared.graph.nodes
                                   if n.op == "call_function")
         observers = collections.Counter(type(mm).__name__ for mm in prepared.modules())

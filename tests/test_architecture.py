@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "layers": {"functional", "_swap"},
     "sync": {"functional", "_swap"},
     "adapters": {"functional", "sync"},
-    "_compat": {"functional", "_swap", "_graph"},
+    "_compat": {"functional", "_swap", "_graph", "_warn"},
     "programs": {"_graph", "_warn", "_rows", "_compat"},
     "registry": {"_swap", "layers", "adapters", "sync"},
     "ort": {"functional", "_swap", "_log", "extras"},

@@ -154,6 +154,13 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
         assert f == {k: r["history"][-1][k] for k in ("val_loss", "val_acc")}  # float64
         assert f"{label}: final val_acc {f['val_acc']:.4f}" in out
         assert r["seconds_per_epoch"] > 0 and f"{r['seconds_per_epoch']} s per epoch" in out
+    # issue 33: the seconds came in run order with no word on it, so stock (first) looked
+    # 1.6x slower; each says its run, and a line says they are no speed comparison
+    lines = out.strip().splitlines()
+    assert "(run 1: " in lines[-3] and lines[-3].lstrip().startswith("stock:")
+    assert "(run 2: " in lines[-2] and lines[-2].lstrip().startswith("bnswap (aten):")
+    from bnswap.app.cli import TIMES_NOTE
+    assert lines[-1] == TIMES_NOTE and "not a speed comparison" in lines[-1]
     assert f"wrote {png} and {png.with_suffix('.json')}" in out
     # the right value is stock's: on CPU both run the same native kernels
     assert res["stock"]["history"] == res["bnswap (aten)"]["history"]
@@ -300,7 +307,7 @@ def test_plain_pytorch_example_matches_stock():
     assert res["stock"]["val_acc"] == res["bnswap"]["val_acc"]
 
 
-@pytest.mark.parametrize("name", ["ddp_syncbn", "plain_pytorch"])
+@pytest.mark.parametrize("name", ["ddp_syncbn", "plain_pytorch", "qat_pt2e"])
 def test_each_examples_help_gives_its_whole_description(name):
     """Guards (a new user's try): ``python examples/ddp_syncbn.py --help`` cut its
     description mid-sentence ("Train ``steps`` steps of ``batch_size`` (the global batch,
@@ -504,6 +511,9 @@ def test_a_mistyped_subcommand_gets_a_did_you_mean_not_the_whole_help():
     assert _bnswap_command.help_text().splitlines()[0] == usage
     for typed, error in (("plann", "unknown subcommand 'plann'; did you mean 'plan'?"),
                          ("trian", "unknown subcommand 'trian'; did you mean 'train'?"),
+                         # issue 33: an option was "an unknown subcommand", with no hint
+                         ("--verison", "unknown option '--verison'; did you mean '--version'?"),
+                         ("--hlep", "unknown option '--hlep'; did you mean '--help'?"),
                          ("nope", "unknown subcommand 'nope' (choose from "
                                   + ", ".join(_bnswap_command.SUBCOMMANDS) + ")")):
         p = run_bnswap([typed], timeout=120)

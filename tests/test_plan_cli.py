@@ -191,6 +191,18 @@ def test_help_lists_every_option_without_the_module_class_list(capsys):
     assert len(out.splitlines()) < 60
 
 
+def test_model_help_usage_line_names_bnswap_plan(capsys, monkeypatch):
+    """Guards (issue 33's newcomer): ``bnswap plan --model.help CLASS`` printed jsonargparse's
+    usage with the process's name, ``usage: bnswap [--model.num_features ...]`` (or
+    ``_bnswap_command.py`` under ``python -m``), where the options are ``bnswap plan``'s.
+    sys.argv[0] is left as it was."""
+    monkeypatch.setattr(sys, "argv", ["/somewhere/bin/bnswap", "plan", "--model.help",
+                                      "torch.nn.BatchNorm2d"])
+    code, out, _ = run(capsys, "--model.help", "torch.nn.BatchNorm2d")
+    assert code == 0 and out.startswith("usage: bnswap plan --model.num_features NUM_FEATURES")
+    assert "--model.momentum" in out and sys.argv[0] == "/somewhere/bin/bnswap"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--config", "digits_mobilenetv2.yaml", "--backend", "cuda"],
      "backend: expected one of 'aten', 'ort', got 'cuda'"),
@@ -384,6 +396,20 @@ def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_pat
     code = plan_cli.convert_main([str(src), "-o", str(out)])
     cap = capsys.readouterr()
     assert (code, cap.out) == (2, "") and not out.parent.exists()
+    assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
+
+
+def test_convert_refuses_a_missing_folder_before_loading_the_program(capsys, tmp_path, monkeypatch):
+    """Guards (issue 33's newcomer): ``bnswap convert m.pt2 -o /missing/dir/out.pt2``
+    loaded the whole program before refusing the folder. The program is never read."""
+    src = tmp_path / "m.pt2"
+    src.write_bytes(b"not read")
+    loaded = []
+    monkeypatch.setattr(plan_cli, "load_program", lambda path: loaded.append(path))
+    out = tmp_path / "nothere" / "o.pt2"
+    code = plan_cli.convert_main([str(src), "-o", str(out)])
+    cap = capsys.readouterr()
+    assert (code, cap.out, loaded) == (2, "", [])
     assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
 
 

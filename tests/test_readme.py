@@ -1,13 +1,21 @@
-"""The README's command lines run as written (issue 21, item 2): every ``bnswap plan`` and
-``bnswap --help`` line of its ``bash`` blocks, from a folder holding the user's own
-``mymodels.py`` (the README's example). Lines naming torchvision or timm run where those
-are installed (``.venv-zoo``). The exit status is the value checked: 0 means every
-BatchNorm layer of that model is swapped, or left out by the line's ``--include`` /
-``--exclude`` (3 if one is skipped that bnswap cannot swap, 2 on a usage error)."""
+"""The README's and the guides' code runs as written (issue 21, item 2; issue 33).
+
+* Every ``bnswap plan`` and ``bnswap --help`` line of the ``bash`` blocks of README.md
+  and docs/*.md, from a folder holding the user's own ``mymodels.py`` (the README's
+  example). Lines naming torchvision or timm run where those are installed
+  (``.venv-zoo``). The exit status is the value checked: 0 means every BatchNorm layer of
+  that model is swapped, or left out by the line's ``--include`` / ``--exclude`` (3 if
+  one is skipped that bnswap cannot swap, 2 on a usage error).
+* The README's two quick starts (its ``python`` blocks): the PyTorch one prints the plan
+  the README shows under it; the Lightning one trains like the same script without
+  ``BNSwap()`` (stock), and its layer ends swapped.
+* The README stays a landing page: at most about 200 lines, the two commands in its
+  first screen."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import shlex
@@ -17,6 +25,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import bnswap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +39,12 @@ def net(width=8):
 """
 
 
+def _texts() -> str:
+    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
 def readme_lines() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = _texts()
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
@@ -71,3 +86,60 @@ def test_readme_line_runs_as_written(line, tmp_path):
     else:
         n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers swapped, 0 skipped", first)
         assert n and n.group(1) == n.group(2) and int(n.group(1)) > 0, first
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_the_readme_is_a_landing_page():
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 230, len(lines)  # ~200, with room for one more section
+    first_screen = "\n".join(lines[:45])
+    assert "make demo" in first_screen and "make test" in first_screen
+    assert "torch.compile(lit_module)" not in text.replace("not `torch.compile(lit_module)`", "")
+    assert "configure_model" in text
+
+
+def test_readme_pytorch_quick_start_prints_the_plan_it_shows(capsys):
+    block = _python_blocks()[0]
+    assert "bnswap.convert(model)" in block
+    scope: dict = {}
+    exec(compile(block, "README.md (Quick start: PyTorch)", "exec"), scope)
+    printed = capsys.readouterr().out.strip()
+    text = (ROOT / "README.md").read_text()
+    shown = re.search(r"```python\n.*?```\n\n```\n(.*?)```", text, flags=re.S).group(1).strip()
+    assert printed == shown
+    model = scope["model"]  # reverted: stock again, the same as a fresh stock copy
+    assert not bnswap.is_swapped(model[1]) and type(model[1]) is torch.nn.BatchNorm2d
+
+
+def _run_lightning_block(block: str) -> dict:
+    scope: dict = {}
+    exec(compile(block, "README.md (Quick start: Lightning)", "exec"), scope)
+    return scope
+
+
+def test_readme_lightning_quick_start_trains_like_stock(caplog):
+    """The block as written, and the same block without ``BNSwap()`` (stock BatchNorm,
+    compiled the same way): the same weights and running statistics after the epoch
+    (float32 rounding: the compiled graphs differ in their batch-norm ops only)."""
+    pytest.importorskip("lightning.pytorch")
+    block = _python_blocks()[1]
+    assert "callbacks=[BNSwap()]" in block and "configure_model" in block
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO):
+        ours = _run_lightning_block(block)
+    line = "BNSwap (fit): 1 of 1 BatchNorm layers swapped, 0 skipped"  # (rank_zero_info)
+    assert f"(`{line}`)" in (ROOT / "README.md").read_text().replace("\n", " ")
+    assert [r.getMessage() for r in caplog.records].count(line) == 1, caplog.text[-2000:]
+    torch._dynamo.reset()
+    stock = _run_lightning_block(block.replace("callbacks=[BNSwap()]", "callbacks=[]"))
+    trained = ours["trainer"].lightning_module.net._orig_mod
+    ref = stock["trainer"].lightning_module.net._orig_mod
+    assert bnswap.is_swapped(trained[1]) and not bnswap.is_swapped(ref[1])
+    assert int(trained[1].num_batches_tracked) == 4  # 64 samples, batches of 16
+    for (k, a), (_, b) in zip(trained.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+    assert not torch.equal(trained[1].running_mean, torch.zeros(8))  # it did train

@@ -304,6 +304,14 @@ def _root_dir(overrides: Sequence[str]) -> str:
     return root
 
 
+#: Under ``bnswap compare``'s figures: its seconds are no speed comparison. One run of each
+#: config, in turn, in one process: the first also pays the process's warm-up (imports,
+#: first-call allocations, caches), so whichever runs first looks slower.
+TIMES_NOTE = ("(wall times of one run each, in run order: not a speed comparison, the first "
+              "run also pays the process's warm-up; `python -m benchmarks` measures speed in "
+              "interleaved pairs)")
+
+
 def compare(configs: list[str] | None = None, labels: list[str] | None = None,
             out: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Train each config in turn and plot validation loss and accuracy per epoch.
@@ -323,7 +331,9 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
 
     Returns:
         ``{label: {"final": {...}, "history": [...], "seconds": float,
-        "seconds_per_epoch": float, ...}}`` (also written next to ``out`` as JSON).
+        "seconds_per_epoch": float, ...}}`` (also written next to ``out`` as JSON). The
+        seconds are one run's wall time each, in run order: no speed comparison
+        (:data:`TIMES_NOTE`, printed under them).
 
     Raises:
         CompareUsageError: (a ValueError) before any run: a config that is neither a file
@@ -375,12 +385,14 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
 
     print(f"\nwrote {out_path} and {out_path.with_suffix('.json')}")
     width = max(len(label) for label in results)
-    for label, res in results.items():
+    for run, (label, res) in enumerate(results.items(), 1):
         f = res["final"]
         per = res.get("seconds_per_epoch")
         print(f"{label:>{width}}: final val_acc {f.get('val_acc', float('nan')):.4f}  "
-              f"val_loss {f.get('val_loss', float('nan')):.4f}  ({res['seconds']} s"
+              f"val_loss {f.get('val_loss', float('nan')):.4f}  (run {run}: {res['seconds']} s"
               + (f", {per} s per epoch" if per is not None else "") + ")")
+    if len(results) > 1:
+        print(TIMES_NOTE)
     return results
 
 

@@ -33,6 +33,7 @@ can gate on it), 2 on usage errors.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -42,7 +43,7 @@ import re
 import sys
 import warnings
 from argparse import ArgumentError
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, Literal, get_type_hints
 
@@ -475,6 +476,25 @@ def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
     return EXIT_ALL_SWAPPED
 
 
+@contextlib.contextmanager
+def _prog(prog: str) -> Iterator[None]:
+    """``sys.argv[0]`` as ``prog`` while parsing: jsonargparse's ``--model.help CLASS``
+    builds a parser of its own, whose usage line names ``sys.argv[0]`` (``usage: bnswap
+    [--model.width WIDTH]``, or ``_bnswap_command.py`` under ``python -m``)."""
+    saved = sys.argv[0] if sys.argv else None
+    if sys.argv:
+        sys.argv[0] = prog
+    else:
+        sys.argv.append(prog)
+    try:
+        yield
+    finally:
+        if saved is None:
+            sys.argv.clear()
+        else:
+            sys.argv[0] = saved
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``bnswap plan`` with ``argv`` (the arguments after ``plan``); return the exit
     status (0 all swapped or left out on purpose, 3 some skipped that bnswap cannot swap,
@@ -491,7 +511,8 @@ def main(argv: Sequence[str]) -> int:
         print(_factory_help(parser, _model_path(argv) or ""))
         return EXIT_ALL_SWAPPED
     try:
-        cfg = parser.parse_args(argv)
+        with _prog("bnswap plan"):
+            cfg = parser.parse_args(argv)
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
     except ArgumentError as e:
@@ -650,8 +671,8 @@ def convert_main(argv: Sequence[str]) -> int:
     Returns the exit status (0 all converted or left out by the patterns, 3 some left
     that bnswap cannot convert (:func:`_exit_status`), 2 usage errors on stderr: a
     missing PROGRAM or ``-o/--output`` (named, with an example), an ``-o`` that is the
-    input file (refused before anything is read: never overwritten), a file that is no
-    program, a missing folder)."""
+    input file (refused before anything is read: never overwritten), a missing folder
+    for the output (refused before the program is loaded), a file that is no program)."""
     try:
         if "--sync_batchnorm" in argv or any(a.startswith("--sync_batchnorm=") for a in argv):
             return _usage_error(_NO_SYNC_FOR_PROGRAMS, "convert")
@@ -676,14 +697,15 @@ def convert_main(argv: Sequence[str]) -> int:
     if os.path.isdir(cfg.output):
         return _usage_error(f"-o/--output {cfg.output} is a folder; give a file name, e.g. "
                             f"-o {os.path.join(cfg.output, 'model_bnswap.pt2')}", "convert")
+    parent = os.path.dirname(os.path.abspath(cfg.output))
+    if not os.path.isdir(parent):  # before the program is loaded (a large file: seconds);
+        # torch.export.save raised a RuntimeError with a traceback here
+        return _usage_error(f"{cfg.output}: no such folder: {os.path.dirname(cfg.output)}",
+                            "convert")
     try:
         ep = load_program(cfg.program)
     except ProgramFileError as e:
         return _usage_error(str(e), "convert")
-    parent = os.path.dirname(os.path.abspath(cfg.output))
-    if not os.path.isdir(parent):  # (torch.export.save raised a RuntimeError with traceback)
-        return _usage_error(f"{cfg.output}: no such folder: {os.path.dirname(cfg.output)}",
-                            "convert")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = bnswap.plan(ep, include=cfg.include, exclude=cfg.exclude)

@@ -1,0 +1,70 @@
+"""A directive that renders the ``bnswap`` command's help as the parsers print it.
+
+``{bnswap-help} SUBCOMMAND`` (or no argument for ``bnswap --help``) runs
+``python -m _bnswap_command SUBCOMMAND --help`` and shows its output as a literal block:
+the CLI reference is generated from the parsers themselves (the front door's table,
+jsonargparse's ``plan`` / ``convert`` parsers, LightningCLI's for the Trainer
+subcommands), so it cannot drift from them. The first directive starts every help at
+once, four at a time (each imports torch, the Lightning ones Lightning: 2-7 s apiece); a
+build that uses none starts none. A subcommand whose help fails is a build error.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from docutils import nodes
+from docutils.parsers.rst import directives
+from sphinx.application import Sphinx
+from sphinx.errors import ExtensionError
+from sphinx.util.docutils import SphinxDirective
+
+ROOT = Path(__file__).resolve().parents[2]
+#: "" is ``bnswap --help``; the rest, the subcommands (``_bnswap_command.SUBCOMMANDS``).
+HELPS = ("", "plan", "convert", "train", "validate", "test", "predict", "compare")
+WIDTH = "88"
+_RUNS: dict[str, Future] = {}
+
+
+def _help(sub: str) -> str:
+    env = {**os.environ, "COLUMNS": WIDTH, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "_bnswap_command", *([sub] if sub else []), "--help"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    if p.returncode != 0:
+        raise ExtensionError(f"`bnswap {sub} --help` exited {p.returncode}: {p.stderr[-2000:]}")
+    return p.stdout.rstrip()
+
+
+def _start() -> None:
+    pool = ThreadPoolExecutor(max_workers=4)
+    for sub in HELPS:
+        _RUNS[sub] = pool.submit(_help, sub)
+    pool.shutdown(wait=False)
+
+
+class BnswapHelp(SphinxDirective):
+    """``bnswap [SUBCOMMAND] --help`` as a literal block."""
+
+    optional_arguments = 1
+    has_content = False
+    option_spec = {"caption": directives.unchanged}
+
+    def run(self) -> list[nodes.Node]:
+        sub = self.arguments[0] if self.arguments else ""
+        if sub not in HELPS:
+            raise self.error(f"bnswap-help: no subcommand {sub!r} (one of {HELPS[1:]})")
+        if not _RUNS:
+            _start()
+        text = _RUNS[sub].result()
+        block = nodes.literal_block(text, text)
+        block["language"] = "text"
+        return [block]
+
+
+def setup(app: Sphinx) -> dict[str, object]:
+    app.add_directive("bnswap-help", BnswapHelp)
+    return {"version": "1", "parallel_read_safe": True}
