@@ -27,13 +27,16 @@ export MPLBACKEND ?= Agg
 
 # After torch, every install runs with a constraints file pinning it, so no package's
 # own torch requirement can make pip fetch another build.
+# transformers + accelerate (the Hugging Face Trainer recipe, tests/test_recipes.py) go
+# into .venv only: its CPU torch makes them cheap; the zoo skips that test.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python $(PIP) --upgrade pip
 	$(VENV)/bin/python $(PIP) $(TORCH) 2>/dev/null || \
 		$(VENV)/bin/python $(PIP) --extra-index-url $(TORCH_INDEX) $(TORCH)
 	echo '$(TORCH)' > $(VENV)/constraints.txt
-	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev,docs]'
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev,docs]' \
+		transformers==5.23.0 accelerate==1.16.0
 	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
 	$(VENV)/bin/python -m bnswap.ort build
 	touch $@
@@ -43,7 +46,7 @@ $(ZOO)/.installed: pyproject.toml Makefile
 	$(ZOO)/bin/python $(PIP) --upgrade pip
 	$(ZOO)/bin/python $(PIP) $(ZOO_TORCH)
 	printf '%s\n' $(ZOO_TORCH) > $(ZOO)/constraints.txt
-	$(ZOO)/bin/python $(PIP) -c $(ZOO)/constraints.txt -e '.[lightning,dev]' timm==1.0.31
+	$(ZOO)/bin/python $(PIP) -c $(ZOO)/constraints.txt -e '.[lightning,dev]' timm==1.0.31 ultralytics==8.4.190
 	touch $@
 
 setup: $(VENV)/.installed

@@ -47,6 +47,12 @@ training", docs/after-training.md).
 * **DDP on the CPU**: ``DistributedDataParallel``'s check that refuses CPU modules
   holding a ``SyncBatchNorm`` lets modules through whose SyncBatchNorm layers are all
   swapped (:func:`_patch_ddp_syncbn_check`).
+* **Whole-model checkpoints** (``checkpoints``): ``_BatchNorm`` gets a ``__getstate__``
+  that leaves the swap entry and internal buffers out of ``torch.save`` / pickle and
+  ``copy.copy`` (a checkpoint names nothing of bnswap's and loads as stock's layers,
+  where bnswap is not installed too; issue 32), and a ``__deepcopy__`` that keeps them
+  (the copy is swapped, bound to itself); a pickle for another process of the job
+  (multiprocessing's ``ForkingPickler``) keeps them too (:func:`_patch_checkpoints`).
 * **core ATen** (``ExportedProgram.run_decompositions()`` with the default table):
   ``torch._decomp._core_aten_decompositions_post_autograd`` (the list the default table
   starts from) also decomposes the consolidated ops into stock's core ATen batch-norm
@@ -59,6 +65,7 @@ training", docs/after-training.md).
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.abc
 import importlib.machinery
@@ -73,6 +80,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from bnswap._graph import (
     CONSOLIDATED_TARGETS,
@@ -82,6 +90,7 @@ from bnswap._graph import (
     to_stock_ops,
 )
 from bnswap._swap import (
+    INTERNAL_BUFFER_PREFIX,
     INTERNAL_HOOK,
     SwappedForward,
     internal_buffer_names,
@@ -601,6 +610,106 @@ def _unswapped_sync_message(names: list[str]) -> str:
         "bnswap.plan(model) shows each layer")
 
 
+# ------------------------------------------------------------ whole-model checkpoints
+_BN_CLASS = torch.nn.modules.batchnorm._BatchNorm
+
+
+def _stock_state(state: Any) -> Any:
+    """``state`` (a BatchNorm layer's ``__getstate__``) without anything of bnswap's: the
+    swap entry and internal buffers; a new dict when something is left out."""
+    if not isinstance(state, dict):
+        return state
+    buffers = state.get("_buffers")
+    internal = ([k for k in buffers if k.startswith(INTERNAL_BUFFER_PREFIX)]
+                if isinstance(buffers, dict) else [])
+    if type(state.get("forward")) is not SwappedForward and not internal:
+        return state
+    state = {k: v for k, v in state.items()
+             if not (k == "forward" and type(v) is SwappedForward)}
+    if internal:
+        state["_buffers"] = type(buffers)((k, v) for k, v in buffers.items() if k not in internal)
+        nonpersistent = state.get("_non_persistent_buffers_set")
+        if isinstance(nonpersistent, set):
+            state["_non_persistent_buffers_set"] = nonpersistent - set(internal)
+    return state
+
+
+def _forking_codes() -> frozenset:
+    from multiprocessing import reduction
+
+    return frozenset(f.__code__ for f in (reduction.ForkingPickler.dumps.__func__,
+                                          reduction.dump)
+                     if hasattr(f, "__code__"))
+
+
+_FORKING_CODES: frozenset = frozenset()
+
+
+class _Keep(threading.local):
+    active = 0
+
+
+_keep = _Keep()
+
+
+def _patch_checkpoints() -> bool:
+    """``torch.save`` / pickle and ``copy.copy`` of a BatchNorm layer leave bnswap's swap
+    out (the layer loads as stock's, where bnswap is not installed too: nothing of
+    bnswap's is pickled); ``copy.deepcopy`` keeps it, bound to the copy, and so does a
+    pickle for another process of the job (multiprocessing's ``ForkingPickler``:
+    ``torch.multiprocessing.spawn``'s arguments, its queues)."""
+    cls = _BN_CLASS
+    prev = getattr(cls, "__getstate__", None)   # nn.Module's (object's on Python 3.11+)
+    if prev is not None and _patched(prev):
+        return True
+    if (prev is None or "__getstate__" in vars(cls) or "__deepcopy__" in vars(cls)
+            or hasattr(cls, "__deepcopy__") or not hasattr(copy, "_reconstruct")):
+        logger.debug("bnswap: torch's BatchNorm defines its own __getstate__ / __deepcopy__; "
+                     "whole-model pickles of swapped layers reference bnswap here")
+        return False
+
+    @_mark
+    def __getstate__(self: nn.Module) -> Any:
+        state = prev(self)
+        # deep-copied (__deepcopy__ below), or pickled for another process of this job
+        # (mp.spawn, torch.multiprocessing queues: multiprocessing's ForkingPickler,
+        # called from these two functions, the pickler itself being C): the swap goes
+        # along, that process running this environment
+        if _keep.active or sys._getframe(1).f_code in _FORKING_CODES:
+            entry = state.get("forward") if isinstance(state, dict) else None
+            if type(entry) is SwappedForward and entry.module is not self:
+                state = {k: v for k, v in state.items() if k != "forward"}
+            return state
+        return _stock_state(state)
+
+    @_mark
+    def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
+        # copy.deepcopy's own procedure for a class without __deepcopy__ (the reduction,
+        # then copy._reconstruct), with the swap and internal buffers kept
+        if parametrize.is_parametrized(self):
+            # torch's parametrized classes refuse __getstate__; torch deep-copies their
+            # __dict__ (parametrize's default_deepcopy), the entry binding itself
+            y = type(self).__new__(type(self))
+            memo[id(self)] = y
+            y.__dict__ = copy.deepcopy(self.__dict__, memo)
+            return y
+        # the full state (the entry deep-copies bound to the copy, which _reconstruct
+        # has put in memo before it copies the state)
+        depth = _keep.active
+        _keep.active = depth + 1
+        try:
+            rv = self.__reduce_ex__(4)
+        finally:
+            _keep.active = depth
+        return copy._reconstruct(self, memo, *rv)
+
+    global _FORKING_CODES
+    _FORKING_CODES = _forking_codes()
+    cls.__getstate__ = __getstate__
+    cls.__deepcopy__ = __deepcopy__
+    return True
+
+
 # ---------------------------------------------------------------------- the table
 class Patch(NamedTuple):
     """One patch: its ``name`` (for ``BNSWAP_DISABLE_PATCHES``), the ``module`` it
@@ -646,6 +755,14 @@ PATCHES: tuple[Patch, ...] = (
           "DistributedDataParallel wraps a CPU module whose SyncBatchNorm layers are all "
           "swapped (stock refuses any SyncBatchNorm on the CPU: its kernels are CUDA-only)",
           "the method exists; tested on torch 2.13 / 2.14"),
+    Patch("checkpoints", None, _patch_checkpoints,
+          "torch.nn.modules.batchnorm._BatchNorm.__getstate__ / __deepcopy__ (added)",
+          "torch.save / pickle of a whole model and copy.copy leave the swap out (nothing of "
+          "bnswap's in a checkpoint: it loads where bnswap is not installed, as stock's "
+          "layers); copy.deepcopy and multiprocessing's pickles (mp.spawn) keep it, bound "
+          "to the copy",
+          "_BatchNorm defines neither (inherits nn.Module's __getstate__), copy._reconstruct "
+          "exists; tested on torch 2.13 / 2.14"),
     Patch("core_aten", None, patch_core_aten_decompositions,
           "torch._decomp._core_aten_decompositions_post_autograd",
           "ExportedProgram.run_decompositions() (the default, core ATen table) turns the "
@@ -655,7 +772,8 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 #: Environment variable: ``all``, or patch names (``torchscript``, ``onnx``,
-#: ``torchao``, ``ddp``, ``core_aten``), comma-separated, that :func:`install` leaves out.
+#: ``torchao``, ``ddp``, ``checkpoints``, ``core_aten``), comma-separated, that
+#: :func:`install` leaves out.
 DISABLE_ENV = "BNSWAP_DISABLE_PATCHES"
 _NAMES = {p.name for p in PATCHES}
 _applied: set[str] = set()

@@ -15,18 +15,24 @@ Lightning's ``ddp`` launcher sets in the processes it starts, as Lightning's own
 sets neither: a script that converts before ``init_process_group`` logs on every rank
 (convert after it, or set ``RANK``).
 
-bnswap never ``print``s; it adds no handler (a script shows INFO with
-``logging.basicConfig(level=logging.INFO)``).
+bnswap never ``print``s and adds no handler (a script shows INFO with
+``logging.basicConfig(level=logging.INFO)``). Where nothing is configured at all (no
+handler on the ``bnswap`` logger or above it, no level of its own: Python then drops INFO,
+its ``logging.lastResort`` shows WARNING and above), a line that must not go unseen (the
+swap's one-line summary, :func:`bnswap.convert`) goes to ``sys.stderr`` on rank zero, once
+per process, as ``lastResort`` would write it: a trainer that configures only its own logger
+(Ultralytics') shows that bnswap swapped (issue 32).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch.distributed as dist
 
-__all__ = ["RANK_ENV", "info", "info_level", "logger", "rank"]
+__all__ = ["RANK_ENV", "info", "info_level", "logger", "rank", "unconfigured"]
 
 logger = logging.getLogger("bnswap")
 
@@ -64,10 +70,42 @@ def info_level() -> int:
     return logging.INFO if rank() in (None, 0) else logging.DEBUG
 
 
-def info(log: logging.Logger, msg: str, *args: object) -> None:
+class _Stderr(logging.StreamHandler):
+    """``logging.lastResort``'s handler at INFO: the message alone, to ``sys.stderr`` as
+    it is when the line is written (pytest's capture, a redirected stream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.used = False
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+_STDERR = _Stderr()
+
+
+def unconfigured(log: logging.Logger) -> bool:
+    """True when nothing in this process shows ``log``'s INFO lines because nothing is
+    configured: no handler on ``log`` or above it, no level of its own, and INFO below
+    the effective level (the root logger's default WARNING)."""
+    return (log.level == logging.NOTSET and not log.isEnabledFor(logging.INFO)
+            and not log.hasHandlers())
+
+
+def info(log: logging.Logger, msg: str, *args: object,
+         unconfigured_line: str | None = None) -> None:
     """``log.info(msg, *args)`` on rank zero, ``log.debug(...)`` on the other ranks; the
     message is formatted only when that level is enabled (``%s`` arguments, as
-    ``logging`` does).
+    ``logging`` does). ``unconfigured_line``, if given, goes to ``sys.stderr`` instead on
+    rank zero when logging is not configured at all (:func:`unconfigured`), once per
+    process.
 
     Examples::
 
@@ -78,3 +116,7 @@ def info(log: logging.Logger, msg: str, *args: object) -> None:
     level = info_level()
     if log.isEnabledFor(level):
         log.log(level, msg, *args, stacklevel=2)
+    elif (unconfigured_line is not None and not _STDERR.used and level == logging.INFO
+          and unconfigured(log)):
+        _STDERR.used = True   # once per process (a script converting many models)
+        _STDERR.handle(log.makeRecord(log.name, level, "", 0, unconfigured_line, (), None))

@@ -7,14 +7,31 @@ the stock class, and the module, its Parameters, buffers, hooks and state_dict k
 untouched. :func:`unswap` deletes the entry: the exact inverse. Where a consumer records
 the model for another runtime (the TorchScript tracer, ``torch.onnx.export``, fx tracing
 through a non-leaf layer) the layer runs its class's own ``forward``, so that consumer
-gets stock's graph. Why this design and what it costs (shallow copies share the entry):
-``docs/design.md``.
+gets stock's graph. Why this design and what it costs: ``docs/design.md``.
+
+What the entry means where it is carried (issue 32; the rule: state that a copy or a
+checkpoint carries means the same thing there, or is not there at all):
+
+* ``copy.deepcopy``: the copy's entry is bound to the copy.
+* ``torch.save`` / pickle of a whole model and ``copy.copy``: no entry (the
+  ``checkpoints`` patch of :mod:`bnswap._compat`): a checkpoint names nothing of
+  bnswap's and loads as stock's layers, where bnswap is not installed too.
+* A copy of the layer's ``__dict__`` (learn2learn's ``clone_module``, higher's
+  ``monkeypatch``, ``nn.DataParallel``'s replicas) carries the entry bound to the
+  original; when such a copy calls it, :meth:`SwappedForward.__call__` sees (the entry
+  then has another holder, ``sys.getrefcount``; the frame of ``nn.Module.__call__`` says
+  which module called) and runs the copy's own state: the adapter, or the copy's class's
+  forward where that class overrides the layer's (higher's). Not seen while dynamo
+  traces: a ``torch.compile``'d ``__dict__`` copy runs the original layer
+  (``docs/recipes.md``).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import sys
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -95,6 +112,11 @@ def _records_stock(args: tuple, kwargs: dict) -> bool:
     calls), is never traced."""
     if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
         return torch.onnx.is_in_onnx_export()
+    return _records_stock_eager(args, kwargs)
+
+
+def _records_stock_eager(args: tuple, kwargs: dict) -> bool:
+    """:func:`_records_stock` outside dynamo."""
     if _is_tracing():
         return not records_consolidated_ops()
     # fx tracing through a layer that is not a leaf: any argument may be the Proxy
@@ -117,8 +139,9 @@ class SwappedForward:
             (:func:`bnswap.layers.batch_norm_forward` for torch's classes).
 
     Calls take and return what ``module``'s own ``forward`` does: input (N, C, *) of a
-    floating dtype, output of the same shape, dtype and memory format. Pickled and
-    deep-copied with the layer (bound to the copy).
+    floating dtype, output of the same shape, dtype and memory format. Deep-copied with
+    the layer (bound to the copy); left out of the layer's pickle and ``copy.copy``
+    (:mod:`bnswap._compat`'s ``checkpoints`` patch; without it, pickled by reference).
     """
 
     __slots__ = ("module", "adapter")
@@ -132,7 +155,18 @@ class SwappedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if _records_stock(args, kwargs):
+        if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
+            if torch.onnx.is_in_onnx_export():
+                return type(module).forward(module, *args, **kwargs)
+            return self.adapter(module, *args, **kwargs)
+        # Held by more than its layer's __dict__ (and this call): maybe a copy of that
+        # __dict__ is calling (see the module docstring). A C call: +0.02 us per call
+        # (docs/design.md).
+        if _getrefcount(self) > _SOLE_HOLDER:
+            caller = _calling_module()
+            if caller is not None and caller is not module:
+                return _run_copy(self, caller, args, kwargs)
+        if _records_stock_eager(args, kwargs):
             return type(module).forward(module, *args, **kwargs)
         return self.adapter(module, *args, **kwargs)
 
@@ -157,6 +191,68 @@ class SwappedForward:
     def __repr__(self) -> str:
         name = getattr(self.adapter, "__qualname__", repr(self.adapter))
         return f"<bnswap forward of {type(self.module).__name__} ({name})>"
+
+
+_getrefcount = sys.getrefcount
+_getframe = sys._getframe
+# The frames of nn.Module that call ``self.forward``: ``_call_impl`` (no hooks), its
+# ``inner`` (with hooks) and ``_slow_forward`` (the TorchScript tracer); ``self`` is a
+# local (or cell) of each.
+_CALLERS = frozenset([nn.Module._call_impl.__code__, nn.Module._slow_forward.__code__,
+                      *(c for c in nn.Module._call_impl.__code__.co_consts
+                        if isinstance(c, types.CodeType))])
+
+
+def _calling_module() -> object:
+    """The module whose ``nn.Module.__call__`` called the current ``SwappedForward`` (two
+    frames up), or None when the call came from elsewhere (``layer.forward(x)`` by hand)."""
+    frame = _getframe(2)
+    if frame.f_code not in _CALLERS:
+        return None
+    return frame.f_locals.get("self")
+
+
+def _run_copy(entry: SwappedForward, caller: Any, args: tuple, kwargs: dict) -> Any:
+    """A module other than ``entry.module`` called ``entry``: it holds a copy of the
+    layer's ``__dict__`` (``clone.__dict__ = layer.__dict__.copy()``: learn2learn's
+    ``clone_module``, higher's ``monkeypatch``, ``nn.DataParallel``'s replicas). It runs
+    its own state, never the layer's: bnswap's adapter if its class's forward is the
+    layer's (bnswap's kernel, stock's results), else its own class's forward (higher's
+    patched class, which runs stock's on its own parameters)."""
+    cls = type(caller)
+    if cls.forward is not type(entry.module).forward or _records_stock(args, kwargs):
+        return cls.forward(caller, *args, **kwargs)
+    return entry.adapter(caller, *args, **kwargs)
+
+
+def _sole_holder_count() -> int:
+    """``sys.getrefcount`` of a ``SwappedForward`` inside its ``__call__`` when only its
+    layer's ``__dict__`` holds it, measured on this interpreter (it differs between
+    Python versions): the most over the ways ``nn.Module`` calls a forward (with and
+    without hooks)."""
+    seen: list[int] = []
+
+    class Probe:  # SwappedForward's shape: slots, __call__(self, *args, **kwargs)
+        __slots__ = ("module", "adapter")
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            seen.append(_getrefcount(self))
+            return args[0]
+
+    layer = nn.Identity()
+    layer.__dict__["forward"] = Probe()
+    x = object()
+    layer(x)
+    handle = layer.register_forward_pre_hook(lambda m, a: None)
+    layer(x)
+    handle.remove()
+    return max(seen)
+
+
+#: What :func:`_sole_holder_count` measured: a higher count in ``SwappedForward.__call__``
+#: means another holder (a copied ``__dict__``, a reference kept by hand), and the frame
+#: of ``nn.Module.__call__`` says which module called.
+_SOLE_HOLDER = _sole_holder_count()
 
 
 def _entry(module: object) -> SwappedForward | None:
@@ -204,9 +300,10 @@ def undo_of(module: nn.Module) -> Callable[[], None]:
 
 
 def bound_elsewhere(module: object) -> bool:
-    """True if ``module`` holds a swap entry bound to another layer: ``copy.copy`` of a
-    swapped layer shares its ``__dict__`` entries, so the copy would run the original's
-    flags and statistics until :func:`bnswap.convert` binds it to itself."""
+    """True if ``module`` holds a swap entry bound to another layer: a copy of a swapped
+    layer's ``__dict__`` (learn2learn's ``clone_module``, ``nn.DataParallel``'s replicas)
+    shares its entry; called through the copy, the entry runs the copy's own state (see
+    the module docstring), and :func:`bnswap.convert` binds it to the copy."""
     entry = _entry(module)
     return entry is not None and entry.module is not module
 

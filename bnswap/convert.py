@@ -152,7 +152,9 @@ def convert(
     if left:
         warn(left, UserWarning)
     # (str() computes the kernel column, a probe per layer: only when it is logged)
-    info(logger, "%s", todo)
+    info(logger, "%s", todo, unconfigured_line=(
+        f"bnswap.convert: {todo.summary().partition(': ')[2]} (the table: "
+        "logging.getLogger('bnswap') at INFO)"))
     return out
 
 

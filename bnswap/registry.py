@@ -175,11 +175,13 @@ def registered() -> dict[type, Adapter]:
 
 
 def safe_globals() -> list:
-    """What a whole pickled converted model references of bnswap's: the swap entry
-    (:class:`bnswap._swap.SwappedForward`) and the adapters (torch's, and every
-    registered one). ``torch.load(..., weights_only=True)`` of a whole model needs its
-    classes allowlisted, for stock's model as for a converted one; add these beside
-    them.
+    """What a whole pickled converted model referenced of bnswap's before issue 32: the
+    swap entry (:class:`bnswap._swap.SwappedForward`) and the adapters (torch's, and every
+    registered one). A whole converted model now pickles as stock's (nothing of bnswap's:
+    the ``checkpoints`` patch, ``docs/patches.md``), so ``torch.load(...,
+    weights_only=True)`` needs stock's classes allowlisted only; these are still accepted
+    beside them, and needed for checkpoints saved by an older bnswap or with
+    ``BNSWAP_DISABLE_PATCHES=checkpoints``.
 
     Returns:
         A list of classes and functions for ``torch.serialization.safe_globals`` (torch
@@ -195,8 +197,8 @@ def safe_globals() -> list:
         >>> stock = [nn.Sequential, nn.Conv2d, nn.BatchNorm2d]   # as for a stock model
         >>> with torch.serialization.safe_globals([*stock, *bnswap.safe_globals()]):
         ...     loaded = torch.load(buf, weights_only=True)
-        >>> bnswap.is_swapped(loaded[1])
-        True
+        >>> bnswap.is_swapped(loaded[1]), bnswap.is_swapped(bnswap.convert(loaded)[1])
+        (False, True)
     """
     adapters = [batch_norm_forward, *(a for a in _ADAPTERS.values() if a is not batch_norm_forward)]
     return [SwappedForward, *dict.fromkeys(adapters)]

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 import bnswap
-from tests._helpers import outcome, state_diff
+from tests._helpers import outcome, run_script, state_diff
 
 
 
@@ -198,15 +198,34 @@ def test_deepcopy_of_a_converted_model():
 
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
 def test_pickling_a_whole_converted_model(how):
+    """A whole converted model pickles as stock's: nothing of bnswap's in the bytes, and it
+    loads as stock's layers (issue 32); bnswap.convert after loading swaps it again."""
     swapped = converted(trained())
-    if how == "pickle":
-        clone = pickle.loads(pickle.dumps(swapped))
-    else:
-        clone = torch.load(_bytes(swapped), weights_only=False)
+    data = pickle.dumps(swapped) if how == "pickle" else _bytes(swapped).getvalue()
+    assert b"bnswap" not in data
+    clone = pickle.loads(data) if how == "pickle" else torch.load(io.BytesIO(data),
+                                                                  weights_only=False)
     assert [type(m) for m in clone.modules()] == [type(m) for m in swapped.modules()]
-    assert isinstance(clone[1], bnswap.BatchNorm2d)
+    assert not any(bnswap.is_swapped(m) or "forward" in vars(m) for m in clone.modules())
     assert state_diff(clone, swapped) == []
-    assert_run_alike(trained(), clone)
+    ref = trained()
+    assert_run_alike(ref, clone)
+    assert bnswap.convert(clone) is clone and isinstance(clone[1], bnswap.BatchNorm2d)
+    assert clone[1].forward.module is clone[1]
+    assert_run_alike(ref, clone)
+    assert bnswap.is_swapped(swapped[1])   # pickling left the original as it was
+
+
+def test_copy_copy_of_a_converted_layer_is_a_stock_copy():
+    """copy.copy leaves the swap out (issue 32): the copy runs its class's forward, as
+    stock's copy does, and the original stays swapped."""
+    swapped = converted(trained())
+    c = copy.copy(swapped[1])
+    assert "forward" not in vars(c) and bnswap.is_swapped(swapped[1])
+    ref = copy.copy(trained()[1])
+    x = torch.randn(6, 4, 3, 3)
+    assert torch.equal(c(x), ref(x))
+    assert state_diff(c, ref) == []
 
 
 def test_weights_only_load_of_a_whole_model_fails_as_stock():
@@ -217,20 +236,18 @@ def test_weights_only_load_of_a_whole_model_fails_as_stock():
 
 @pytest.mark.skipif(not hasattr(torch.serialization, "safe_globals"),
                     reason="torch.serialization.safe_globals: torch >= 2.5")
-def test_weights_only_load_of_a_whole_model_with_bnswap_safe_globals():
+def test_weights_only_load_of_a_whole_model_needs_stocks_allowlist_only():
     """A whole converted model loads with weights_only=True once its classes are
-    allowlisted as stock's must be, plus bnswap.safe_globals() (issue 21)."""
+    allowlisted as stock's must be (issue 21); nothing of bnswap's is needed since issue
+    32 (bnswap.safe_globals() stays accepted)."""
     swapped = converted(trained())
     stock_classes = sorted({type(m) for m in swapped.modules()}, key=str)
-    with torch.serialization.safe_globals(stock_classes):
-        assert torch.load(_bytes(trained()), weights_only=True) is not None  # stock: enough
-        with pytest.raises(pickle.UnpicklingError, match="SwappedForward"):
-            torch.load(_bytes(swapped), weights_only=True)
-    with torch.serialization.safe_globals([*stock_classes, *bnswap.safe_globals()]):
-        clone = torch.load(_bytes(swapped), weights_only=True)
-    assert isinstance(clone[1], bnswap.BatchNorm2d) and clone[1].forward.module is clone[1]
-    assert state_diff(clone, swapped) == []
-    assert_run_alike(trained(), clone)
+    for extra in ([], bnswap.safe_globals()):
+        with torch.serialization.safe_globals([*stock_classes, *extra]):
+            clone = torch.load(_bytes(swapped), weights_only=True)
+        assert not bnswap.is_swapped(clone[1])
+        assert state_diff(clone, swapped) == []
+        assert_run_alike(trained(), clone)
 
 
 def test_uninitialized_lazy_model_deepcopy_and_pickle_as_stock():
@@ -246,7 +263,8 @@ def test_uninitialized_lazy_model_deepcopy_and_pickle_as_stock():
         else:
             x = torch.randn(2, 3, 5, 5)
             assert torch.equal(a[1](x), b[1](x))
-            assert isinstance(b[1][1], bnswap.BatchNorm2d)
+            # deepcopy keeps the swap; a pickle carries none (issue 32)
+            assert bnswap.is_swapped(b[1][1]) is (fn is copy.deepcopy)
 
 
 class _Positive(nn.Module):
@@ -272,3 +290,73 @@ def test_parametrized_converted_model_deepcopy_and_pickle_as_stock():
     parametrize.register_parametrization(fresh[1], "weight", _Positive())
     fresh.load_state_dict(_load(swapped.state_dict()), strict=True)
     assert state_diff(fresh, stock) == []
+
+
+def test_whole_model_checkpoint_loads_where_bnswap_cannot_be_imported(tmp_path):
+    """Issue 32: torch.save(model) of a converted model loads in a fresh interpreter where
+    importing bnswap fails, and trains there exactly as stock's identical copy does
+    (outputs, gradients, running stats after a train step, then eval)."""
+    swapped = converted(trained())
+    torch.save(swapped, tmp_path / "model.pt")
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(6, 3, 5, 5, generator=g) for _ in range(2)]
+    torch.save(xs, tmp_path / "inputs.pt")
+    stock = trained()   # the reference: stock's layers, the same weights and statistics
+    stock.train()
+    y0 = stock(xs[0])
+    y0.sum().backward()
+    stock.eval()
+    want = {"y0": y0.detach(), "y1": stock(xs[1]).detach(),
+            **{f"grad.{k}": p.grad for k, p in stock.named_parameters()},
+            **{f"state.{k}": v for k, v in stock.state_dict().items()}}
+    code = f"""
+        import importlib.abc, sys
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "bnswap" or name.startswith("bnswap."):
+                    raise ImportError("bnswap is blocked in this interpreter")
+        sys.meta_path.insert(0, Block())
+        sys.modules["bnswap"] = None
+        import torch
+        model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+        xs = torch.load({str(tmp_path / "inputs.pt")!r})
+        assert not any(k.startswith("bnswap") for k in sys.modules if sys.modules[k])
+        model.train()
+        y0 = model(xs[0])
+        y0.sum().backward()
+        model.eval()
+        got = {{"y0": y0.detach(), "y1": model(xs[1]).detach(),
+               **{{f"grad.{{k}}": p.grad for k, p in model.named_parameters()}},
+               **{{f"state.{{k}}": v for k, v in model.state_dict().items()}}}}
+        torch.save(got, {str(tmp_path / "got.pt")!r})
+        try:
+            import bnswap
+        except ImportError as e:
+            print("blocked:", type(e).__name__)
+    """
+    rc, out, err = run_script(code, timeout=180)
+    assert rc == 0, err[-3000:]
+    assert "blocked: ModuleNotFoundError" in out or "blocked: ImportError" in out, out
+    got = torch.load(tmp_path / "got.pt")
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_a_pickle_for_another_process_keeps_the_swap():
+    """multiprocessing's ForkingPickler (torch.multiprocessing.spawn's arguments, its
+    queues) pickles for a process of the same job, same environment: the swap goes
+    along, bound to the copy, which runs like stock (issue 32)."""
+    from multiprocessing import reduction
+
+    for how in ("dumps", "dump"):
+        swapped = converted(trained())   # (the copy shares its tensors' memory: torch's
+        buf = io.BytesIO()               # reductions for multiprocessing)
+        if how == "dump":
+            reduction.dump(swapped, buf)
+        clone = pickle.loads(bytes(reduction.ForkingPickler.dumps(swapped))
+                             if how == "dumps" else buf.getvalue())
+        assert isinstance(clone[1], bnswap.BatchNorm2d) and clone[1].forward.module is clone[1]
+        assert state_diff(clone, swapped) == []
+        assert_run_alike(trained(), clone)
+    assert b"bnswap" not in pickle.dumps(swapped)   # a plain pickle still names nothing

@@ -674,10 +674,20 @@ def test_plan_rows_of_every_kind_hold_every_field():
         assert all(r.device == "cuda" for r in rows)
 
 
+def _dict_copy(layer: nn.Module) -> nn.Module:
+    """A copy made by copying ``__dict__`` (nn.DataParallel's replicas, learn2learn's
+    clone_module): it carries the original's forward entry (copy.copy leaves it out
+    since issue 32)."""
+    c = layer.__new__(type(layer))
+    c.__dict__ = layer.__dict__.copy()
+    return c
+
+
 def test_convert_binds_a_shallow_copy_to_itself():
-    """copy.copy of a swapped layer shares its forward entry (bound to the original); after
-    bnswap.convert the copy runs its own eps / momentum / flags / buffers, as a stock
-    layer with the copy's values does, and the original is unaffected (issue 21, item 6)."""
+    """A copy of a swapped layer's __dict__ shares its forward entry (bound to the
+    original); after bnswap.convert the copy runs its own eps / momentum / flags / buffers,
+    as a stock layer with the copy's values does, and the original is unaffected (issue
+    21, item 6)."""
     import copy as _copy
 
     torch.manual_seed(0)
@@ -685,16 +695,17 @@ def test_convert_binds_a_shallow_copy_to_itself():
     orig(torch.randn(4, 3, 5, 5))
     ref_orig = _copy.deepcopy(orig)
     bnswap.revert(ref_orig)
-    c = _copy.copy(orig)
+    c = _dict_copy(orig)
     c.eps, c.momentum = 1e-2, 0.5
-    c._buffers = dict(c._buffers)  # copy.copy shares the dict; replicas get their own
+    c._buffers = dict(c._buffers)  # the copied __dict__ shares the dict; replicas get their own
     c.running_mean = torch.full((3,), 0.25)   # own buffers
     c.running_var = torch.full((3,), 2.0)
     c.num_batches_tracked = torch.tensor(7)
     row = bnswap.plan(c)[0]
     assert (row.action, row.already) == ("swap", False)
-    assert row.reason == ("a shallow copy of a swapped layer: apply binds it to this copy "
-                          "(until then it runs the original's flags and statistics)")
+    assert row.reason == ("a copy of a swapped layer's __dict__ (learn2learn's clone_module, "
+                          "a DataParallel replica): apply binds it to this copy (until then "
+                          "it runs the adapter on its own state)")
     assert bnswap.convert(c) is c and bnswap.is_swapped(c)
     stock = nn.BatchNorm2d(3, eps=1e-2, momentum=0.5)
     stock.load_state_dict(c.state_dict())
@@ -713,12 +724,10 @@ def test_convert_binds_a_shallow_copy_to_itself():
 
 
 def test_failed_convert_leaves_a_shallow_copy_as_it_was(monkeypatch):
-    import copy as _copy
-
     plan_mod = sys.modules["bnswap.plan"]
 
     orig = bnswap.convert(nn.BatchNorm2d(3))
-    c = _copy.copy(orig)
+    c = _dict_copy(orig)
     model = nn.Sequential(c, nn.BatchNorm2d(3))
     entry = c.__dict__["forward"]
     calls = []

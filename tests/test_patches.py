@@ -61,12 +61,15 @@ def test_import_patches_nothing_and_first_swap_applies():
     assert after["applied"] == [
         *(["torch._decomp._core_aten_decompositions_post_autograd"] if core_aten else []),
         "torch.jit._recursive.create_script_module",
+        "torch.nn.modules.batchnorm._BatchNorm.__getstate__ / __deepcopy__ (added)",
         "torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle"]
     assert not after["onnx_imported"] and not after["torchao_imported"]
 
 
-def test_unpickled_model_applies_the_patches(tmp_path):
-    """A converted model saved whole and loaded in a fresh process scripts as stock."""
+def test_unpickled_model_applies_no_patch_and_converts_again(tmp_path):
+    """A converted model saved whole loads in a fresh process as stock's layers, applying
+    no patch (issue 32: nothing of bnswap's in the checkpoint); bnswap.convert after
+    loading swaps it and applies them, and it scripts as stock."""
     path = tmp_path / "m.pt"
     _run(f"""
         import bnswap, torch
@@ -79,19 +82,20 @@ def test_unpickled_model_applies_the_patches(tmp_path):
     """)
     out = _run(f"""
         import bnswap, torch
-        before = state()
         m = torch.load({str(path)!r}, weights_only=False)
+        loaded = [state(), bnswap.is_swapped(m[1])]
+        bnswap.convert(m)
         x = torch.randn(2, 3, 5, 5)
         err = float((torch.jit.script(m)(x) - m(x)).abs().max())
-        print(json.dumps([before, state(), bnswap.is_swapped(m[1]), err]))
+        print(json.dumps([*loaded, state(), bnswap.is_swapped(m[1]), err]))
     """)
-    before, after, swapped, err = out
-    assert before["applied"] == [] and swapped
+    before, swapped_on_load, after, swapped, err = out
+    assert before["applied"] == [] and not swapped_on_load and swapped
     assert "torch.jit._recursive.create_script_module" in after["applied"]
     assert err == 0.0
 
 
-@pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx,core_aten,ddp"])
+@pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx,core_aten,ddp,checkpoints"])
 def test_disable_all(value):
     out = _run("""
         import bnswap
@@ -135,7 +139,7 @@ def test_disable_some_and_unknown_name_warns():
     ao = "torchao.quantization.pt2e.quantize_pt2e"
     assert (ao + "._get_node_name_to_scope" in st["applied"]) == (ao in present)
     assert warned == ["bnswap: BNSWAP_DISABLE_PATCHES names unknown patches ['cuda']; known: "
-                      "'all', 'core_aten', 'ddp', 'onnx', 'torchao', 'torchscript'"]
+                      "'all', 'checkpoints', 'core_aten', 'ddp', 'onnx', 'torchao', 'torchscript'"]
 
 
 def test_docs_list_every_patch():

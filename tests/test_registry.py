@@ -153,14 +153,16 @@ def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
 
 
 def test_adapted_layers_deepcopy_and_pickle_with_their_adapter(clean_registry):
-    """The adapter is stored by reference: a torch.save of the whole model loads into
-    layers that run it (bound to the loaded layer, not the saved one)."""
+    """A deepcopy keeps the adapter, bound to the copy; a torch.save of the whole model
+    loads as stock's layers (issue 32) and bnswap.convert gives them the adapter again."""
     bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)
     net = bnswap.convert(_net())
     buf = io.BytesIO()
     torch.save(net, buf)
     buf.seek(0)
-    for clone in (copy.deepcopy(net), torch.load(buf, weights_only=False)):
+    loaded = torch.load(buf, weights_only=False)
+    assert not any(bnswap.is_swapped(m) for m in loaded.modules())
+    for clone in (copy.deepcopy(net), bnswap.convert(loaded)):
         for a, b in zip(net.modules(), clone.modules(), strict=True):
             assert bnswap.is_swapped(a) == bnswap.is_swapped(b)
             if bnswap.is_swapped(b):

@@ -36,7 +36,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from bnswap import _log
-from bnswap._swap import WRAPPER_STATE
+from bnswap._swap import WRAPPER_STATE, adapter_of, swap
 from bnswap.ort import _compat, _original
 from bnswap.ort._layers import check_layers, trace_constants
 from bnswap.ort._logs import ort_log_level, quiet_ort_notices
@@ -87,10 +87,23 @@ class WrapperState:
 
     def __getstate__(self) -> dict:
         keep = ("model", "fallback", "session_options", "stats", "eager")
-        return {k: v for k, v in self.__dict__.items() if k in keep}
+        state = {k: v for k, v in self.__dict__.items() if k in keep}
+        # a whole-model pickle leaves the layers' swap and internal buffers out (bnswap's
+        # checkpoints patch, issue 32); a wrapper is bnswap's own object: it puts them
+        # back when it is unpickled
+        state["adapters"] = {name: adapter_of(m) for name, m in self.model.named_modules()
+                             if adapter_of(m) is not None}
+        return state
 
     def __setstate__(self, state: dict) -> None:
+        adapters = state.pop("adapters", {})
         self.__init__(**state)  # type: ignore[misc]
+        modules = dict(self.model.named_modules())
+        for name, adapter in adapters.items():
+            if modules.get(name) is not None and adapter_of(modules[name]) is None:
+                swap(modules[name], adapter)
+        if adapters:
+            trace_constants(self.model, add=True)
 
 
 def graph_mode(model_training: bool, layers: list[tuple[str, nn.Module]]) -> bool:
