@@ -212,7 +212,10 @@ def revert(module: nn.Module) -> nn.Module:
     original layer object it shares its state with (its class and hooks; its flags,
     ``training``, ``momentum``, ``eps``, ..., taken from the SyncBatchNorm,
     :data:`bnswap.sync.FLAGS`). On an ORT wrapper, reverts the model
-    inside and returns the wrapper (use ``wrapper.module``).
+    inside and returns the wrapper (use ``wrapper.module``). On a ``torch.fx.GraphModule``
+    (``ep.module()``, a pt2e prepared graph) its batch-norm ``call_function`` nodes on the
+    consolidated ops go back to stock's ``aten.batch_norm`` too, in place
+    (:func:`bnswap.to_stock_ops`), the inverse of ``convert(graph_module)``.
 
     Returns:
         ``module`` (the original layer when ``module`` is itself such a SyncBatchNorm).
@@ -243,5 +246,7 @@ def revert(module: nn.Module) -> nn.Module:
                 modules.append(original)
     for m in modules:
         unswap(m)
+    if isinstance(module, GraphModule):
+        programs.to_stock_ops(module)
     root = original_of(module)
     return module if root is None else root

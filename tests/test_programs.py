@@ -320,6 +320,18 @@ def test_revert_of_a_program_names_to_stock_ops():
         bnswap.revert(ep)
 
 
+def test_revert_of_a_graph_module_undoes_convert_of_its_nodes():
+    """Guards (a newcomer's try): revert(gm) after convert(gm) (the pt2e door) left the
+    consolidated nodes in place, silently; it gives back stock's graph, which runs as
+    the never-converted graph does."""
+    ep = torch.export.export(model(), (X,))
+    gm, stock = ep.module(), ep.module()
+    assert bnswap.convert(gm) is gm and set(bn_ops(gm)) <= CONSOLIDATED
+    assert bnswap.revert(gm) is gm
+    assert bn_ops(gm) == bn_ops(stock) and not set(bn_ops(gm)) & CONSOLIDATED
+    same_runs(stock, gm)
+
+
 def test_a_program_pattern_that_matches_no_node_warns():
     """Guards (a newcomer's try): convert(ep, include=["nomatch"]) converted 0 nodes without
     a word, where a module's unmatched pattern warns."""
