@@ -616,16 +616,19 @@ _BN_CLASS = torch.nn.modules.batchnorm._BatchNorm
 
 def _stock_state(state: Any) -> Any:
     """``state`` (a BatchNorm layer's ``__getstate__``) without anything of bnswap's: the
-    swap entry and internal buffers; a new dict when something is left out."""
+    swap entry, internal buffers and bnswap's own attributes (``_bnswap_*``: the original
+    layer a ``convert(..., sync_batchnorm=True)`` SyncBatchNorm keeps for ``revert``); a
+    new dict when something is left out."""
     if not isinstance(state, dict):
         return state
     buffers = state.get("_buffers")
     internal = ([k for k in buffers if k.startswith(INTERNAL_BUFFER_PREFIX)]
                 if isinstance(buffers, dict) else [])
-    if type(state.get("forward")) is not SwappedForward and not internal:
+    own = [k for k in state if isinstance(k, str) and k.startswith(INTERNAL_BUFFER_PREFIX)]
+    if type(state.get("forward")) is not SwappedForward and not internal and not own:
         return state
     state = {k: v for k, v in state.items()
-             if not (k == "forward" and type(v) is SwappedForward)}
+             if not (k == "forward" and type(v) is SwappedForward) and k not in own}
     if internal:
         state["_buffers"] = type(buffers)((k, v) for k, v in buffers.items() if k not in internal)
         nonpersistent = state.get("_non_persistent_buffers_set")
@@ -664,8 +667,10 @@ def _patch_checkpoints() -> bool:
         return True
     if (prev is None or "__getstate__" in vars(cls) or "__deepcopy__" in vars(cls)
             or hasattr(cls, "__deepcopy__") or not hasattr(copy, "_reconstruct")):
-        logger.debug("bnswap: torch's BatchNorm defines its own __getstate__ / __deepcopy__; "
-                     "whole-model pickles of swapped layers reference bnswap here")
+        warn("bnswap: this torch's BatchNorm defines its own __getstate__ / __deepcopy__, "
+             "so the checkpoints patch is off: torch.save(model) of a converted model "
+             "names bnswap (loading it needs bnswap); save model.state_dict(), or "
+             "bnswap.revert(model) before torch.save(model)", UserWarning)
         return False
 
     @_mark

@@ -154,7 +154,7 @@ def convert(
     # (str() computes the kernel column, a probe per layer: only when it is logged)
     info(logger, "%s", todo, unconfigured_line=(
         f"bnswap.convert: {todo.summary().partition(': ')[2]} (the table: "
-        "logging.getLogger('bnswap') at INFO)"))
+        "logging.basicConfig(level=logging.INFO))"))
     return out
 
 

@@ -250,6 +250,29 @@ def test_weights_only_load_of_a_whole_model_needs_stocks_allowlist_only():
         assert_run_alike(trained(), clone)
 
 
+@pytest.mark.skipif(not hasattr(torch.serialization, "safe_globals"),
+                    reason="torch.serialization.safe_globals: torch >= 2.5")
+def test_a_synchronized_model_pickles_as_stocks_synchronized_model():
+    """Guards (a newcomer's try): a convert(..., sync_batchnorm=True) SyncBatchNorm kept
+    its original BatchNorm layer (for revert) in the pickle: b"bnswap" in the file, stock's
+    allowlist refused it, and revert after loading gave the BatchNorm back. It pickles as
+    torch's convert_sync_batchnorm model does; deepcopy keeps the original."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 5),
+                          nn.BatchNorm1d(5))
+    stock = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+    ours = bnswap.convert(model, sync_batchnorm=True)
+    data = _bytes(ours).getvalue()
+    assert b"bnswap" not in data
+    with torch.serialization.safe_globals(sorted({type(m) for m in stock.modules()}, key=str)):
+        loaded = torch.load(io.BytesIO(data), weights_only=True)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in stock.modules()]
+    assert [sorted(vars(m)) for m in loaded.modules()] == [sorted(vars(m)) for m in stock.modules()]
+    assert state_diff(loaded, stock) == []
+    assert type(bnswap.revert(bnswap.convert(loaded))[1]) is nn.SyncBatchNorm
+    assert type(bnswap.revert(copy.deepcopy(ours))[1]) is nn.BatchNorm2d
+
+
 def test_uninitialized_lazy_model_deepcopy_and_pickle_as_stock():
     stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyBatchNorm2d())
     swapped = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LazyBatchNorm2d())
