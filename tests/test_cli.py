@@ -150,7 +150,7 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
     res = json.loads(png.with_suffix(".json").read_text())
     assert list(res) == ["stock", "bnswap (aten)"]
     assert [len(r["history"]) for r in res.values()] == [2, 2]
-    assert res["bnswap (aten)"]["plan"].startswith("bnswap plan: 52 of 52")
+    assert res["bnswap (aten)"]["plan"].startswith("bnswap: 52 of 52 BatchNorm layers swapped")
     for label, r in res.items():
         f = r["final"]
         assert f == {k: r["history"][-1][k] for k in ("val_loss", "val_acc")}  # float64
