@@ -24,6 +24,9 @@ class Rows(Sequence, Generic[Row]):
     #: What :meth:`summary` counts ("BatchNorm layers", "batch-norm nodes").
     counted = "rows"
     rows: tuple[Any, ...]
+    #: Whether ``apply`` has carried the plan out (set by a successful ``apply``): the
+    #: summary then says what was done, not what would be.
+    applied = False
 
     def __getitem__(self, i):  # type: ignore[override]
         return self.rows[i]
@@ -62,14 +65,19 @@ class Rows(Sequence, Generic[Row]):
                 + f"{len(self.skipped)} skip")
 
     def summary(self) -> str:
-        """``"bnswap plan: N of M <counted> swapped, K skipped"``; when some are swapped
-        already, ``"; J already swapped (keep)"``, and ``": nothing would change"`` when
-        ``apply`` would swap none."""
-        text = (f"bnswap plan: {len(self.swapped)} of {len(self.rows)} {self.counted} "
-                f"swapped, {len(self.skipped)} skipped")
+        """What the plan would do, before ``apply``: ``"bnswap plan: N of M <counted> would
+        be swapped, K skipped"``; when some are swapped already, ``"; J already swapped
+        (keep)"``, and ``": nothing would change"`` when ``apply`` would swap none. After a
+        successful ``apply`` (:attr:`applied`), what was done: ``"bnswap: N of M <counted>
+        swapped, K skipped"`` (``": nothing changed"``). N counts the rows that run bnswap's
+        ops (:attr:`swapped`: action ``swap`` or ``keep``)."""
+        done = self.applied
+        text = (f"{'bnswap' if done else 'bnswap plan'}: {len(self.swapped)} of "
+                f"{len(self.rows)} {self.counted} {'' if done else 'would be '}swapped, "
+                f"{len(self.skipped)} skipped")
         kept = len(self.kept)
         if kept:
             text += f"; {kept} already swapped (keep)"
             if kept == len(self.swapped):
-                text += ": nothing would change"
+                text += ": nothing changed" if done else ": nothing would change"
         return text

@@ -120,7 +120,8 @@ class _BNSwapBase:
         self.exclude = exclude
         self.revert_on_teardown = revert_on_teardown
         self.log_table = log_table
-        #: The plan of the last run (set when the run starts), or None before any run.
+        #: The plan of the last run (set when the run starts), or None before any run;
+        #: applied (its summary: ``"bnswap: 52 of 52 BatchNorm layers swapped, 0 skipped"``).
         self.plan: Plan | None = None
         self._root: nn.Module | None = None
         self._handle: RemovableHandle | None = None
@@ -235,7 +236,9 @@ class _BNSwapBase:
                 r = replace(r, action="swap", already=False,
                             reason=when + (f"; {r.placement}" if r.placement else ""))
             rows.append(r)
-        return Plan(rows, pl_module, self.backend, wrap="children")
+        done = Plan(rows, pl_module, self.backend, wrap="children")
+        done.applied = True  # what the model runs now: its summary says "swapped"
+        return done
 
     # ------------------------------------------------------------ sync_batchnorm
     def _synchronizes_all(self, model: nn.Module) -> bool:

@@ -358,7 +358,8 @@ class Plan(Rows[PlanRow]):
         ``wrap="children"``, each child named in :attr:`to_wrap` (in place).
 
         Atomic: on any error (``KeyboardInterrupt`` included) every swap done so far is
-        undone and the error raised; the model is as it was.
+        undone and the error raised; the model is as it was. Only a successful apply sets
+        :attr:`applied` (:meth:`summary` then says "swapped", not "would be swapped").
 
         Returns:
             The model, or its ORT wrapper: what :func:`bnswap.convert` returns and
@@ -376,8 +377,12 @@ class Plan(Rows[PlanRow]):
             >>> from torch import nn
             >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
             >>> p = bnswap.plan(model)
+            >>> print(p.summary())
+            bnswap plan: 1 of 1 BatchNorm layers would be swapped, 0 skipped
             >>> p.apply() is model, bnswap.is_swapped(model[1])
             (True, True)
+            >>> print(p.summary())
+            bnswap: 1 of 1 BatchNorm layers swapped, 0 skipped
         """
         if self.model is None:
             raise ValueError("this Plan has no model to apply to (build it with bnswap.plan)")
@@ -414,12 +419,13 @@ class Plan(Rows[PlanRow]):
                     # not setattr: torch's module registration hooks would see a new child
                     model._modules[key] = wrapped
             elif backend.wraps and self.rows and wrapped_model(self.model) is None:
-                return backend.wrap(self.model)
-            return model  # (an ORT wrapper exports again on its next call)
+                model = backend.wrap(self.model)
         except BaseException:
             for undo in reversed(undos):
                 undo()
             raise
+        self.applied = True  # the summary says what was done from now on
+        return model  # (an ORT wrapper exports again on its next call)
 
     def __str__(self) -> str:
         header: tuple[str, ...] = ("layer", "class", "action", "backend", "kernel", "adapter",
@@ -473,8 +479,10 @@ class Plan(Rows[PlanRow]):
                 "shows every layer.")
 
     def summary(self) -> str:
-        """``"bnswap plan: N of M BatchNorm layers swapped, K skipped"``, and when
-        :attr:`refused`, that convert refuses the model (so nothing would change)."""
+        """``"bnswap plan: N of M BatchNorm layers would be swapped, K skipped"``
+        (``"bnswap: N of M BatchNorm layers swapped, K skipped"`` once :attr:`applied`;
+        see :meth:`bnswap._rows.Rows.summary`), and when :attr:`refused`, that convert
+        refuses the model (so nothing would change)."""
         text = super().summary()
         refusal = self._refusal()
         if refusal:
@@ -652,7 +660,7 @@ def plan(
         >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SyncBatchNorm(8))
         >>> p = bnswap.plan(model)
         >>> print(p.summary())
-        bnswap plan: 2 of 2 BatchNorm layers swapped, 0 skipped
+        bnswap plan: 2 of 2 BatchNorm layers would be swapped, 0 skipped
         >>> [(r.name, r.adapter_name, r.sync) for r in p]  # doctest: +NORMALIZE_WHITESPACE
         [('1', 'bnswap.layers.batch_norm_forward', '-'),
          ('2', 'bnswap.sync.sync_batch_norm_forward',

@@ -233,13 +233,16 @@ class ProgramPlan(Rows[NodeRow]):
     def apply(self) -> Program:
         """:func:`convert` the program with the plan's patterns: a new ExportedProgram
         (a GraphModule is rewritten in place and returned). A pattern that matches no
-        node does not warn again (:func:`plan` did)."""
+        node does not warn again (:func:`plan` did). Sets :attr:`applied` when it
+        succeeds (:meth:`summary` then says "swapped", not "would be swapped")."""
         if self.program is None:
             raise ValueError("this ProgramPlan has no program to apply to (build it with "
                              "bnswap.plan)")
         # planned again (the program may have changed), without the warnings plan gave
-        return _apply(_plan_nodes(self.program, include=self._patterns[0],
-                                  exclude=self._patterns[1])[0])
+        new = _apply(_plan_nodes(self.program, include=self._patterns[0],
+                                 exclude=self._patterns[1])[0])
+        self.applied = True  # the summary says what was done from now on
+        return new
 
     def __str__(self) -> str:
         header = ("node", "op", "action", "becomes", "kernel", "reason")
@@ -301,7 +304,7 @@ def plan(program: Program, backend: str = "aten", *,
         >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
         >>> ep = torch.export.export(model, (torch.randn(2, 3, 8, 8),))
         >>> print(bnswap.plan(ep, device="cuda").summary())
-        bnswap plan: 1 of 1 batch-norm nodes swapped, 0 skipped
+        bnswap plan: 1 of 1 batch-norm nodes would be swapped, 0 skipped
     """
     todo, unmatched = _plan_nodes(program, backend, include=include, exclude=exclude,
                                   device=device)

@@ -181,7 +181,7 @@ def test_a_plan_convert_would_refuse_says_so_in_its_summary():
     p = bnswap.plan(model, "ort", exclude="1")
     assert p.refused
     assert p.summary() == (
-        "bnswap plan: 1 of 3 BatchNorm layers swapped, 2 skipped; convert(backend='ort') "
+        "bnswap plan: 1 of 3 BatchNorm layers would be swapped, 2 skipped; convert(backend='ort') "
         "refuses this model (ONNX Runtime cannot run a skipped layer): nothing would change")
     assert str(p).splitlines()[0] == p.summary()
     for fine in (bnswap.plan(model, exclude="1"),  # aten runs skipped layers as stock

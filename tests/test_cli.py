@@ -110,7 +110,9 @@ def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     # the callback's line (once, on rank zero; issue 26: not the 52-row table), the
     # plan's summary, then the figures
     assert out.count("BNSwap (fit): 52 of 52 BatchNorm layers swapped, 0 skipped\n") == 1
-    assert out.count("bnswap plan: 52 of 52 BatchNorm layers swapped, 0 skipped") == 1
+    # the plan after training: applied, so not "bnswap plan:" (as if bnswap plan ran)
+    assert out.splitlines().count("bnswap: 52 of 52 BatchNorm layers swapped, 0 skipped") == 1
+    assert "bnswap plan:" not in out
     assert "layer  " not in out and "net.features.0.1" not in out
     line = next(ln for ln in out.splitlines() if ln.startswith("final validation accuracy:"))
     acc = float(line.split()[3])
@@ -148,7 +150,7 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
     res = json.loads(png.with_suffix(".json").read_text())
     assert list(res) == ["stock", "bnswap (aten)"]
     assert [len(r["history"]) for r in res.values()] == [2, 2]
-    assert res["bnswap (aten)"]["plan"].startswith("bnswap plan: 52 of 52")
+    assert res["bnswap (aten)"]["plan"].startswith("bnswap: 52 of 52 BatchNorm layers swapped")
     for label, r in res.items():
         f = r["final"]
         assert f == {k: r["history"][-1][k] for k in ("val_loss", "val_acc")}  # float64

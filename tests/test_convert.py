@@ -133,7 +133,7 @@ def test_convert_is_idempotent():
     rows = bnswap.plan(model)
     assert all(r.action == "keep" for r in rows)  # (issue 26: was "swap")
     assert {r.reason for r in rows} >= {"already swapped"}
-    assert rows.summary() == ("bnswap plan: 3 of 3 BatchNorm layers swapped, 0 skipped; 3 "
+    assert rows.summary() == ("bnswap plan: 3 of 3 BatchNorm layers would be swapped, 0 skipped; 3 "
                               "already swapped (keep): nothing would change")
     assert repr(rows) == "Plan(0 swap, 3 keep, 0 skip)"
 
@@ -151,7 +151,7 @@ def test_plan_of_a_converted_model_says_keep_and_apply_changes_only_what_is_new(
         ("keep", "already swapped", True)] * 3 + [("swap", "-", False)]
     assert [d["action"] for d in p.to_dicts()] == ["keep", "keep", "keep", "swap"]
     assert [r.backend for r in p] == ["aten"] * 4 and len(p.swapped) == 4 and len(p.kept) == 3
-    assert p.summary() == ("bnswap plan: 4 of 4 BatchNorm layers swapped, 0 skipped; 3 "
+    assert p.summary() == ("bnswap plan: 4 of 4 BatchNorm layers would be swapped, 0 skipped; 3 "
                            "already swapped (keep)")
     assert str(p).splitlines()[3].split()[2] == "keep"
     assert p.apply() is model
@@ -244,7 +244,7 @@ def test_plan_table_and_logging(caplog):
     p = bnswap.plan(model)
     text = str(p)
     lines = text.splitlines()
-    assert lines[0] == "bnswap plan: 2 of 2 BatchNorm layers swapped, 0 skipped"
+    assert lines[0] == "bnswap plan: 2 of 2 BatchNorm layers would be swapped, 0 skipped"
     header, rule, row1, row2 = lines[1:]
     for col in ("layer", "class", "action", "backend", "kernel", "adapter", "sync", "reason"):
         assert col in header
@@ -257,7 +257,7 @@ def test_plan_table_and_logging(caplog):
     assert p[0].adapter_name == "bnswap.layers.batch_norm_forward" and p[0].kernel == "Native"
     # (the kernel for another device: tests/test_kernel_selection.py)
     assert text == (
-        "bnswap plan: 2 of 2 BatchNorm layers swapped, 0 skipped\n"
+        "bnswap plan: 2 of 2 BatchNorm layers would be swapped, 0 skipped\n"
         "layer  class          action  backend  kernel  adapter                              "
         "sync                                                   reason\n"
         "-----  -------------  ------  -------  ------  -----------------------------------  "
@@ -267,11 +267,46 @@ def test_plan_table_and_logging(caplog):
         "2      SyncBatchNorm  swap    aten     Native  bnswap.sync.sync_batch_norm_forward  "
         "WORLD after init_process_group; unsynchronized before  -")
     assert str(bnswap.plan(nn.Sequential(nn.Linear(2, 2)))) == (
-        "bnswap plan: 0 of 0 BatchNorm layers swapped, 0 skipped "
+        "bnswap plan: 0 of 0 BatchNorm layers would be swapped, 0 skipped "
         "(the model has no BatchNorm layers)")
     caplog.set_level(logging.INFO, logger="bnswap")
     bnswap.convert(model)
-    assert [r.getMessage() for r in caplog.records if r.name.startswith("bnswap")] == [text]
+    # convert logs the applied plan: what was done, not what would be
+    done = "bnswap: 2 of 2 BatchNorm layers swapped, 0 skipped\n" + text.partition("\n")[2]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("bnswap")] == [done]
+
+
+def test_a_dry_plan_says_would_be_swapped_and_the_applied_one_swapped():
+    """Guards (issue 33, a newcomer's report): ``print(bnswap.plan(model))`` said "1 of 1
+    BatchNorm layers swapped" before anything was swapped. A plan says what would happen
+    until its ``apply`` succeeds, then what was done; a failed apply leaves it dry."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    p = bnswap.plan(model)
+    assert not p.applied and not bnswap.is_swapped(model[1])
+    assert p.summary() == "bnswap plan: 1 of 1 BatchNorm layers would be swapped, 0 skipped"
+    assert str(p).splitlines()[0] == p.summary()
+    assert p.apply() is model and p.applied and bnswap.is_swapped(model[1])
+    assert p.summary() == "bnswap: 1 of 1 BatchNorm layers swapped, 0 skipped"
+    assert str(p).splitlines()[0] == p.summary()
+    again = bnswap.plan(model)  # planned after the swap: the layer is kept, nothing to do
+    assert again.summary() == ("bnswap plan: 1 of 1 BatchNorm layers would be swapped, 0 "
+                               "skipped; 1 already swapped (keep): nothing would change")
+    again.apply()
+    assert again.summary() == ("bnswap: 1 of 1 BatchNorm layers swapped, 0 skipped; 1 "
+                               "already swapped (keep): nothing changed")
+    # an apply that fails (ORT refuses a skipped layer) leaves the plan dry
+    refused = bnswap.plan(nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2)), "ort",
+                          exclude="1")
+    with pytest.raises(TypeError):
+        refused.apply()
+    assert not refused.applied and refused.summary().startswith(
+        "bnswap plan: 1 of 2 BatchNorm layers would be swapped, 1 skipped; ")
+    # a program's plan too
+    ep = torch.export.export(nn.Sequential(nn.BatchNorm1d(4)), (torch.randn(2, 4),))
+    pp = bnswap.plan(ep)
+    assert pp.summary() == "bnswap plan: 1 of 1 batch-norm nodes would be swapped, 0 skipped"
+    pp.apply()
+    assert pp.summary() == "bnswap: 1 of 1 batch-norm nodes swapped, 0 skipped"
 
 
 @pytest.mark.parametrize("env, level", [
@@ -291,7 +326,10 @@ def test_the_plan_is_logged_at_info_on_rank_zero_only(caplog, monkeypatch, env, 
         monkeypatch.setenv(key, value)
     caplog.set_level(logging.DEBUG, logger="bnswap")
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
-    text = str(bnswap.plan(model))
+    p = bnswap.plan(model)
+    p.apply()  # (convert logs its plan applied)
+    text = str(p)
+    bnswap.revert(model)
     bnswap.convert(model)
     assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bnswap"] == [
         (level, text)]

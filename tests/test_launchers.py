@@ -22,7 +22,7 @@ from tests.sync_cases import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("torchrun_job.py")
-TABLE = "bnswap plan: 52 of 52 BatchNorm layers swapped, 0 skipped"
+TABLE = "bnswap: 52 of 52 BatchNorm layers swapped, 0 skipped"
 
 
 def _torchrun(out: Path) -> str:
@@ -43,9 +43,9 @@ def test_torchrun_job_logs_the_plan_once_and_ddp_names_unswapped_sync_layers(tmp
     err = _torchrun(tmp_path)
     # Once per job: one table per convert call (the script makes 5), from rank 0; it was
     # one per rank, interleaved
-    summaries = [ln for ln in err.splitlines() if "bnswap plan:" in ln]
-    one = "bnswap plan: 51 of 52 BatchNorm layers swapped, 1 skipped"  # (the excluded one)
-    small = "bnswap plan: 1 of 2 BatchNorm layers swapped, 1 skipped"  # (Doubled's net)
+    summaries = [ln for ln in err.splitlines() if "BatchNorm layers swapped," in ln]
+    one = "bnswap: 51 of 52 BatchNorm layers swapped, 1 skipped"  # (the excluded one)
+    small = "bnswap: 1 of 2 BatchNorm layers swapped, 1 skipped"  # (Doubled's net)
     assert summaries == [f"[rank 0] INFO bnswap: {t}"
                          for t in (TABLE, small, TABLE, TABLE, one, TABLE)], summaries
     assert not re.search(r"^\[rank 1\] INFO", err, flags=re.M), err[-3000:]

@@ -190,7 +190,7 @@ def test_layers_built_in_init_are_swapped_at_setup_and_plan_logged_once():
     plans = [r.getMessage() for r in records if r.getMessage().startswith("BNSwap (")]
     # once per run, although validation starts twice; one line: every layer swapped
     assert plans == ["BNSwap (fit): 4 of 4 BatchNorm layers swapped, 0 skipped"], plans
-    assert cb.plan.summary() == "bnswap plan: 4 of 4 BatchNorm layers swapped, 0 skipped"
+    assert cb.plan.summary() == "bnswap: 4 of 4 BatchNorm layers swapped, 0 skipped"
     assert [r.name for r in cb.plan.rows] == [f"net.features.{i}" for i in (1, 4, 8, 11)]
     assert {r.reason for r in cb.plan.rows} == {"swapped at setup"}
     assert {r.kernel for r in cb.plan.rows} == {"Native"}

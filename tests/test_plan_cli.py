@@ -28,7 +28,7 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_every_layer_swapped_exits_0_in_each_format(capsys):
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--model.width", "6")
-    assert code == 0 and out.startswith("bnswap plan: 1 of 1 BatchNorm layers swapped")
+    assert code == 0 and out.startswith("bnswap plan: 1 of 1 BatchNorm layers would be swapped")
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--format", "json")
     data = json.loads(out)
     assert code == 0 and data["summary"] == {"layers": 1, "swapped": 1, "skipped": 0,
@@ -96,7 +96,7 @@ def test_include_and_exclude_take_a_bare_pattern_or_a_list(capsys, option, args,
 
 def test_the_main_jobs_config(capsys):
     code, out, _ = run(capsys, "--config", "digits_mobilenetv2.yaml")
-    assert code == 0 and out.startswith("bnswap plan: 52 of 52 BatchNorm layers swapped")
+    assert code == 0 and out.startswith("bnswap plan: 52 of 52 BatchNorm layers would be swapped")
     code, out, _ = run(capsys, "--config", "digits_mobilenetv2_ort.yaml", "--format", "json")
     assert json.loads(out)["summary"]["backend"] == "ort"  # the config's callback
 
@@ -126,7 +126,7 @@ def test_usage_errors_exit_2(capsys, args):
 def test_the_console_script_exits_with_the_plans_status(tmp_path):
     proc = run_bnswap(["plan", "--model", "tests.plan_models.mixed_net"])
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "bnswap plan: 2 of 4 BatchNorm layers swapped, 2 skipped" in proc.stdout
+    assert "bnswap plan: 2 of 4 BatchNorm layers would be swapped, 2 skipped" in proc.stdout
 
 
 def test_an_unannotated_function_is_called_and_its_result_checked(capsys):
@@ -332,8 +332,8 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     done = tmp_path / "done.pt2"
     assert plan_cli.convert_main([str(path), "-o", str(done)]) == 0
     capsys.readouterr()
-    summary = ("2 of 2 batch-norm nodes swapped, 0 skipped; 2 already swapped (keep): nothing "
-               "would change")
+    summary = ("2 of 2 batch-norm nodes would be swapped, 0 skipped; 2 already swapped (keep): "
+               "nothing would change")
     code, out, _ = run(capsys, "--program", str(done))
     assert code == 0 and out.startswith(f"bnswap plan: {summary}\n")
     assert [ln.split()[2] for ln in out.splitlines()[3:5]] == ["keep", "keep"]
@@ -342,7 +342,10 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     assert code == 0 and [r["action"] for r in data["nodes"]] == ["keep", "keep"]
     assert data["summary"]["text"] == f"bnswap plan: {summary}"
     assert plan_cli.convert_main([str(done), "-o", str(tmp_path / "again.pt2")]) == 0
-    assert capsys.readouterr().out.startswith(f"bnswap convert: {summary}\n")
+    # (convert reports the applied plan: what was done)
+    assert capsys.readouterr().out.startswith(
+        "bnswap convert: 2 of 2 batch-norm nodes swapped, 0 skipped; 2 already swapped (keep): "
+        "nothing changed\n")
 
 
 def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, capsys):
@@ -557,7 +560,7 @@ def test_convert_names_itself_in_its_output(capsys, tmp_path):
     summary keep "bnswap plan"."""
     path, ep, _ = _program_file(tmp_path)
     ref = bnswap.plan(ep)
-    assert ref.summary() == "bnswap plan: 2 of 2 batch-norm nodes swapped, 0 skipped"
+    assert ref.summary() == "bnswap plan: 2 of 2 batch-norm nodes would be swapped, 0 skipped"
     out_path = tmp_path / "o.pt2"
     assert plan_cli.convert_main([str(path), "-o", str(out_path)]) == 0
     out = capsys.readouterr().out.splitlines()

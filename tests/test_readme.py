@@ -77,14 +77,15 @@ def test_readme_line_runs_as_written(line, tmp_path):
     if "--help" in line:
         assert first.startswith("usage: bnswap")
     elif "--exclude" in line or "--include" in line:  # exit 0: skipped only on purpose
-        n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers swapped, (\d+) skipped",
-                     first)
+        n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers would be swapped, "
+                     r"(\d+) skipped", first)
         assert n and int(n.group(1)) + int(n.group(3)) == int(n.group(2)), first
         skipped = [ln for ln in p.stdout.splitlines()[3:] if ln.split()[2:3] == ["skip"]]
         assert len(skipped) == int(n.group(3)) > 0 and all(
             "excluded by" in ln or "not matched by include" in ln for ln in skipped), skipped
     else:
-        n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers swapped, 0 skipped", first)
+        n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers would be swapped, "
+                     r"0 skipped", first)
         assert n and n.group(1) == n.group(2) and int(n.group(1)) > 0, first
 
 
@@ -118,6 +119,11 @@ def test_readme_pytorch_quick_start_prints_the_plan_it_shows(capsys):
     assert printed == shown
     model = scope["model"]  # reverted: stock again, the same as a fresh stock copy
     assert not bnswap.is_swapped(model[1]) and type(model[1]) is torch.nn.BatchNorm2d
+    # the sentence under it quotes what the same plan says once applied (issue 33)
+    p = bnswap.plan(model)
+    p.apply()
+    assert f"`{p.summary()}`" in text.replace("\n", " ")
+    bnswap.revert(model)
 
 
 def _run_lightning_block(block: str) -> dict:

@@ -185,7 +185,7 @@ def test_the_swap_is_visible_where_logging_is_not_configured(setup, env, want):
                          env={**e, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     if want == "table":
-        assert proc.stderr.count("bnswap plan: 2 of 2 BatchNorm layers swapped") == 2
+        assert proc.stderr.count("bnswap: 2 of 2 BatchNorm layers swapped, 0 skipped\n") == 2
         assert _LINE not in proc.stderr
     else:
         assert proc.stderr == want

@@ -721,5 +721,5 @@ def convert_main(argv: Sequence[str]) -> int:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return _usage_error(f"{cfg.output}: cannot be written ({reason[:160]})", "convert")
     table = render(plan, "table", f"wrote {cfg.output}")  # named for the command that ran
-    print(re.sub(r"^bnswap plan:", "bnswap convert:", table, count=1))
+    print(re.sub(r"^bnswap:", "bnswap convert:", table, count=1))  # (an applied plan's)
     return _exit_status(plan)
