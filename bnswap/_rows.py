@@ -68,7 +68,7 @@ class Rows(Sequence, Generic[Row]):
         """What the plan would do, before ``apply``: ``"bnswap plan: N of M <counted> would
         be swapped, K skipped"``; when some are swapped already, ``"; J already swapped
         (keep)"``, and ``": nothing would change"`` when ``apply`` would swap none. After a
-        successful ``apply`` (:attr:`applied`), what was done: ``"bnswap: N of M <counted>
+        successful ``apply`` (``applied``), what was done: ``"bnswap: N of M <counted>
         swapped, K skipped"`` (``": nothing changed"``). N counts the rows that run bnswap's
         ops (:attr:`swapped`: action ``swap`` or ``keep``)."""
         done = self.applied

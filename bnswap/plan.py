@@ -359,7 +359,7 @@ class Plan(Rows[PlanRow]):
 
         Atomic: on any error (``KeyboardInterrupt`` included) every swap done so far is
         undone and the error raised; the model is as it was. Only a successful apply sets
-        :attr:`applied` (:meth:`summary` then says "swapped", not "would be swapped").
+        ``applied`` (:meth:`summary` then says "swapped", not "would be swapped").
 
         Returns:
             The model, or its ORT wrapper: what :func:`bnswap.convert` returns and
@@ -480,8 +480,8 @@ class Plan(Rows[PlanRow]):
 
     def summary(self) -> str:
         """``"bnswap plan: N of M BatchNorm layers would be swapped, K skipped"``
-        (``"bnswap: N of M BatchNorm layers swapped, K skipped"`` once :attr:`applied`;
-        see :meth:`bnswap._rows.Rows.summary`), and when :attr:`refused`, that convert
+        (``"bnswap: N of M BatchNorm layers swapped, K skipped"`` once ``applied``;
+        see ``Rows.summary`` in ``bnswap._rows``), and when :attr:`refused`, that convert
         refuses the model (so nothing would change)."""
         text = super().summary()
         refusal = self._refusal()

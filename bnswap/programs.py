@@ -233,7 +233,7 @@ class ProgramPlan(Rows[NodeRow]):
     def apply(self) -> Program:
         """:func:`convert` the program with the plan's patterns: a new ExportedProgram
         (a GraphModule is rewritten in place and returned). A pattern that matches no
-        node does not warn again (:func:`plan` did). Sets :attr:`applied` when it
+        node does not warn again (:func:`plan` did). Sets ``applied`` when it
         succeeds (:meth:`summary` then says "swapped", not "would be swapped")."""
         if self.program is None:
             raise ValueError("this ProgramPlan has no program to apply to (build it with "
