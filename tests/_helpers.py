@@ -208,3 +208,20 @@ def run_bnswap(args: list[str], cwd: Any = ROOT, timeout: float = 300,
         return run_processes([*cmd, *args], timeout, cwd=cwd, env=env)
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
                           cwd=cwd, env=env)
+
+
+# The two-rank synchronized jobs' net and data (tests/lightning_sync_fit.py,
+# tests/fabric_sync_fit.py): each rank takes every other row of the global batch.
+SYNC_STEPS, SYNC_PER_RANK, SYNC_LR = 4, 4, 0.1
+
+
+def sync_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 1))
+
+
+def sync_dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y): the global batch of step k is rows 8k .. 8k + 7."""
+    g = torch.Generator().manual_seed(1)
+    n = SYNC_STEPS * 2 * SYNC_PER_RANK
+    return torch.randn(n, 6, generator=g) * 3 + 1, torch.randn(n, 1, generator=g)

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
+from _helpers import SYNC_LR as LR, SYNC_PER_RANK as PER_RANK, SYNC_STEPS as STEPS  # noqa: E402
+from _helpers import sync_dataset as dataset, sync_net as make_net  # noqa: E402
 
 torch.set_num_threads(1)  # two processes on two cores
 warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")
@@ -29,20 +31,6 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import bnswap  # noqa: E402
 from bnswap.lightning import BNSwap  # noqa: E402
-
-STEPS, PER_RANK, LR = 4, 4, 0.1
-
-
-def make_net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 1))
-
-
-def dataset() -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y): the global batch of step k is rows 8k .. 8k + 7."""
-    g = torch.Generator().manual_seed(1)
-    n = STEPS * 2 * PER_RANK
-    return torch.randn(n, 6, generator=g) * 3 + 1, torch.randn(n, 1, generator=g)
 
 
 class RankBatches(torch.utils.data.Dataset):
