@@ -410,6 +410,21 @@ def _torchao_too_old() -> bool:
     return False
 
 
+def _patchable(mod: Any, name: str, callers: tuple[str, ...]) -> Callable | bool:
+    """``mod``'s helper ``name`` when bnswap is to wrap it; True when it is wrapped
+    already; False (with the one warning of :func:`_unpatched`) when torchao is older
+    than :data:`MIN_TORCHAO` or one of ``callers`` no longer calls it by name."""
+    helper = getattr(mod, name, None)
+    if helper is not None and _patched(helper):
+        return True
+    if _torchao_too_old():
+        return False
+    if not _calls(mod, name, callers):
+        _unpatched(f"torchao's {mod.__name__}.{' / '.join(callers)} no longer call {name}")
+        return False
+    return helper
+
+
 def patch_torchao_pt2e(mod: Any) -> bool:
     """torchao's ``quantize_pt2e``: ``prepare_pt2e`` / ``prepare_qat_pt2e`` see stock's
     graph (their first helper, ``_get_node_name_to_scope``, rewrites it) and return the
@@ -418,15 +433,9 @@ def patch_torchao_pt2e(mod: Any) -> bool:
     the last two, prepared graphs stay on stock's op (a warning says so). False: nothing
     patched (torchao too old, or the first helper moved: a warning says so)."""
     scope = "_get_node_name_to_scope"
-    helper = getattr(mod, scope, None)
-    if helper is not None and _patched(helper):
-        return True
-    if _torchao_too_old():
-        return False
-    if not _calls(mod, scope, ("prepare_pt2e", "prepare_qat_pt2e")):
-        _unpatched(f"torchao's {mod.__name__}.prepare_pt2e / prepare_qat_pt2e no longer "
-                   f"call {scope}")
-        return False
+    helper = _patchable(mod, scope, ("prepare_pt2e", "prepare_qat_pt2e"))
+    if not callable(helper):
+        return helper
     post = (_calls(mod, "prepare", ("prepare_pt2e", "prepare_qat_pt2e"))
             and _calls(mod, "_convert_to_reference_decomposed_fx", ("convert_pt2e",)))
     setattr(mod, scope, _before_prepare(helper, mark=post))
@@ -449,15 +458,10 @@ def patch_torchao_export_utils(mod: Any) -> bool:
     swapped layers' nodes (their ``_replace_batchnorm`` runs on stock's nodes, which then
     run the consolidated ops again)."""
     name = "_replace_batchnorm"
-    helper = getattr(mod, name, None)
-    if helper is not None and _patched(helper):
-        return True
-    if _torchao_too_old():
-        return False
-    if not _calls(mod, name, ("_move_exported_model_to_eval", "_move_exported_model_to_train")):
-        _unpatched(f"torchao's {mod.__name__}._move_exported_model_to_eval / _train no "
-                   f"longer call {name}")
-        return False
+    helper = _patchable(mod, name, ("_move_exported_model_to_eval",
+                                    "_move_exported_model_to_train"))
+    if not callable(helper):
+        return helper
     setattr(mod, name, _switch_keeping(helper))
     return True
 
