@@ -182,6 +182,29 @@ def run_processes(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.C
 
 
 
+#: The launcher variables a rank script must not inherit from the test's environment.
+LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK")
+
+
+def rank_script(name: str) -> Any:
+    """``tests/<name>.py``, a script the tests run as processes, imported for its
+    constants and references (the tests folder on ``sys.path`` only while it imports)."""
+    import importlib
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def rank_env(**extra: str) -> dict[str, str]:
+    """The environment for a rank script: one thread a process, no launcher variable
+    inherited (:data:`LAUNCHER_VARS`), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
 def imported_modules(importtime_stderr: str) -> set[str]:
     """The modules a ``python -X importtime`` run imported, read from its stderr."""
     return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()

@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from bnswap.app.data import DigitsDataModule  # noqa: E402
 from bnswap.lightning import BNSwap  # noqa: E402
-from tests._helpers import COLLECTIVE_TIMEOUT_S, run_processes  # noqa: E402
+from tests._helpers import COLLECTIVE_TIMEOUT_S, rank_env, rank_script, run_processes  # noqa: E402
 from bnswap.app.models import ConvNet4  # noqa: E402
 
 CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
@@ -679,16 +679,9 @@ def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch
     ranks (one line: every layer swapped); both
     ranks end identical and equal to one process training stock BatchNorm on the global
     batches (float64) within float32 rounding; teardown puts the original layer back."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    try:
-        import lightning_sync_fit as script
-    finally:
-        sys.path.pop(0)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    script = rank_script("lightning_sync_fit")
     proc = run_processes([sys.executable, script.__file__, strategy, str(tmp_path)],
-                         timeout=600, env=env)
+                         timeout=600, env=rank_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"{strategy}_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r in ranks:

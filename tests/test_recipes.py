@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests._helpers import run_processes
+from tests._helpers import rank_env, rank_script, run_processes
 
 
 @pytest.mark.timeout(900)
@@ -24,16 +24,9 @@ def test_fabric_two_ranks_synchronized_train_like_one_process(when, tmp_path):
     (Fabric's DDP, 2 CPU ranks): every step runs a swapped SyncBatchNorm, both ranks end
     identical and equal to one process on the global batches (float64) within float32
     rounding."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    try:
-        import fabric_sync_fit as script
-    finally:
-        sys.path.pop(0)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
-        env.pop(k, None)
+    script = rank_script("fabric_sync_fit")
     proc = run_processes([sys.executable, script.__file__, when, str(tmp_path)],
-                         timeout=600, env=env)
+                         timeout=600, env=rank_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"{when}_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r in ranks:
@@ -114,13 +107,8 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
     pytest.importorskip("ultralytics")
     import zipfile
 
-    sys.path.insert(0, os.path.dirname(__file__))
-    try:
-        import ultralytics_fit as script
-    finally:
-        sys.path.pop(0)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "YOLO_OFFLINE": "1",
-           "YOLO_CONFIG_DIR": str(tmp_path / "config")}
+    script = rank_script("ultralytics_fit")
+    env = rank_env(YOLO_OFFLINE="1", YOLO_CONFIG_DIR=str(tmp_path / "config"))
     ckpts, seen = {}, {}
     for kind in ("stock", "bnswap", "callback"):
         seen[kind] = []
