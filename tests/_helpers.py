@@ -115,6 +115,55 @@ def run_script(code: str, timeout: float = 120) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def train_then_eval(model: nn.Module, xs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A train step's output on ``xs[0]`` (backward of its sum), then an eval output on
+    ``xs[1]``; with every gradient and the state_dict after. Needs torch only: its source
+    also runs where bnswap cannot be imported (:func:`run_where_bnswap_cannot_be_imported`)."""
+    model.train()
+    y0 = model(xs[0])
+    y0.sum().backward()
+    model.eval()
+    return {"y0": y0.detach(), "y1": model(xs[1]).detach(),
+            **{f"grad.{k}": p.grad for k, p in model.named_parameters()},
+            **{f"state.{k}": v for k, v in model.state_dict().items()}}
+
+
+def run_where_bnswap_cannot_be_imported(model_file: Any, xs: list[torch.Tensor],
+                                        tmp_path: Any) -> dict[str, torch.Tensor]:
+    """``torch.load(model_file, weights_only=False)`` in a fresh interpreter where importing
+    bnswap fails, then :func:`train_then_eval` there on ``xs``; returns its results (issue
+    32: a whole-model checkpoint needs no bnswap). Asserts that the load imported nothing
+    of bnswap's and that ``import bnswap`` fails there."""
+    import inspect
+
+    torch.save(xs, os.path.join(tmp_path, "inputs.pt"))
+    got_file = os.path.join(tmp_path, "got.pt")
+    code = f"""
+        import importlib.abc, sys
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "bnswap" or name.startswith("bnswap."):
+                    raise ImportError("bnswap is blocked in this interpreter")
+        sys.meta_path.insert(0, Block())
+        sys.modules["bnswap"] = None
+        import torch
+        from torch import nn
+        model = torch.load({str(model_file)!r}, weights_only=False)
+        xs = torch.load({os.path.join(tmp_path, "inputs.pt")!r})
+        assert not any(k.startswith("bnswap") for k in sys.modules if sys.modules[k])
+""" + textwrap.indent(inspect.getsource(train_then_eval), " " * 8) + f"""
+        torch.save(train_then_eval(model, xs), {got_file!r})
+        try:
+            import bnswap
+        except ImportError as e:
+            print("blocked:", type(e).__name__)
+    """
+    rc, out, err = run_script(code, timeout=180)
+    assert rc == 0, err[-3000:]
+    assert "blocked: ModuleNotFoundError" in out or "blocked: ImportError" in out, out
+    return torch.load(got_file)
+
+
 def json_lines(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 

@@ -1154,7 +1154,7 @@ def test_calling_the_wrapped_model_itself_warns_once_naming_the_wrapper():
         warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
         model(x)  # once per model
         copy.deepcopy(model)(x)  # a copy is not wrapped
-        pickle.loads(pickle.dumps(model))(x)  # the hook pickles; the copy is not wrapped
+        pickle.loads(pickle.dumps(model))(x)  # a pickle carries no hook (issue 32)
     other = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     w2 = bnswap.convert(other, backend="ort")
     assert bnswap.ort.unwrap(w2) is other
@@ -1162,6 +1162,64 @@ def test_calling_the_wrapped_model_itself_warns_once_naming_the_wrapper():
         warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
         other(x)  # unwrapped: no warning
     assert not other._forward_pre_hooks
+
+
+def test_whole_model_checkpoint_of_the_wrapped_model_loads_where_bnswap_cannot_be_imported(
+        tmp_path):
+    """Issue 32: torch.save / pickle of the model an ORT wrapper wraps (not the wrapper)
+    carried the hook that warns of a direct call (bnswap.ort._original.WarnUnwrappedCall):
+    loading it needed bnswap. The bytes name nothing of bnswap's; the file loads in a fresh
+    interpreter where importing bnswap fails and trains there bitwise as stock's model with
+    the same weights and statistics; the hook keeps working here meanwhile. A deepcopy
+    drops it too (the copy is not wrapped; a copy of the wrapper registers it again)."""
+    import pickle
+
+    from tests._helpers import run_where_bnswap_cannot_be_imported, train_then_eval
+
+    torch.manual_seed(0)
+    ref = _small()
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    user_calls = []   # a hook of the user's, registered while wrapped: its handle works
+    handle = model.register_forward_pre_hook(lambda m, a: user_calls.append(1))
+    _step_both(wrapped, ref, torch.randn(8, 3, 8, 8))   # trained on ORT (the export calls it)
+    assert user_calls and len(model._forward_pre_hooks) == 2
+    handle.remove()
+    assert len(model._forward_pre_hooks) == 1
+    assert_stats_equal(model, ref)
+    wrapped.zero_grad(set_to_none=True)
+    torch.save(model, tmp_path / "model.pt")
+    for data in ((tmp_path / "model.pt").read_bytes(), pickle.dumps(model)):
+        assert b"bnswap" not in data
+    loaded = pickle.loads(pickle.dumps(model))
+    assert type(loaded._forward_pre_hooks) is collections.OrderedDict
+    assert not loaded._forward_pre_hooks
+    assert not copy.deepcopy(model)._forward_pre_hooks
+    # the file: stock's eager model with the same state, on identical data
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(8, 3, 8, 8, generator=g) for _ in range(2)]
+    stock = _small()
+    stock.load_state_dict(model.state_dict())
+    want = train_then_eval(stock, xs)
+    got = run_where_bnswap_cannot_be_imported(tmp_path / "model.pt", xs, tmp_path)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    # here, the wrapper trains on and the model itself still warns once
+    x = torch.randn(8, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bnswap.ort.UnwrappedCallWarning)
+        _step_both(wrapped, ref, x)
+    assert_stats_equal(model, ref)
+    assert bnswap.ort.executed_ops(wrapped)["BatchNormInternal"] == 1
+    with pytest.warns(bnswap.ort.UnwrappedCallWarning, match="Call the wrapper"):
+        model(x)
+    clone = copy.deepcopy(wrapped)  # the copy's model gets the hook again
+    with pytest.warns(bnswap.ort.UnwrappedCallWarning, match="Call the wrapper"):
+        clone.module(x)
+    assert b"bnswap" not in pickle.dumps(clone.module)
+    bnswap.ort.unwrap(wrapped)
+    assert not model._forward_pre_hooks and b"bnswap" not in pickle.dumps(model)
 
 
 def test_meta_device_model_is_refused_unchanged_and_the_documented_order_works():

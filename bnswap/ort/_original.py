@@ -8,11 +8,19 @@ with :class:`UnwrappedCallWarning`, naming the wrapper to call. The wrapper's ow
 of its model (its forward, ORT's export, the shape passes, the eager fallback) run
 inside :func:`wrapper_call` and never warn; nor do tracing and exporting.
 
+The hook is bnswap's, the model the user's: a pickle / ``torch.save`` / ``copy.deepcopy``
+of the model alone carries no trace of it (issue 32: the checkpoint loads where bnswap is
+not installed). The model's ``_forward_pre_hooks`` becomes a :class:`_PreHooks`, an
+``OrderedDict`` that reduces to a plain ``collections.OrderedDict`` without bnswap's
+internal hooks; the wrapper registers the hook again on its copy of the model when it is
+itself unpickled or deep-copied.
+
 Imports no ONNX Runtime (an unpickled model holding the hook needs none).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import warnings
@@ -89,16 +97,38 @@ def _user_level() -> int:
     return level
 
 
+class _PreHooks(collections.OrderedDict):
+    """A wrapped model's ``_forward_pre_hooks``: torch's ``OrderedDict`` (the same entries,
+    order and handles; torch's ``RemovableHandle`` holds a weak reference to it) that
+    pickles, and copies, as a plain ``collections.OrderedDict`` without the internal hooks
+    (:data:`bnswap._swap.INTERNAL_HOOK`): a pickle of the model names nothing of bnswap's,
+    and a copy is not wrapped (the hook would have nothing to warn of there)."""
+
+    def __reduce__(self) -> tuple:
+        # stock's own reduction of an OrderedDict (class, no arguments, no state, the
+        # items), so the bytes are those of the model never wrapped
+        return (collections.OrderedDict, (), None, None,
+                iter([(k, h) for k, h in self.items() if not getattr(h, INTERNAL_HOOK, False)]))
+
+
 def register(model: nn.Module, wrapper: nn.Module) -> None:
     """``model`` is now wrapped by ``wrapper``: install the hook (once)."""
     with _lock:
         _wrapped[model] = [weakref.ref(wrapper), False]
-    if not any(isinstance(h, WarnUnwrappedCall) for h in model._forward_pre_hooks.values()):
-        model.register_forward_pre_hook(WarnUnwrappedCall())
+    hooks = model._forward_pre_hooks
+    if any(isinstance(h, WarnUnwrappedCall) for h in hooks.values()):
+        return
+    if type(hooks) is collections.OrderedDict:  # torch's: one that pickles without the hook
+        # (a handle taken before, for a hook on the model itself, refers to the old dict
+        # and no longer removes its hook: docs/ort.md)
+        hooks = model.__dict__["_forward_pre_hooks"] = _PreHooks(hooks)
+    model.register_forward_pre_hook(WarnUnwrappedCall())
 
 
 def release(model: nn.Module) -> None:
-    """``model`` is no longer wrapped (unwrapped): remove the hook."""
+    """``model`` is no longer wrapped (unwrapped): remove the hook. The model keeps its
+    :class:`_PreHooks` (empty of bnswap's hooks, it pickles as before): the handles of
+    hooks registered while it was wrapped refer to that dict."""
     with _lock:
         _wrapped.pop(model, None)
     for key, hook in list(model._forward_pre_hooks.items()):
