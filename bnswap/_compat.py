@@ -12,7 +12,8 @@ training", docs/after-training.md).
 * **TorchScript** (``torch.jit.script``, ``torch.jit.trace``):
   ``torch.jit._recursive.create_script_module`` builds its module from a *stock view* of
   the model: the same Parameter and buffer tensors in new
-  module objects of the same classes, without bnswap's forward entry, internal buffers
+  module objects of the same classes, without bnswap's mark (the class's own forward
+  set on views of layers whose class holds bnswap's dispatcher), internal buffers
   and internal hooks (a backend's, ``bnswap._swap.add_internal_buffer`` /
   ``INTERNAL_HOOK``), and with each backend wrapper replaced by the model it wraps. The
   class's ``forward`` (``aten::batch_norm``, whose kernel TorchScript's runtime picks) is
@@ -65,6 +66,7 @@ training", docs/after-training.md).
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import importlib.abc
@@ -74,6 +76,7 @@ import logging
 import os
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -92,12 +95,15 @@ from bnswap._graph import (
 from bnswap._swap import (
     INTERNAL_BUFFER_PREFIX,
     INTERNAL_HOOK,
-    SwappedForward,
+    SWAP,
+    class_forward,
+    dispatches,
     internal_buffer_names,
     is_swapped,
     on_first_swap,
     wrapped_model,
 )
+from bnswap import _swap as _swap_module
 from bnswap._warn import warn
 
 __all__ = ["CORE_ATEN_DECOMPOSITIONS", "DISABLE_ENV", "MIN_TORCHAO", "PATCHES", "Patch",
@@ -143,8 +149,8 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
                 for k, v in module._modules.items()}
     hooks = [k for k, h in module._forward_pre_hooks.items() if getattr(h, INTERNAL_HOOK, False)]
     internal = internal_buffer_names(module)
-    own = (type(module.__dict__.get("forward")) is SwappedForward or bool(hooks)
-           or bool(internal))
+    dispatched = dispatches(type(module))
+    own = SWAP in module.__dict__ or dispatched or bool(hooks) or bool(internal)
     if not own and all(children[k] is module._modules[k] for k in children):
         memo[key] = module
         return module
@@ -153,13 +159,16 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
     view.__dict__.update(module.__dict__)
     memo[key] = view
     d = view.__dict__
-    if type(d.get("forward")) is SwappedForward:
-        del d["forward"]
+    d.pop(SWAP, None)
+    if dispatched and "forward" not in d:
+        # the class's own forward, which TorchScript compiles (not bnswap's dispatcher,
+        # which its class holds in this process: a Python function it cannot compile)
+        d["forward"] = types.MethodType(class_forward(type(module)), view)
     if internal:
         d["_buffers"] = {k: v for k, v in module._buffers.items() if k not in internal}
         d["_non_persistent_buffers_set"] = module._non_persistent_buffers_set - set(internal)
     if hooks:  # TorchScript would compile them (and cannot: not functions)
-        d["_forward_pre_hooks"] = type(module._forward_pre_hooks)(
+        d["_forward_pre_hooks"] = collections.OrderedDict(  # torch's own type
             (k, h) for k, h in module._forward_pre_hooks.items() if k not in hooks)
     d["_modules"] = children
     return view
@@ -619,20 +628,19 @@ _BN_CLASS = torch.nn.modules.batchnorm._BatchNorm
 
 
 def _stock_state(state: Any) -> Any:
-    """``state`` (a BatchNorm layer's ``__getstate__``) without anything of bnswap's: the
-    swap entry, internal buffers and bnswap's own attributes (``_bnswap_*``: the original
-    layer a ``convert(..., sync_batchnorm=True)`` SyncBatchNorm keeps for ``revert``); a
-    new dict when something is left out."""
+    """``state`` (a BatchNorm layer's ``__getstate__``) without anything of bnswap's:
+    internal buffers and bnswap's own attributes (``_bnswap_*``: the swap's mark,
+    :data:`bnswap._swap.SWAP`, the original layer a ``convert(..., sync_batchnorm=True)``
+    SyncBatchNorm keeps for ``revert``); a new dict when something is left out."""
     if not isinstance(state, dict):
         return state
     buffers = state.get("_buffers")
     internal = ([k for k in buffers if k.startswith(INTERNAL_BUFFER_PREFIX)]
                 if isinstance(buffers, dict) else [])
     own = [k for k in state if isinstance(k, str) and k.startswith(INTERNAL_BUFFER_PREFIX)]
-    if type(state.get("forward")) is not SwappedForward and not internal and not own:
+    if not internal and not own:
         return state
-    state = {k: v for k, v in state.items()
-             if not (k == "forward" and type(v) is SwappedForward) and k not in own}
+    state = {k: v for k, v in state.items() if k not in own}
     if internal:
         state["_buffers"] = type(buffers)((k, v) for k, v in buffers.items() if k not in internal)
         nonpersistent = state.get("_non_persistent_buffers_set")
@@ -662,7 +670,7 @@ _keep = _Keep()
 def _patch_checkpoints() -> bool:
     """``torch.save`` / pickle and ``copy.copy`` of a BatchNorm layer leave bnswap's swap
     out (the layer loads as stock's, where bnswap is not installed too: nothing of
-    bnswap's is pickled); ``copy.deepcopy`` keeps it, bound to the copy, and so does a
+    bnswap's is pickled); ``copy.deepcopy`` keeps it, and so does a
     pickle for another process of the job (multiprocessing's ``ForkingPickler``:
     ``torch.multiprocessing.spawn``'s arguments, its queues)."""
     cls = _BN_CLASS
@@ -685,9 +693,6 @@ def _patch_checkpoints() -> bool:
         # called from these two functions, the pickler itself being C): the swap goes
         # along, that process running this environment
         if _keep.active or sys._getframe(1).f_code in _FORKING_CODES:
-            entry = state.get("forward") if isinstance(state, dict) else None
-            if type(entry) is SwappedForward and entry.module is not self:
-                state = {k: v for k, v in state.items() if k != "forward"}
             return state
         return _stock_state(state)
 
@@ -697,13 +702,12 @@ def _patch_checkpoints() -> bool:
         # then copy._reconstruct), with the swap and internal buffers kept
         if parametrize.is_parametrized(self):
             # torch's parametrized classes refuse __getstate__; torch deep-copies their
-            # __dict__ (parametrize's default_deepcopy), the entry binding itself
+            # __dict__ (parametrize's default_deepcopy), the mark with it
             y = type(self).__new__(type(self))
             memo[id(self)] = y
             y.__dict__ = copy.deepcopy(self.__dict__, memo)
             return y
-        # the full state (the entry deep-copies bound to the copy, which _reconstruct
-        # has put in memo before it copies the state)
+        # the full state, the swap's mark included
         depth = _keep.active
         _keep.active = depth + 1
         try:
@@ -712,8 +716,12 @@ def _patch_checkpoints() -> bool:
             _keep.active = depth
         return copy._reconstruct(self, memo, *rv)
 
+    def keeps_swap() -> bool:  # called by Swap.__reduce__, called by the pickler
+        return bool(_keep.active) or sys._getframe(2).f_code in _FORKING_CODES
+
     global _FORKING_CODES
     _FORKING_CODES = _forking_codes()
+    _swap_module.pickle_keeps_swap = keeps_swap
     cls.__getstate__ = __getstate__
     cls.__deepcopy__ = __deepcopy__
     return True
@@ -768,8 +776,7 @@ PATCHES: tuple[Patch, ...] = (
           "torch.nn.modules.batchnorm._BatchNorm.__getstate__ / __deepcopy__ (added)",
           "torch.save / pickle of a whole model and copy.copy leave the swap out (nothing of "
           "bnswap's in a checkpoint: it loads where bnswap is not installed, as stock's "
-          "layers); copy.deepcopy and multiprocessing's pickles (mp.spawn) keep it, bound "
-          "to the copy",
+          "layers); copy.deepcopy and multiprocessing's pickles (mp.spawn) keep it",
           "_BatchNorm defines neither (inherits nn.Module's __getstate__), copy._reconstruct "
           "exists; tested on torch 2.13 / 2.14"),
     Patch("core_aten", None, patch_core_aten_decompositions,

@@ -1,37 +1,39 @@
 """The swap primitive: one BatchNorm layer runs bnswap's forward, its class unchanged.
 
-:func:`swap` stores a :class:`SwappedForward` in the layer's instance ``__dict__`` under
-``"forward"``; ``nn.Module.__call__`` looks ``self.forward`` up on the instance before the
-class, so the layer runs an adapter on the consolidated ops while ``type(layer)`` stays
-the stock class, and the module, its Parameters, buffers, hooks and state_dict keys are
-untouched. :func:`unswap` deletes the entry: the exact inverse. Where a consumer records
-the model for another runtime (the TorchScript tracer, ``torch.onnx.export``, fx tracing
-through a non-leaf layer) the layer runs its class's own ``forward``, so that consumer
-gets stock's graph. Why this design and what it costs: ``docs/design.md``.
+:func:`swap` marks the layer: a :class:`Swap` (the adapter, and the class whose
+``forward`` it replaces) in its instance ``__dict__`` under :data:`SWAP`. That class's
+``forward`` is bnswap's *dispatcher* (put there once per class, at the first swap:
+:func:`dispatch_on`): for a marked layer it runs ``adapter(self, input)``, for any other
+layer the class's own ``forward``. So the layer runs the consolidated ops while
+``type(layer)`` stays the stock class, and the module, its Parameters, buffers, hooks and
+state_dict keys are untouched. :func:`unswap` deletes the mark: the exact inverse. Where a
+consumer records the model for another runtime (the TorchScript tracer,
+``torch.onnx.export``, fx tracing through a non-leaf layer) the dispatcher runs the
+class's own ``forward``, so that consumer gets stock's graph. Why this design and what it
+costs: ``docs/design.md``.
 
-What the entry means where it is carried (issue 32; the rule: state that a copy or a
-checkpoint carries means the same thing there, or is not there at all):
+What the mark means where it is carried (issue 32; the rule: state that a copy or a
+checkpoint carries means the same thing there, or is not there at all). The mark names no
+layer: the dispatcher runs the adapter on whichever module it is called on (``self``), so
+every copy that carries it runs its own state:
 
-* ``copy.deepcopy``: the copy's entry is bound to the copy.
-* ``torch.save`` / pickle of a whole model and ``copy.copy``: no entry (the
-  ``checkpoints`` patch of :mod:`bnswap._compat`): a checkpoint names nothing of
-  bnswap's and loads as stock's layers, where bnswap is not installed too.
+* ``copy.deepcopy``: the copy is swapped.
 * A copy of the layer's ``__dict__`` (learn2learn's ``clone_module``, higher's
-  ``monkeypatch``, ``nn.DataParallel``'s replicas) carries the entry bound to the
-  original; when such a copy calls it, :meth:`SwappedForward.__call__` sees (the entry
-  then has another holder, ``sys.getrefcount``; the frame of ``nn.Module.__call__`` says
-  which module called) and runs the copy's own state: the adapter, or the copy's class's
-  forward where that class overrides the layer's (higher's). Not seen while dynamo
-  traces: a ``torch.compile``'d ``__dict__`` copy runs the original layer
-  (``docs/recipes.md``).
+  ``monkeypatch``, ``nn.DataParallel``'s replicas): the copy is swapped and runs its own
+  parameters and buffers, called as ``copy(x)``, ``copy.forward(x)``, from another
+  thread or inside ``torch.compile``.
+* ``torch.save`` / pickle of a whole model and ``copy.copy``: no mark (the
+  ``checkpoints`` patch of :mod:`bnswap._compat`): a checkpoint names nothing of
+  bnswap's and loads as stock's layers, where bnswap is not installed too. A pickle for
+  another process of the job (multiprocessing) keeps it: unpickling a :class:`Swap`
+  puts the dispatcher on its class in that process.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 import inspect
-import sys
-import types
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,10 +44,11 @@ from torch.nn.utils import parametrize
 
 from bnswap.functional import records_consolidated_ops
 
-__all__ = ["Adapter", "INTERNAL_BUFFER_PREFIX", "INTERNAL_HOOK", "SwappedForward",
-           "WRAPPER_STATE", "adapter_of", "add_internal_buffer", "bound_elsewhere",
-           "drop_internal_buffers", "internal_buffer_names", "is_swapped", "on_first_swap",
-           "swap", "type_before_parametrizations", "undo_of", "unswap", "wrapped_model"]
+__all__ = ["Adapter", "INTERNAL_BUFFER_PREFIX", "INTERNAL_HOOK", "SWAP", "Swap",
+           "WRAPPER_STATE", "adapter_of", "add_internal_buffer", "class_forward",
+           "dispatch_on", "dispatches", "drop_internal_buffers", "forward_owner", "internal_buffer_names",
+           "is_swapped", "on_first_swap", "swap", "type_before_parametrizations", "undo_of",
+           "unpickle_swap", "unswap", "wrapped_model"]
 
 #: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (e.g. the one
 #: :mod:`bnswap.ort` returns) keeps its state; the state's ``model`` is the model it wraps.
@@ -62,9 +65,18 @@ INTERNAL_HOOK = "_bnswap_internal_hook"
 #: and nothing else), a layer unpickled where its backend is not imported.
 INTERNAL_BUFFER_PREFIX = "_bnswap_"
 
+#: The instance attribute (in a swapped layer's ``__dict__``) that holds its
+#: :class:`Swap`; the class attribute of the same name is None (set where the dispatcher
+#: is put), so reading it costs a plain attribute lookup on every layer. Starts with
+#: :data:`INTERNAL_BUFFER_PREFIX`: pickles and views for other runtimes leave it out.
+SWAP = "_bnswap_swap"
+
 #: An adapter: ``adapter(layer, input, ...)`` does what ``type(layer).forward(layer, input,
 #: ...)`` does, with the batch norm on bnswap's kernel (see :mod:`bnswap.layers`).
 Adapter = Callable[..., Any]
+
+#: Attribute (the class's own forward) of a dispatcher :func:`dispatch_on` made.
+_ORIGINAL = "_bnswap_original_forward"
 
 
 def type_before_parametrizations(module: nn.Module) -> type:
@@ -83,8 +95,8 @@ _swapped_once = False
 
 
 def on_first_swap(hook: Callable[[], None]) -> None:
-    """Run ``hook()`` when the first :class:`SwappedForward` of this process is made (a
-    swap, a swapped layer unpickled or deep-copied), or now if one was made already.
+    """Run ``hook()`` when this process first puts bnswap's dispatcher on a class (the
+    first swap, a swapped layer unpickled or deep-copied), or now if it did already.
     ``bnswap._compat`` applies its patches this way: ``import bnswap`` changes nothing in
     torch or any other library until the process holds a swapped layer."""
     _first_swap_hooks.append(hook)
@@ -112,11 +124,6 @@ def _records_stock(args: tuple, kwargs: dict) -> bool:
     calls), is never traced."""
     if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
         return torch.onnx.is_in_onnx_export()
-    return _records_stock_eager(args, kwargs)
-
-
-def _records_stock_eager(args: tuple, kwargs: dict) -> bool:
-    """:func:`_records_stock` outside dynamo."""
     if _is_tracing():
         return not records_consolidated_ops()
     # fx tracing through a layer that is not a leaf: any argument may be the Proxy
@@ -130,138 +137,157 @@ def _records_stock_eager(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-class SwappedForward:
-    """The ``forward`` bnswap installs on one layer: ``adapter(layer, *args)``.
+class Swap:
+    """The mark of a swapped layer (``layer.__dict__[SWAP]``): run ``adapter`` where
+    ``owner.forward`` would run.
 
     Args:
-        module: the BatchNorm layer (a ``torch.nn.modules.batchnorm._BatchNorm``).
-        adapter: the function that runs it on bnswap's kernel
+        adapter: the function that runs the layer on bnswap's kernel
             (:func:`bnswap.layers.batch_norm_forward` for torch's classes).
+        owner: the class whose ``forward`` the adapter replaces (:func:`forward_owner`
+            of the layer's class: ``_BatchNorm`` for ``nn.BatchNorm2d``); its
+            ``forward`` is the dispatcher.
 
-    Calls take and return what ``module``'s own ``forward`` does: input (N, C, *) of a
-    floating dtype, output of the same shape, dtype and memory format. Deep-copied with
-    the layer (bound to the copy); left out of the layer's pickle and ``copy.copy``
-    (:mod:`bnswap._compat`'s ``checkpoints`` patch; without it, pickled by reference).
+    Immutable and shared: copies of a layer share it (it names no layer). Unpickling one
+    (a pickle for another process of the job) puts the dispatcher on ``owner`` there.
     """
 
-    __slots__ = ("module", "adapter")
+    __slots__ = ("adapter", "owner")
 
-    def __init__(self, module: nn.Module, adapter: Adapter) -> None:
-        # Touches nothing on `module`: unpickling builds this before the module's state.
-        self.module = module
+    def __init__(self, adapter: Adapter, owner: type) -> None:
         self.adapter = adapter
-        if not _swapped_once:
-            _first_swap()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
-            if torch.onnx.is_in_onnx_export():
-                return type(module).forward(module, *args, **kwargs)
-            return self.adapter(module, *args, **kwargs)
-        # Held by more than its layer's __dict__ (and this call): maybe a copy of that
-        # __dict__ is calling (see the module docstring). A C call: +0.02 us per call
-        # (docs/design.md).
-        if _getrefcount(self) > _SOLE_HOLDER:
-            caller = _calling_module()
-            if caller is not None and caller is not module:
-                return _run_copy(self, caller, args, kwargs)
-        if _records_stock_eager(args, kwargs):
-            return type(module).forward(module, *args, **kwargs)
-        return self.adapter(module, *args, **kwargs)
+        self.owner = owner
 
     def __reduce__(self) -> tuple:
-        return (SwappedForward, (self.module, self.adapter))
+        keeps = pickle_keeps_swap
+        if keeps is not None and not keeps():
+            # pickled with its layer's state where the layer's __getstate__ did not
+            # leave it out (a subclass with a __getstate__ of its own, the checkpoints
+            # patch on): None, which any Python unpickles, and an unswapped layer
+            return (type(None), ())
+        return (unpickle_swap, (self.adapter, self.owner))
 
-    # What code that inspects a module's ``forward`` reads sees the class's own forward:
-    # torch.export of a converted layer as the root module reads ``forward.__code__``
-    # (its fake-input names) and ``inspect.signature(forward)`` (the program's input
-    # names: ``input``, as stock's program).
-    @property
-    def __code__(self) -> Any:
-        return type(self.module).forward.__code__
+    def __copy__(self) -> Swap:
+        return self
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(type(self.module).forward.__get__(self.module))
-
-    def __deepcopy__(self, memo: dict) -> SwappedForward:
-        return SwappedForward(copy.deepcopy(self.module, memo), self.adapter)
+    def __deepcopy__(self, memo: dict) -> Swap:
+        return self
 
     def __repr__(self) -> str:
         name = getattr(self.adapter, "__qualname__", repr(self.adapter))
-        return f"<bnswap forward of {type(self.module).__name__} ({name})>"
+        return f"<bnswap swap: {self.owner.__name__}.forward -> {name}>"
 
 
-_getrefcount = sys.getrefcount
-_getframe = sys._getframe
-# The frames of nn.Module that call ``self.forward``: ``_call_impl`` (no hooks), its
-# ``inner`` (with hooks) and ``_slow_forward`` (the TorchScript tracer); ``self`` is a
-# local (or cell) of each.
-_CALLERS = frozenset([nn.Module._call_impl.__code__, nn.Module._slow_forward.__code__,
-                      *(c for c in nn.Module._call_impl.__code__.co_consts
-                        if isinstance(c, types.CodeType))])
+#: Set by the ``checkpoints`` patch (:mod:`bnswap._compat`): called while a :class:`Swap`
+#: is pickled, False where the pickle is a checkpoint (the swap is left out: it
+#: unpickles as None) rather than a copy for this job (deepcopy, multiprocessing).
+pickle_keeps_swap: Callable[[], bool] | None = None
 
 
-def _calling_module() -> object:
-    """The module whose ``nn.Module.__call__`` called the current ``SwappedForward`` (two
-    frames up), or None when the call came from elsewhere (``layer.forward(x)`` by hand)."""
-    frame = _getframe(2)
-    if frame.f_code not in _CALLERS:
-        return None
-    return frame.f_locals.get("self")
+def unpickle_swap(adapter: Adapter, owner: type) -> Swap:
+    """A :class:`Swap` from a pickle (its ``__reduce__``), the dispatcher put on
+    ``owner`` in this process first."""
+    dispatch_on(owner)
+    return Swap(adapter, owner)
 
 
-def _run_copy(entry: SwappedForward, caller: Any, args: tuple, kwargs: dict) -> Any:
-    """A module other than ``entry.module`` called ``entry``: it holds a copy of the
-    layer's ``__dict__`` (``clone.__dict__ = layer.__dict__.copy()``: learn2learn's
-    ``clone_module``, higher's ``monkeypatch``, ``nn.DataParallel``'s replicas). It runs
-    its own state, never the layer's: bnswap's adapter if its class's forward is the
-    layer's (bnswap's kernel, stock's results), else its own class's forward (higher's
-    patched class, which runs stock's on its own parameters)."""
-    cls = type(caller)
-    if cls.forward is not type(entry.module).forward or _records_stock(args, kwargs):
-        return cls.forward(caller, *args, **kwargs)
-    return entry.adapter(caller, *args, **kwargs)
+def forward_owner(cls: type) -> type:
+    """The class in ``cls``'s MRO whose ``forward`` a layer of ``cls`` runs (``_BatchNorm``
+    for ``nn.BatchNorm2d`` and torch's parametrized and lazy classes; ``SyncBatchNorm``;
+    timm's ``BatchNormAct2d`` itself)."""
+    for klass in cls.__mro__:
+        if "forward" in vars(klass):
+            return klass
+    raise TypeError(f"{cls.__name__} has no forward")
 
 
-def _sole_holder_count() -> int:
-    """``sys.getrefcount`` of a ``SwappedForward`` inside its ``__call__`` when only its
-    layer's ``__dict__`` holds it, measured on this interpreter (it differs between
-    Python versions): the most over the ways ``nn.Module`` calls a forward (with and
-    without hooks)."""
-    seen: list[int] = []
-
-    class Probe:  # SwappedForward's shape: slots, __call__(self, *args, **kwargs)
-        __slots__ = ("module", "adapter")
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            seen.append(_getrefcount(self))
-            return args[0]
-
-    layer = nn.Identity()
-    layer.__dict__["forward"] = Probe()
-    x = object()
-    layer(x)
-    handle = layer.register_forward_pre_hook(lambda m, a: None)
-    layer(x)
-    handle.remove()
-    return max(seen)
+def class_forward(cls: type) -> Callable[..., Any]:
+    """``cls.forward`` as its class defined it (the function the dispatcher stands for):
+    stock's forward, for views and the consumers that record it."""
+    fn = cls.forward
+    return getattr(fn, _ORIGINAL, fn)
 
 
-#: What :func:`_sole_holder_count` measured: a higher count in ``SwappedForward.__call__``
-#: means another holder (a copied ``__dict__``, a reference kept by hand), and the frame
-#: of ``nn.Module.__call__`` says which module called.
-_SOLE_HOLDER = _sole_holder_count()
+def dispatches(cls: type) -> bool:
+    """True if ``cls.forward`` is bnswap's dispatcher (:func:`dispatch_on`)."""
+    return getattr(getattr(cls, "forward", None), _ORIGINAL, None) is not None
 
 
-def _entry(module: object) -> SwappedForward | None:
-    fwd = getattr(module, "__dict__", {}).get("forward")
-    return fwd if type(fwd) is SwappedForward else None
+_lock = threading.Lock()
+
+
+def dispatch_on(owner: type) -> None:
+    """Put bnswap's dispatcher on ``owner`` (once; thread-safe): ``owner.forward`` becomes
+    a function that runs ``swap.adapter(self, ...)`` for a layer marked with a
+    :class:`Swap` of this ``owner`` (and not being recorded for another runtime, see the
+    module docstring), else ``owner``'s own forward. Unmarked layers pay one attribute
+    lookup (benchmarks P3). The first call in the process runs :func:`on_first_swap`'s
+    hooks."""
+    if getattr(owner.__dict__.get("forward"), _ORIGINAL, None) is not None:
+        return
+    with _lock:
+        original = owner.__dict__.get("forward")
+        if getattr(original, _ORIGINAL, None) is not None:
+            return
+        if original is None:
+            raise TypeError(f"{owner.__name__} defines no forward")
+
+        forward = (_one_input if _takes_one_input(original) else _any_inputs)(owner, original)
+        setattr(forward, _ORIGINAL, original)
+        if not hasattr(owner, SWAP):
+            setattr(owner, SWAP, None)
+        owner.forward = forward
+    if not _swapped_once:
+        _first_swap()
+
+
+def _takes_one_input(fn: Callable[..., Any]) -> bool:
+    """``fn(self, input)`` and nothing else, by that name (torch's classes: their
+    dispatcher skips the ``*args`` / ``**kwargs`` packing on every call, and takes
+    ``input`` by keyword as theirs does)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return (len(params) == 2 and params[1].name == "input"
+            and all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params))
+
+
+def _one_input(owner: type, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward(self: nn.Module, input: Any) -> Any:
+        swap = self._bnswap_swap
+        if swap is None or swap.owner is not owner:
+            return original(self, input)
+        if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
+            if torch.onnx.is_in_onnx_export():
+                return original(self, input)
+        elif (_is_tracing() or isinstance(input, _Proxy)) and _records_stock((input,), {}):
+            return original(self, input)
+        return swap.adapter(self, input)
+
+    return forward
+
+
+def _any_inputs(owner: type, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        swap = self._bnswap_swap
+        if swap is None or swap.owner is not owner or _records_stock(args, kwargs):
+            return original(self, *args, **kwargs)
+        return swap.adapter(self, *args, **kwargs)
+
+    return forward
+
+
+def _mark(module: object) -> Swap | None:
+    swap = getattr(module, "__dict__", {}).get(SWAP)
+    return swap if type(swap) is Swap else None
 
 
 def is_swapped(module: object) -> bool:
-    """True if ``module`` runs bnswap's forward (:func:`bnswap.convert` swapped it).
+    """True if ``module`` runs bnswap's forward (:func:`bnswap.convert` swapped it, or it
+    is a copy of a swapped layer).
 
     Examples::
 
@@ -273,39 +299,28 @@ def is_swapped(module: object) -> bool:
         >>> type(bn) is nn.BatchNorm2d     # the class never changes
         True
     """
-    return _entry(module) is not None
+    return _mark(module) is not None
 
 
 def adapter_of(module: object) -> Adapter | None:
     """The adapter ``module`` runs, or None when it is not swapped."""
-    entry = _entry(module)
-    return None if entry is None else entry.adapter
+    swap = _mark(module)
+    return None if swap is None else swap.adapter
 
 
 def undo_of(module: nn.Module) -> Callable[[], None]:
-    """What undoes :func:`swap` on ``module`` (taken before it): puts back the instance
-    ``forward`` it had (a shallow copy's entry, still bound to the layer it was copied
-    from), or drops it, so the class's runs again. :func:`bnswap.plan` skips layers with
-    an instance forward of their own."""
+    """What undoes :func:`swap` on ``module`` (taken before it): puts back the mark it had
+    (a swapped layer swapped again), or drops it."""
     d = module.__dict__
-    before = d.get("forward")
+    before = d.get(SWAP)
 
     def undo() -> None:
         if before is None:
-            d.pop("forward", None)
+            d.pop(SWAP, None)
         else:
-            d["forward"] = before
+            d[SWAP] = before
 
     return undo
-
-
-def bound_elsewhere(module: object) -> bool:
-    """True if ``module`` holds a swap entry bound to another layer: a copy of a swapped
-    layer's ``__dict__`` (learn2learn's ``clone_module``, ``nn.DataParallel``'s replicas)
-    shares its entry; called through the copy, the entry runs the copy's own state (see
-    the module docstring), and :func:`bnswap.convert` binds it to the copy."""
-    entry = _entry(module)
-    return entry is not None and entry.module is not module
 
 
 def swap(module: nn.Module, adapter: Adapter) -> None:
@@ -313,19 +328,21 @@ def swap(module: nn.Module, adapter: Adapter) -> None:
     :func:`undo_of` first to be able to put it back).
 
     A layer that is already swapped gets the new adapter. Uninitialized lazy layers
-    (``nn.LazyBatchNorm2d``...) keep the entry when they initialize (torch changes their
-    ``__class__``, never their ``__dict__``).
+    (``nn.LazyBatchNorm2d``...) keep the mark when they initialize (torch changes their
+    ``__class__``, never their ``__dict__``, and both classes run ``_BatchNorm.forward``).
     """
+    owner = forward_owner(type_before_parametrizations(module))
+    dispatch_on(owner)
     # The instance dict directly: nn.Module.__setattr__ would only check, slowly, that
     # the value is no Parameter / Module / buffer before doing the same (benchmarks P5).
-    module.__dict__["forward"] = SwappedForward(module, adapter)
+    module.__dict__[SWAP] = Swap(adapter, owner)
 
 
 def unswap(module: nn.Module) -> None:
     """Give ``module`` its class's forward back and drop its internal buffers
     (:func:`add_internal_buffer`); a module that is not swapped keeps its forward."""
-    if _entry(module) is not None:
-        del module.__dict__["forward"]
+    if _mark(module) is not None:
+        del module.__dict__[SWAP]
     drop_internal_buffers(module)
 
 

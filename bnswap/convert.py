@@ -228,7 +228,7 @@ def revert(module: nn.Module) -> nn.Module:
         >>> import bnswap
         >>> from torch import nn
         >>> bn = bnswap.convert(nn.BatchNorm1d(4))
-        >>> bnswap.revert(bn) is bn, bnswap.is_swapped(bn), "forward" in vars(bn)
+        >>> bnswap.revert(bn) is bn, bnswap.is_swapped(bn), "_bnswap_swap" in vars(bn)
         (True, False, False)
     """
     if programs.is_program(module):  # (check_module would say only "expects a Module")

@@ -20,7 +20,6 @@ from bnswap import registry
 from bnswap._swap import (
     Adapter,
     adapter_of,
-    bound_elsewhere,
     swap,
     type_before_parametrizations,
     undo_of,
@@ -758,17 +757,6 @@ def _plan_layers(
             rows.append(_row(name, m, cls, be, device, "swap",
                              _sync_reason(to_sync), registry.lookup(to_sync),
                              sync_class=to_sync, process_group=process_group))
-        elif current is not None and bound_elsewhere(m) and registry.lookup(cls) is None:
-            rows.append(_row(name, m, cls, be, device, "skip",
-                             f"a copy of a swapped layer's __dict__ whose class, "
-                             f"{cls.__name__}, overrides forward (e.g. higher's patched "
-                             f"class): it runs its class's forward on its own state"))
-        elif current is not None and bound_elsewhere(m):
-            rows.append(_row(name, m, cls, be, device, "swap",
-                             "a copy of a swapped layer's __dict__ (learn2learn's "
-                             "clone_module, a DataParallel replica): apply binds it to "
-                             "this copy (until then it runs the adapter on its own state)",
-                             current, lazy=lazy))
         elif current is not None:
             reason = "already swapped" + ("; " + uninit if lazy else "")
             rows.append(_row(name, m, cls, be, device, "keep", reason, current,

@@ -29,7 +29,7 @@ import importlib
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap._swap import Adapter, SwappedForward
+from bnswap._swap import Adapter, unpickle_swap
 from bnswap.layers import batch_norm_forward
 from bnswap.sync import sync_batch_norm_forward
 
@@ -175,13 +175,13 @@ def registered() -> dict[type, Adapter]:
 
 
 def safe_globals() -> list:
-    """What a whole pickled converted model referenced of bnswap's before issue 32: the
-    swap entry (:class:`bnswap._swap.SwappedForward`) and the adapters (torch's, and every
-    registered one). A whole converted model now pickles as stock's (nothing of bnswap's:
-    the ``checkpoints`` patch, ``docs/patches.md``), so ``torch.load(...,
-    weights_only=True)`` needs stock's classes allowlisted only; these are still accepted
-    beside them, and needed for checkpoints saved by an older bnswap or with
-    ``BNSWAP_DISABLE_PATCHES=checkpoints``.
+    """What a whole pickled converted model references of bnswap's where the swap is
+    pickled too (``BNSWAP_DISABLE_PATCHES=checkpoints``): the function that rebuilds the
+    swap's mark (:class:`bnswap._swap.Swap`), the classes whose ``forward`` it replaces
+    and the adapters (torch's, and every registered one). A whole converted model
+    otherwise pickles as stock's (nothing of bnswap's: the ``checkpoints`` patch,
+    ``docs/patches.md``), so ``torch.load(..., weights_only=True)`` needs stock's classes
+    allowlisted only; these are accepted beside them.
 
     Returns:
         A list of classes and functions for ``torch.serialization.safe_globals`` (torch
@@ -201,4 +201,5 @@ def safe_globals() -> list:
         (False, True)
     """
     adapters = [batch_norm_forward, *(a for a in _ADAPTERS.values() if a is not batch_norm_forward)]
-    return [SwappedForward, *dict.fromkeys(adapters)]
+    owners = [_BatchNorm, nn.SyncBatchNorm, *_ADAPTERS]
+    return [unpickle_swap, *dict.fromkeys(owners), *dict.fromkeys(adapters)]

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from bnswap._swap import is_swapped
+from bnswap._swap import SWAP, is_swapped
 from bnswap.functional import check_batch_norm_input, check_momentum, \
     exponential_average_factor, module_batch_norm
 
@@ -621,7 +621,7 @@ def to_sync_batch_norm(layer: nn.Module, process_group: Any = None,
     :data:`ORIGINAL`) for :func:`original_of`. Not swapped yet; ``layer`` is unchanged.
     """
     sync = cls.__new__(cls)
-    state = {k: v for k, v in layer.__dict__.items() if k != "forward"}
+    state = {k: v for k, v in layer.__dict__.items() if k != SWAP}
     sync.__dict__.update(state)
     sync.__dict__["process_group"] = process_group
     sync.__dict__[ORIGINAL] = layer
@@ -634,16 +634,30 @@ def to_sync_batch_norm(layer: nn.Module, process_group: Any = None,
 #: (Parameters, buffers and hooks live in dicts the two layers share.)
 FLAGS = ("training", "num_features", "eps", "momentum", "affine", "track_running_stats")
 
+#: The dicts :func:`to_sync_batch_norm` shares between the layer and its stand-in: a
+#: stand-in that holds other ones is a copy (see :func:`original_of`).
+_SHARED = ("_parameters", "_buffers", "_modules")
+
 
 def original_of(layer: nn.Module) -> nn.Module | None:
     """The layer ``to_sync_batch_norm`` made ``layer`` from, given ``layer``'s
     :data:`FLAGS` (``training``, ``momentum``, ``eps``, ...: what was set on the
     SyncBatchNorm while it stood in, as Lightning's own revert keeps them); None for any
-    other module."""
+    other module. For a copy of such a layer's ``__dict__`` with dicts of its own (issue
+    32), a new layer of the original's class on the copy's state, never the original."""
     original = getattr(layer, "__dict__", {}).get(ORIGINAL)
     if original is None:
         return None
     state = layer.__dict__
+    mine = original.__dict__
+    if any(state.get(k) is not mine.get(k) for k in _SHARED):
+        # a copy of the stand-in (its __dict__ copied with new parameter / buffer dicts:
+        # learn2learn's clone_module, a DataParallel replica): the original is another
+        # model's layer; the copy gets a layer of the original's class on its own state
+        fresh = type(original).__new__(type(original))
+        fresh.__dict__.update((k, v) for k, v in state.items()
+                              if k not in (ORIGINAL, SWAP, "process_group"))
+        return fresh
     for name in FLAGS:
         if name in state:
             original.__dict__[name] = state[name]

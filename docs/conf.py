@@ -63,7 +63,7 @@ nitpick_ignore_regex = [
                r"|argparse|contextlib|functools|importlib|difflib|warnings|os|sys)(\..*)?"),
     # bnswap's internals, named in the public docstrings but not pages of the site: each by
     # its exact name, so a typo next to them (bnswap.functional.nonexistent) still fails
-    (r"py:class", r"bnswap\.(_swap\.SwappedForward|_rows\.Rows|lightning\._BNSwapBase)"),
+    (r"py:class", r"bnswap\.(_swap\.Swap|_rows\.Rows|lightning\._BNSwapBase)"),
     (r"py:data", r"bnswap\.(_graph\.STOCK_TARGETS|functional\.EMPTY_BATCH_MESSAGE)"),
     (r"py:func", r"bnswap\.functional\.check_batch_norm_input"),
     (r"py:.*", r"(bnswap\.sync\.)?(FLAGS|ORIGINAL|NO_GROUP_YET|sync_group|sync_kernel|synchronized_batch_norm)"),

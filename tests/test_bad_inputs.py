@@ -509,10 +509,10 @@ def test_converting_a_converted_model_is_a_no_op():
     ref = copy.deepcopy(model)
     bnswap.convert(model, include="1")  # partly converted
     first = [bnswap.is_swapped(m) for m in model.modules()]
-    entry = vars(model[1])["forward"]
+    entry = vars(model[1])[bnswap._swap.SWAP]
     bnswap.convert(model)  # converts the rest
     second = [bnswap.is_swapped(m) for m in model.modules()]
-    assert first[2] and second[2] and vars(model[1])["forward"] is entry
+    assert first[2] and second[2] and vars(model[1])[bnswap._swap.SWAP] is entry
     assert not first[5] and second[5]
     objs = [id(m) for m in model.modules()]
     with warnings.catch_warnings():

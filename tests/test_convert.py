@@ -18,6 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 import bnswap
+from bnswap._swap import SWAP
 
 
 def net() -> nn.Sequential:
@@ -144,7 +145,7 @@ def test_plan_of_a_converted_model_says_keep_and_apply_changes_only_what_is_new(
     says ``swap``; apply and convert swap only that one, keeping the others' forwards."""
     model = net()
     bnswap.convert(model)
-    forwards = [vars(m)["forward"] for m in bns(model)]
+    forwards = [vars(m)[SWAP] for m in bns(model)]
     model.add_module("extra", nn.BatchNorm1d(4))
     p = bnswap.plan(model)
     assert [(r.action, r.reason, r.already) for r in p] == [
@@ -155,11 +156,11 @@ def test_plan_of_a_converted_model_says_keep_and_apply_changes_only_what_is_new(
                            "already swapped (keep)")
     assert str(p).splitlines()[3].split()[2] == "keep"
     assert p.apply() is model
-    assert [vars(m)["forward"] for m in bns(model)][:3] == forwards
+    assert [vars(m)[SWAP] for m in bns(model)][:3] == forwards
     assert bnswap.is_swapped(model.extra)
     assert [r.action for r in bnswap.plan(model)] == ["keep"] * 4
     assert bnswap.convert(model) is model  # nothing to do, nothing said
-    assert [vars(m)["forward"] for m in bns(model)][:3] == forwards
+    assert [vars(m)[SWAP] for m in bns(model)][:3] == forwards
 
 
 def test_root_batchnorm_is_converted():
@@ -407,7 +408,7 @@ def test_plan_rows_as_dicts_and_the_swapped_forwards_repr():
                        "reason": "excluded by '2'", "backend": "-", "kernel": "-",
                        "adapter": "-", "sync": "-"}
     bnswap.convert(model)
-    assert repr(model[0].forward) == "<bnswap forward of BatchNorm2d (batch_norm_forward)>"
+    assert repr(vars(model[0])[SWAP]) == "<bnswap swap: _BatchNorm.forward -> batch_norm_forward>"
 
 
 def test_the_forward_of_a_layer_swapped_with_a_callable_object_names_it():
@@ -421,7 +422,7 @@ def test_the_forward_of_a_layer_swapped_with_a_callable_object_names_it():
     stock, bn = nn.BatchNorm2d(2), nn.BatchNorm2d(2)
     adapter = functools.partial(batch_norm_forward)
     swap(bn, adapter)
-    assert repr(bn.forward) == f"<bnswap forward of BatchNorm2d ({adapter!r})>"
+    assert repr(vars(bn)[SWAP]) == f"<bnswap swap: _BatchNorm.forward -> {adapter!r}>"
     x = torch.randn(3, 2, 2, 2)
     assert torch.equal(bn(x), stock(x)) and torch.equal(bn.running_var, stock.running_var)
 
@@ -714,18 +715,18 @@ def test_plan_rows_of_every_kind_hold_every_field():
 
 def _dict_copy(layer: nn.Module) -> nn.Module:
     """A copy made by copying ``__dict__`` (nn.DataParallel's replicas, learn2learn's
-    clone_module): it carries the original's forward entry (copy.copy leaves it out
-    since issue 32)."""
+    clone_module): it carries the original's mark (copy.copy leaves it out since issue
+    32)."""
     c = layer.__new__(type(layer))
     c.__dict__ = layer.__dict__.copy()
     return c
 
 
-def test_convert_binds_a_shallow_copy_to_itself():
-    """A copy of a swapped layer's __dict__ shares its forward entry (bound to the
-    original); after bnswap.convert the copy runs its own eps / momentum / flags / buffers,
-    as a stock layer with the copy's values does, and the original is unaffected (issue
-    21, item 6)."""
+def test_a_shallow_copy_is_swapped_and_runs_its_own_state():
+    """A copy of a swapped layer's __dict__ carries the swap's mark, which names no layer:
+    the copy is swapped (the plan says keep) and runs its own eps / momentum / flags /
+    buffers, as a stock layer with the copy's values does, and the original is
+    unaffected (issue 21, item 6; issue 32: the copy once ran the original's state)."""
     import copy as _copy
 
     torch.manual_seed(0)
@@ -740,20 +741,17 @@ def test_convert_binds_a_shallow_copy_to_itself():
     c.running_var = torch.full((3,), 2.0)
     c.num_batches_tracked = torch.tensor(7)
     row = bnswap.plan(c)[0]
-    assert (row.action, row.already) == ("swap", False)
-    assert row.reason == ("a copy of a swapped layer's __dict__ (learn2learn's clone_module, "
-                          "a DataParallel replica): apply binds it to this copy (until then "
-                          "it runs the adapter on its own state)")
-    assert bnswap.convert(c) is c and bnswap.is_swapped(c)
+    assert (row.action, row.already, row.reason) == ("keep", True, "already swapped")
     stock = nn.BatchNorm2d(3, eps=1e-2, momentum=0.5)
     stock.load_state_dict(c.state_dict())
     for training in (True, False):
         c.train(training)
         stock.train(training)
         x = torch.randn(4, 3, 5, 5)
-        assert torch.equal(c(x), stock(x))
+        assert torch.equal(c(x), stock(x)) and torch.equal(c.forward(x), stock.forward(x))
         for k, v in stock.state_dict().items():
             assert torch.equal(c.state_dict()[k], v), k
+    assert bnswap.convert(c) is c and bnswap.is_swapped(c)
     # the original kept its own state and flags
     assert orig.training and orig.eps == 1e-5 and orig.momentum == 0.1
     for k, v in ref_orig.state_dict().items():
@@ -766,8 +764,8 @@ def test_failed_convert_leaves_a_shallow_copy_as_it_was(monkeypatch):
 
     orig = bnswap.convert(nn.BatchNorm2d(3))
     c = _dict_copy(orig)
-    model = nn.Sequential(c, nn.BatchNorm2d(3))
-    entry = c.__dict__["forward"]
+    model = nn.Sequential(c, nn.BatchNorm2d(3), nn.BatchNorm2d(3))
+    mark = c.__dict__[SWAP]
     calls = []
 
     def failing_swap(module, adapter):
@@ -780,4 +778,5 @@ def test_failed_convert_leaves_a_shallow_copy_as_it_was(monkeypatch):
     monkeypatch.setattr(plan_mod, "swap", failing_swap)
     with pytest.raises(KeyboardInterrupt):
         bnswap.convert(model)
-    assert c.__dict__["forward"] is entry and not bnswap.is_swapped(model[1])
+    assert calls == [model[1], model[2]]
+    assert c.__dict__[SWAP] is mark and not bnswap.is_swapped(model[1])

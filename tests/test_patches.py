@@ -110,8 +110,9 @@ def test_disable_all(value):
     """, {_compat.DISABLE_ENV: value})
     st, err = out
     assert st["applied"] == [] and not st["script_patched"] and st["hooks"] == []
-    # what docs/patches.md says stops working
-    assert err == "AttributeError: 'SwappedForward' object has no attribute '__globals__'"
+    # what docs/patches.md says stops working: TorchScript compiles bnswap's dispatcher
+    # (the class's forward, once a layer of it is swapped in this process)
+    assert err.startswith("RuntimeError: \nundefined value F:") and "bnswap" in err
 
 
 def test_disable_some_and_unknown_name_warns():

@@ -124,7 +124,7 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
             last = tmp_path / kind / "run" / "weights" / "last.pt"
             with zipfile.ZipFile(last) as z:
                 pickled = b"".join(z.read(n) for n in z.namelist() if n.endswith(".pkl"))
-            assert b"SwappedForward" not in pickled and b"bnswap." not in pickled
+            assert b"_bnswap_swap" not in pickled and b"bnswap." not in pickled
             ckpts[kind, phase] = torch.load(last, weights_only=False)
     assert seen["stock"] == [[0, 0]] * 4
     assert seen["bnswap"] == seen["callback"] == [[57, 57]] * 4

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import bnswap
+from bnswap._swap import SWAP
 from bnswap import registry
 from bnswap.sync import sync_batch_norm_forward
 
@@ -153,7 +154,7 @@ def test_custom_subclass_registered_bitwise_equal_to_stock(clean_registry):
 
 
 def test_adapted_layers_deepcopy_and_pickle_with_their_adapter(clean_registry):
-    """A deepcopy keeps the adapter, bound to the copy; a torch.save of the whole model
+    """A deepcopy keeps the adapter (the copy is swapped); a torch.save of the whole model
     loads as stock's layers (issue 32) and bnswap.convert gives them the adapter again."""
     bnswap.register(BatchNormSiLU2d, batch_norm_silu_2d)
     net = bnswap.convert(_net())
@@ -166,8 +167,8 @@ def test_adapted_layers_deepcopy_and_pickle_with_their_adapter(clean_registry):
         for a, b in zip(net.modules(), clone.modules(), strict=True):
             assert bnswap.is_swapped(a) == bnswap.is_swapped(b)
             if bnswap.is_swapped(b):
-                assert vars(b)["forward"].module is b
-                assert vars(b)["forward"].adapter is vars(a)["forward"].adapter
+                assert vars(b)[SWAP].owner is bnswap._swap.forward_owner(type(b))
+                assert vars(b)[SWAP].adapter is vars(a)[SWAP].adapter
         x = torch.randn(2, 3, 6, 6)
         ref = copy.deepcopy(bnswap.revert(copy.deepcopy(net)))  # stock, same state
         torch.manual_seed(3)  # the same dropout mask
@@ -243,8 +244,8 @@ def test_register_replaces_an_earlier_adapter(clean_registry):
     early = bnswap.convert(BatchNormSiLU2d(4))
     bnswap.register(BatchNormSiLU2d, other_adapter)
     assert registry.lookup(BatchNormSiLU2d) is other_adapter
-    assert vars(early)["forward"].adapter is batch_norm_silu_2d  # layers keep theirs
-    assert vars(bnswap.convert(BatchNormSiLU2d(4)))["forward"].adapter is other_adapter
+    assert vars(early)[SWAP].adapter is batch_norm_silu_2d  # layers keep theirs
+    assert vars(bnswap.convert(BatchNormSiLU2d(4)))[SWAP].adapter is other_adapter
     bnswap.unregister(BatchNormSiLU2d)
     assert registry.lookup(BatchNormSiLU2d) is None
     bnswap.unregister(BatchNormSiLU2d)  # no-op

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
+from bnswap._swap import SWAP
 
 pytestmark = pytest.mark.zoo
 
@@ -130,7 +131,7 @@ def test_plan_swaps_every_batchnorm(lib, name, count, classes):
     for (n, s), (n2, c) in zip(layers, _bn_layers(converted), strict=True):
         assert n == n2
         assert bnswap.is_swapped(c) and type(c) is type(s)
-        adapter = vars(c)["forward"].adapter
+        adapter = vars(c)[SWAP].adapter
         assert f"{adapter.__module__}.{adapter.__qualname__}" == ADAPTERS[type(s).__name__]
         assert [k for k, _ in c.named_children()] == [k for k, _ in s.named_children()]
         assert [type(v) for v in c.children()] == [type(v) for v in s.children()]
@@ -290,7 +291,7 @@ def test_timm_batchnormact2d_layer_bitwise(kwargs, channels_last):
     from bnswap.adapters.timm import batch_norm_act_2d
 
     assert type(converted) is type(stock) and bnswap.is_swapped(converted)
-    assert vars(converted)["forward"].adapter is batch_norm_act_2d
+    assert vars(converted)[SWAP].adapter is batch_norm_act_2d
     assert type(converted.act) is type(stock.act) and type(converted.drop) is type(stock.drop)
     assert list(converted.state_dict()) == list(stock.state_dict())
     fmt = torch.channels_last if channels_last else torch.contiguous_format

@@ -36,7 +36,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from bnswap import _log
-from bnswap._swap import WRAPPER_STATE, adapter_of, swap
+from bnswap._swap import SWAP, WRAPPER_STATE, adapter_of, swap
 from bnswap.ort import _compat, _original
 from bnswap.ort._layers import check_layers, trace_constants
 from bnswap.ort._logs import ort_log_level, quiet_ort_notices
@@ -357,9 +357,11 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         training, ``requires_grad``."""
         structure, tensors, grads = [], [], []
         for n, m in mods:
-            # the forward a layer runs too: bnswap swaps it per instance; and its own
-            # train/eval flag (the graph carries each module's mode)
-            structure.append((n, type(m), m.__dict__.get("forward"), m.training))
+            # the forward a layer runs too: an instance forward, bnswap's swap (its mark,
+            # per instance); and its own train/eval flag (the graph carries each
+            # module's mode)
+            d = m.__dict__
+            structure.append((n, type(m), d.get("forward"), d.get(SWAP), m.training))
             for p in m._parameters.values():
                 tensors.append(id(p))
                 grads.append(p is not None and p.requires_grad)
