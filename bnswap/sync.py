@@ -70,7 +70,9 @@ __all__ = ["DEVICE_KERNELS", "FLAGS", "NO_GROUP_YET", "ONE_VALUE_MESSAGE", "ORIG
            "synchronized_batch_norm", "to_sync_batch_norm"]
 
 #: The instance attribute (in ``__dict__``, never a submodule: not in the state_dict) of a
-#: SyncBatchNorm that ``convert(..., sync_batchnorm=True)`` made, holding the original layer.
+#: SyncBatchNorm that ``convert(..., sync_batchnorm=True)`` made, holding the original layer
+#: in a 1-tuple: no Module value, so that code which copies a module's attributes with
+#: ``setattr`` (higher's ``innerloop_ctx``) does not register it as a child.
 ORIGINAL = "_bnswap_original"
 
 #: What the plan's kernel column says a synchronized layer runs in training.
@@ -618,13 +620,14 @@ def to_sync_batch_norm(layer: nn.Module, process_group: Any = None,
     Parameter, buffer, child module and hook dicts (an optimizer built on ``layer``'s
     parameters stays valid; ``.to()`` / ``load_state_dict`` on one show on the other), its
     flags copied, ``process_group`` set, and ``layer`` itself kept (under
-    :data:`ORIGINAL`) for :func:`original_of`. Not swapped yet; ``layer`` is unchanged.
+    :data:`ORIGINAL`, in a 1-tuple) for :func:`original_of`. Not swapped yet; ``layer``
+    is unchanged.
     """
     sync = cls.__new__(cls)
     state = {k: v for k, v in layer.__dict__.items() if k != SWAP}
     sync.__dict__.update(state)
     sync.__dict__["process_group"] = process_group
-    sync.__dict__[ORIGINAL] = layer
+    sync.__dict__[ORIGINAL] = (layer,)
     return sync
 
 
@@ -645,9 +648,10 @@ def original_of(layer: nn.Module) -> nn.Module | None:
     SyncBatchNorm while it stood in, as Lightning's own revert keeps them); None for any
     other module. For a copy of such a layer's ``__dict__`` with dicts of its own (issue
     32), a new layer of the original's class on the copy's state, never the original."""
-    original = getattr(layer, "__dict__", {}).get(ORIGINAL)
-    if original is None:
+    held = getattr(layer, "__dict__", {}).get(ORIGINAL)
+    if not (isinstance(held, tuple) and len(held) == 1 and isinstance(held[0], nn.Module)):
         return None
+    original = held[0]
     state = layer.__dict__
     mine = original.__dict__
     if any(state.get(k) is not mine.get(k) for k in _SHARED):

@@ -156,6 +156,23 @@ def replica(model: nn.Module) -> nn.Module:
     return copies[model]
 
 
+def test_maml_step_through_higher_on_a_synchronized_model_equals_stock():
+    """``convert(..., sync_batchnorm=True)`` keeps each original layer on its stand-in;
+    higher copies every attribute with ``setattr``, which made a kept Module a child of
+    the patched copy (``AttributeError: ... no attribute '_param_names'``). One process,
+    no process group: the stand-ins normalize the local batch, as stock's layers do."""
+    stock = build()
+    swapped = bnswap.convert(copy.deepcopy(stock), sync_batchnorm=True)
+    assert type(swapped[1]) is nn.SyncBatchNorm and bnswap.is_swapped(swapped[1])
+    loss_a, grads_a, _ = higher_step(stock)
+    loss_b, grads_b, _ = higher_step(swapped)
+    assert torch.equal(loss_a, loss_b)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert torch.equal(a, b)
+    assert_same_state(stock, swapped)
+    assert list(swapped.state_dict()) == list(stock.state_dict())
+
+
 def test_dataparallel_replica_equals_stock():
     stock, swapped = pair()
     ra, rb = replica(stock), replica(swapped)
@@ -352,7 +369,7 @@ def test_revert_of_a_clone_of_a_synchronized_model_keeps_the_clones_state():
     x = torch.randn(4, 3, 6, 6)
     assert torch.equal(cs(x), cb(x))
     assert bnswap.revert(cb) is cb and type(cb[1]) is nn.BatchNorm2d
-    assert cb[1] is not model[1]._bnswap_original and not bnswap.is_swapped(cb[1])
+    assert cb[1] is not model[1]._bnswap_original[0] and not bnswap.is_swapped(cb[1])
     assert cb[1].weight is not model[1].weight and torch.equal(cb[1].weight, cs[1].weight)
     assert torch.equal(cs(x), cb(x))
     assert_same_state(cs, cb)
