@@ -4,7 +4,6 @@ the aten backend and with the ORT backend (ORTModule children inside Lightning's
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._helpers import run_processes
+from tests._helpers import rank_env, run_processes
 
 pytest.importorskip("lightning.pytorch")
 
@@ -22,10 +21,8 @@ SCRIPT = Path(__file__).with_name("ddp_fit.py")
 def _run(variant: str, out: Path) -> tuple[list[dict], str]:
     """Every rank's saved results, and what the run printed (stdout, then stderr: both
     ranks', Lightning's launcher starting rank 1 with this process's streams)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "BNSWAP_ORT_LOG_LEVEL"):
-        env.pop(k, None)
+    env = rank_env()
+    env.pop("BNSWAP_ORT_LOG_LEVEL", None)
     proc = run_processes([sys.executable, str(SCRIPT), variant, str(out)], timeout=600,
                          env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]

@@ -12,7 +12,6 @@ and Lightning's ``ModelParallelStrategy``, through tests/fsdp_fit.py.
 from __future__ import annotations
 
 import copy
-import os
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 import bnswap
-from tests._helpers import run_processes
+from tests._helpers import rank_env, run_processes
 
 SCRIPT = Path(__file__).with_name("fsdp_fit.py")
 HALF = [torch.bfloat16, torch.float16]
@@ -121,9 +120,7 @@ def _free_port() -> int:
 
 
 def _run(mode: str, out: Path) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = rank_env()
     proc = run_processes([sys.executable, str(SCRIPT), mode, str(out), str(_free_port())],
                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from tests._helpers import run_processes
+from tests._helpers import rank_env, run_processes
 from tests.sync_cases import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,10 +27,7 @@ TABLE = "bnswap: 52 of 52 BatchNorm layers swapped, 0 skipped"
 
 def _torchrun(out: Path) -> str:
     """The job's stderr (both ranks': torchrun passes its workers' streams through)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = rank_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = run_processes(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(SCRIPT), str(out)],

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import bnswap
-from tests._helpers import COLLECTIVE_TIMEOUT_S, run_processes
+from tests._helpers import COLLECTIVE_TIMEOUT_S, rank_env, run_processes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sync_cases  # noqa: E402
@@ -28,10 +28,8 @@ SCRIPT = Path(sync_cases.__file__)
 
 
 def _spawn(world: int, out: Path) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = rank_env(PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]),
+                                               os.environ.get("PYTHONPATH", "")]))
     proc = run_processes([sys.executable, str(SCRIPT), str(world), str(out)], timeout=400,
                          env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -337,10 +335,8 @@ def _torchrun_example(*args: str, timeout: float = 400, path: tuple[str, ...] = 
     """``torchrun --nproc_per_node=2 examples/ddp_syncbn.py *args`` on 127.0.0.1, one
     thread a rank, ``path`` put first on PYTHONPATH."""
     root = SCRIPT.parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [*path, str(root), os.environ.get("PYTHONPATH", "")])}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = rank_env(PYTHONPATH=os.pathsep.join([*path, str(root),
+                                               os.environ.get("PYTHONPATH", "")]))
     return run_processes(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
          "--master_addr=127.0.0.1", f"--master_port={sync_cases.free_port()}", str(EXAMPLE),
