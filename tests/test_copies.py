@@ -125,17 +125,35 @@ def higher_step(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor], tup
     return query.detach(), [p.grad for p in model.parameters()], rows
 
 
-def test_maml_step_through_higher_equals_stock():
-    stock, swapped = pair()
+def assert_higher_step_equal(stock: nn.Module, swapped: nn.Module) -> list:
+    """:func:`higher_step` on both: query loss, meta-gradients, statistics bitwise; the
+    plan rows of the swapped one's patched copy."""
     loss_a, grads_a, _ = higher_step(stock)
     loss_b, grads_b, rows = higher_step(swapped)
     assert torch.equal(loss_a, loss_b)
     for a, b in zip(grads_a, grads_b, strict=True):
         assert torch.equal(a, b)
     assert_same_state(stock, swapped)
+    return rows
+
+
+def test_maml_step_through_higher_equals_stock():
+    rows = assert_higher_step_equal(*pair())
     # higher's class (its forward sets the fast weights, then calls the class's: bnswap's
     # dispatcher) carries the swap's mark: swapped
     assert [(r.action, r.reason) for r in rows] == [("keep", "already swapped")] * 2
+
+
+def test_maml_step_through_higher_on_a_synchronized_model_equals_stock():
+    """``convert(..., sync_batchnorm=True)`` keeps each original layer on its stand-in;
+    higher copies every attribute with ``setattr``, which made a kept Module a child of
+    the patched copy (``AttributeError: ... no attribute '_param_names'``). One process,
+    no process group: the stand-ins normalize the local batch, as stock's layers do."""
+    stock = build()
+    swapped = bnswap.convert(copy.deepcopy(stock), sync_batchnorm=True)
+    assert type(swapped[1]) is nn.SyncBatchNorm and bnswap.is_swapped(swapped[1])
+    assert_higher_step_equal(stock, swapped)
+    assert list(swapped.state_dict()) == list(stock.state_dict())
 
 
 def replica(model: nn.Module) -> nn.Module:
@@ -154,23 +172,6 @@ def replica(model: nn.Module) -> nn.Module:
             if b is not None:
                 setattr(r, key, b.clone())
     return copies[model]
-
-
-def test_maml_step_through_higher_on_a_synchronized_model_equals_stock():
-    """``convert(..., sync_batchnorm=True)`` keeps each original layer on its stand-in;
-    higher copies every attribute with ``setattr``, which made a kept Module a child of
-    the patched copy (``AttributeError: ... no attribute '_param_names'``). One process,
-    no process group: the stand-ins normalize the local batch, as stock's layers do."""
-    stock = build()
-    swapped = bnswap.convert(copy.deepcopy(stock), sync_batchnorm=True)
-    assert type(swapped[1]) is nn.SyncBatchNorm and bnswap.is_swapped(swapped[1])
-    loss_a, grads_a, _ = higher_step(stock)
-    loss_b, grads_b, _ = higher_step(swapped)
-    assert torch.equal(loss_a, loss_b)
-    for a, b in zip(grads_a, grads_b, strict=True):
-        assert torch.equal(a, b)
-    assert_same_state(stock, swapped)
-    assert list(swapped.state_dict()) == list(stock.state_dict())
 
 
 def test_dataparallel_replica_equals_stock():
