@@ -173,8 +173,14 @@ def test_a_closed_pipe_is_not_an_error(tmp_path):
                              "digits_mobilenetv2.yaml"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=root)
     proc.stdout.close()  # the reader leaves before the table is written
-    err = proc.stderr.read().decode()
-    assert proc.wait(timeout=300) == 0 and "Traceback" not in err, err
+    try:  # (a hung command fails the test at the timeout, killed, not blocking the read)
+        _, err_bytes = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    err = err_bytes.decode()
+    assert proc.returncode == 0 and "Traceback" not in err, err
 
 
 def test_help_lists_every_option_without_the_module_class_list(capsys):
