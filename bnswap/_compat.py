@@ -660,6 +660,15 @@ def _forking_codes() -> frozenset:
 _FORKING_CODES: frozenset = frozenset()
 
 
+def _pickle_keeps_swap() -> bool:
+    """Whether the pickle being made keeps bnswap's swap: a deepcopy (``_keep``), or a
+    pickle for another process of this job (multiprocessing's ``ForkingPickler``, called
+    from these two functions, the pickler itself being C). Called directly by the
+    pickling method (``_BatchNorm.__getstate__`` below, ``bnswap._swap.Swap.__reduce__``):
+    frame 2 is the one that pickles."""
+    return bool(_keep.active) or sys._getframe(2).f_code in _FORKING_CODES
+
+
 class _Keep(threading.local):
     active = 0
 
@@ -689,10 +698,9 @@ def _patch_checkpoints() -> bool:
     def __getstate__(self: nn.Module) -> Any:
         state = prev(self)
         # deep-copied (__deepcopy__ below), or pickled for another process of this job
-        # (mp.spawn, torch.multiprocessing queues: multiprocessing's ForkingPickler,
-        # called from these two functions, the pickler itself being C): the swap goes
-        # along, that process running this environment
-        if _keep.active or sys._getframe(1).f_code in _FORKING_CODES:
+        # (mp.spawn, torch.multiprocessing queues): the swap goes along, that process
+        # running this environment
+        if _pickle_keeps_swap():
             return state
         return _stock_state(state)
 
@@ -716,12 +724,9 @@ def _patch_checkpoints() -> bool:
             _keep.active = depth
         return copy._reconstruct(self, memo, *rv)
 
-    def keeps_swap() -> bool:  # called by Swap.__reduce__, called by the pickler
-        return bool(_keep.active) or sys._getframe(2).f_code in _FORKING_CODES
-
     global _FORKING_CODES
     _FORKING_CODES = _forking_codes()
-    _swap_module.pickle_keeps_swap = keeps_swap
+    _swap_module.pickle_keeps_swap = _pickle_keeps_swap
     cls.__getstate__ = __getstate__
     cls.__deepcopy__ = __deepcopy__
     return True
