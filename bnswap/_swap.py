@@ -191,14 +191,22 @@ def unpickle_swap(adapter: Adapter, owner: type) -> Swap:
     return Swap(adapter, owner)
 
 
+#: forward_owner's answers, per class (the MRO walk cost ~0.9 us per swapped layer).
+_OWNERS: dict[type, type] = {}
+
+
 def forward_owner(cls: type) -> type:
     """The class in ``cls``'s MRO whose ``forward`` a layer of ``cls`` runs (``_BatchNorm``
     for ``nn.BatchNorm2d`` and torch's parametrized and lazy classes; ``SyncBatchNorm``;
-    timm's ``BatchNormAct2d`` itself)."""
-    for klass in cls.__mro__:
-        if "forward" in vars(klass):
-            return klass
-    raise TypeError(f"{cls.__name__} has no forward")
+    timm's ``BatchNormAct2d`` itself). Memoized per class: a class's MRO does not
+    change, and the dispatcher replaces a ``forward`` in the same class."""
+    owner = _OWNERS.get(cls)
+    if owner is None:
+        owner = next((k for k in cls.__mro__ if "forward" in vars(k)), None)
+        if owner is None:
+            raise TypeError(f"{cls.__name__} has no forward")
+        _OWNERS[cls] = owner
+    return owner
 
 
 def class_forward(cls: type) -> Callable[..., Any]:
