@@ -23,8 +23,18 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["EXIT_USAGE", "LIGHTNING_EXTRA", "LIGHTNING_SUBCOMMANDS", "OPTIONS", "SUBCOMMANDS", "help_text",
-           "import_from_cwd", "main", "unknown_subcommand", "usage_line"]
+__all__ = [
+    "EXIT_USAGE",
+    "LIGHTNING_EXTRA",
+    "LIGHTNING_SUBCOMMANDS",
+    "OPTIONS",
+    "SUBCOMMANDS",
+    "help_text",
+    "import_from_cwd",
+    "main",
+    "unknown_subcommand",
+    "usage_line",
+]
 
 #: Every subcommand of the console script, with its one-line help.
 SUBCOMMANDS = {
@@ -33,11 +43,11 @@ SUBCOMMANDS = {
     "test": "run one test epoch (Trainer.test)",
     "predict": "run prediction (Trainer.predict) and write the predictions to a file",
     "compare": "train each config in turn (stock vs bnswap by default), plot them "
-               "(runs/compare.png, .json) and print seconds per epoch",
+    "(runs/compare.png, .json) and print seconds per epoch",
     "plan": "show what bnswap would swap in a model, before training (exit 3 if a layer "
-            "would be skipped that was not excluded)",
+    "would be skipped that was not excluded)",
     "convert": "convert a torch.export program file (.pt2) to the consolidated batch-norm "
-               "ops: bnswap convert model.pt2 -o model_bnswap.pt2",
+    "ops: bnswap convert model.pt2 -o model_bnswap.pt2",
 }
 
 #: The options ``bnswap`` takes before a subcommand.
@@ -56,19 +66,22 @@ EXIT_USAGE = 2
 def help_text() -> str:
     """``bnswap --help``: the usage line and one line per subcommand."""
     width = max(map(len, SUBCOMMANDS))
-    return "\n".join([
-        usage_line(),
-        "",
-        "bnswap: train with BatchNorm on PyTorch's consolidated batch-norm ops (or ONNX "
-        "Runtime's), and inspect what it swaps.",
-        "",
-        "subcommands:",
-        *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()),
-        "",
-        "`bnswap SUBCOMMAND --help` lists a subcommand's options, `bnswap --version` the "
-        "version; "
-        + ", ".join(LIGHTNING_SUBCOMMANDS) + f" need Lightning ({LIGHTNING_EXTRA}).",
-    ])
+    return "\n".join(
+        [
+            usage_line(),
+            "",
+            "bnswap: train with BatchNorm on PyTorch's consolidated batch-norm ops (or ONNX "
+            "Runtime's), and inspect what it swaps.",
+            "",
+            "subcommands:",
+            *(f"  {name:<{width}}  {text}" for name, text in SUBCOMMANDS.items()),
+            "",
+            "`bnswap SUBCOMMAND --help` lists a subcommand's options, `bnswap --version` the "
+            "version; "
+            + ", ".join(LIGHTNING_SUBCOMMANDS)
+            + f" need Lightning ({LIGHTNING_EXTRA}).",
+        ]
+    )
 
 
 def usage_line() -> str:
@@ -96,8 +109,10 @@ predict, compare, plan, convert)"
         close = difflib.get_close_matches(name.lower(), OPTIONS, n=1)
         if close:
             return f"bnswap: error: unknown option {name!r}; did you mean {close[0]!r}?"
-        return (f"bnswap: error: unknown option {name!r} (bnswap takes -h/--help, "
-                f"-V/--version or a subcommand: {', '.join(SUBCOMMANDS)})")
+        return (
+            f"bnswap: error: unknown option {name!r} (bnswap takes -h/--help, "
+            f"-V/--version or a subcommand: {', '.join(SUBCOMMANDS)})"
+        )
     close = difflib.get_close_matches(name.lower(), SUBCOMMANDS, n=1)
     if close:
         return f"bnswap: error: unknown subcommand {name!r}; did you mean {close[0]!r}?"
@@ -123,8 +138,10 @@ def _version() -> str:
 
 
 def _has_lightning() -> bool:
-    return (importlib.util.find_spec("lightning") is not None
-            or importlib.util.find_spec("pytorch_lightning") is not None)
+    return (
+        importlib.util.find_spec("lightning") is not None
+        or importlib.util.find_spec("pytorch_lightning") is not None
+    )
 
 
 def _missing_for_the_job() -> str | None:
@@ -174,8 +191,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if missing is not None:
         from bnswap.extras import install_hint  # (imports torch: on this error only)
 
-        print(f"bnswap {args[0]}: error: needs {missing}, which is not installed: "
-              f"{install_hint('lightning')}", file=sys.stderr)
+        print(
+            f"bnswap {args[0]}: error: needs {missing}, which is not installed: "
+            f"{install_hint('lightning')}",
+            file=sys.stderr,
+        )
         sys.exit(EXIT_USAGE)
     from bnswap.app import cli
 

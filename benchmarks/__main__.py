@@ -19,33 +19,62 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="P1,P2,P3,P4,P5,P6",
-                    help="comma-separated subset of P1..P6 (default: all)")
-    ap.add_argument("--quick", action="store_true",
-                    help="CI-size run: one network, float32, 3 pairs")
-    ap.add_argument("--full", action="store_true",
-                    help="P2 also in bfloat16 for mobilenetv2 and resnet18 (adds ~4 inductor "
-                         "compiles of minutes each on a cold cache)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch.set_num_threads (default: $BNSWAP_BENCH_THREADS, else 1)")
-    ap.add_argument("--pairs", type=int, default=None,
-                    help="override the number of interleaved pairs of every comparison")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"),
-                    help="output folder (default: benchmarks/results)")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--cases",
+        default="P1,P2,P3,P4,P5,P6",
+        help="comma-separated subset of P1..P6 (default: all)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="CI-size run: one network, float32, 3 pairs"
+    )
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="P2 also in bfloat16 for mobilenetv2 and resnet18 (adds ~4 inductor "
+        "compiles of minutes each on a cold cache)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (default: $BNSWAP_BENCH_THREADS, else 1)",
+    )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="override the number of interleaved pairs of every comparison",
+    )
+    ap.add_argument(
+        "--out",
+        default=os.path.join(HERE, "results"),
+        help="output folder (default: benchmarks/results)",
+    )
     ap.add_argument("--name", default="latest", help="output file stem (default: latest)")
-    ap.add_argument("--nets", default=None,
-                    help="comma-separated nets to run (default: all of each case's nets); P1 "
-                         "also has the zoo nets timm_mobilenetv2_100, tv_resnet18 (need timm / "
-                         "torchvision)")
+    ap.add_argument(
+        "--nets",
+        default=None,
+        help="comma-separated nets to run (default: all of each case's nets); P1 "
+        "also has the zoo nets timm_mobilenetv2_100, tv_resnet18 (need timm / "
+        "torchvision)",
+    )
     ap.add_argument("--note", default=None, help="free text stored with the results")
     return ap.parse_args(argv)
 
 
-CASE_TITLES = {"P1": "eager train step", "P2": "inductor train step",
-               "P3": "layer over the raw op", "P4": "ORT train step",
-               "P5": "convert / revert time", "P6": "peak memory"}
+CASE_TITLES = {
+    "P1": "eager train step",
+    "P2": "inductor train step",
+    "P3": "layer over the raw op",
+    "P4": "ORT train step",
+    "P5": "convert / revert time",
+    "P6": "peak memory",
+}
 
 #: Seconds each case took in the full run of 2026-11-29 (2-core Xeon, 1 thread), the
 #: estimate when no earlier result is at hand; --quick runs take about a tenth.
@@ -59,8 +88,11 @@ def expected_seconds(out_dir: str, quick: bool) -> dict[str, float]:
         with open(os.path.join(out_dir, "latest.json")) as f:
             last = json.load(f)
         if bool(last["config"].get("quick")) == quick:
-            return {k: float(v["seconds"]) for k, v in last["cases"].items()
-                    if v.get("seconds") is not None}
+            return {
+                k: float(v["seconds"])
+                for k, v in last["cases"].items()
+                if v.get("seconds") is not None
+            }
     except (OSError, ValueError, KeyError, TypeError):
         pass
     scale = 0.1 if quick else 1.0
@@ -68,17 +100,21 @@ def expected_seconds(out_dir: str, quick: bool) -> dict[str, float]:
 
 
 def eta(left: list[str], expected: dict[str, float]) -> str:
-    """ `` (about N min left)``: the expected seconds of the cases still to run."""
+    """`` (about N min left)``: the expected seconds of the cases still to run."""
     total = sum(expected.get(k, TYPICAL_SECONDS.get(k, 60.0)) for k in left)
-    return f" (about {max(1, round(total / 60))} min left)" if total >= 60 else \
-        f" (about {max(1, round(total))} s left)"
+    return (
+        f" (about {max(1, round(total / 60))} min left)"
+        if total >= 60
+        else f" (about {max(1, round(total))} s left)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("MPLBACKEND", "Agg")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                          os.path.join(os.path.dirname(HERE), "build", "inductor-cache"))
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(HERE), "build", "inductor-cache")
+    )
     import torch
 
     threads = args.threads or int(os.environ.get("BNSWAP_BENCH_THREADS", "1"))
@@ -100,14 +136,25 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"unknown net(s) {bad}; choose from {list(ALL_NETS)}", file=sys.stderr)
             return 2
-    settings = Settings(quick=args.quick, full=args.full, pairs=args.pairs, nets=nets,
-                        log=lambda s: print(s, flush=True))
+    settings = Settings(
+        quick=args.quick,
+        full=args.full,
+        pairs=args.pairs,
+        nets=nets,
+        log=lambda s: print(s, flush=True),
+    )
     res: dict = {
         "schema": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "config": {"cases": wanted, "quick": args.quick, "full": args.full, "threads": threads,
-                   "pairs": args.pairs, "nets": list(nets) if nets else None},
+        "config": {
+            "cases": wanted,
+            "quick": args.quick,
+            "full": args.full,
+            "threads": threads,
+            "pairs": args.pairs,
+            "nets": list(nets) if nets else None,
+        },
         "machine": machine_info(),
         "note": args.note,
         "cases": {},
@@ -116,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     expected = expected_seconds(args.out, args.quick)
     for i, key in enumerate(wanted):
-        print(f"{key} ({i + 1} of {len(wanted)}: {CASE_TITLES.get(key, key)}) ..."
-              + eta(wanted[i:], expected), flush=True)
+        print(
+            f"{key} ({i + 1} of {len(wanted)}: {CASE_TITLES.get(key, key)}) ..."
+            + eta(wanted[i:], expected),
+            flush=True,
+        )
         t0 = time.perf_counter()
         try:
             out = CASES[key](settings)

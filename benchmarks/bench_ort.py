@@ -26,8 +26,10 @@ CONFIGS = {
     "threads=1": {"intra_op_num_threads": 1},
     "threads=cores": {"intra_op_num_threads": os.cpu_count() or 1},
     "threads=1,mem-pattern": {"intra_op_num_threads": 1, "enable_mem_pattern": True},
-    "threads=cores,no-spin": {"intra_op_num_threads": os.cpu_count() or 1,
-                              "config:session.intra_op.allow_spinning": "0"},
+    "threads=cores,no-spin": {
+        "intra_op_num_threads": os.cpu_count() or 1,
+        "config:session.intra_op.allow_spinning": "0",
+    },
 }
 
 
@@ -39,10 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness import interleaved
 
     p = argparse.ArgumentParser()
-    p.add_argument("--net", default="convnet4",
-                   choices=["convnet4", "mobilenetv2", "resnet18", "mainjob"],
-                   help="mainjob: the `bnswap train` main job's model and batch "
-                        "(MobileNetV2 width 0.5, 1x16x16 digits, batch 64)")
+    p.add_argument(
+        "--net",
+        default="convnet4",
+        choices=["convnet4", "mobilenetv2", "resnet18", "mainjob"],
+        help="mainjob: the `bnswap train` main job's model and batch "
+        "(MobileNetV2 width 0.5, 1x16x16 digits, batch 64)",
+    )
     p.add_argument("--steps", type=int, default=10, help="interleaved (ORT, eager) pairs")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
@@ -60,21 +65,30 @@ def main(argv: list[str] | None = None) -> int:
         x, y = torch.randn(64, 1, 16, 16), torch.randint(0, 10, (64,))
     else:
         _, base, x, y = _pair(args.net)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {args.net}, "
-          f"input {tuple(x.shape)}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {args.net}, "
+        f"input {tuple(x.shape)}"
+    )
     for name in args.config:
         eager = copy.deepcopy(base)
-        ort_model = bnswap.ort.wrap(bnswap.convert(copy.deepcopy(base)),
-                                    session_options=CONFIGS[name])
+        ort_model = bnswap.ort.wrap(
+            bnswap.convert(copy.deepcopy(base)), session_options=CONFIGS[name]
+        )
         try:  # P4's train step (SGD momentum 0.9) and harness, ORT as A, eager stock as B
-            cmp = interleaved(train_step(ort_model, x, y, "float32"),
-                              train_step(eager, x, y, "float32"),
-                              pairs=args.steps, warmup=args.warmup)
+            cmp = interleaved(
+                train_step(ort_model, x, y, "float32"),
+                train_step(eager, x, y, "float32"),
+                pairs=args.steps,
+                warmup=args.warmup,
+            )
         except bnswap.ort.ORTRunError as err:
             print(f"{name:24s} fails: {str(err)[:200]}", flush=True)
             continue
-        print(f"{name:24s} ORT/eager median ratio {cmp.ratio_median:.3f}  "
-              f"(eager {cmp.b_median * 1e3:.2f} ms, ORT {cmp.a_median * 1e3:.2f} ms)", flush=True)
+        print(
+            f"{name:24s} ORT/eager median ratio {cmp.ratio_median:.3f}  "
+            f"(eager {cmp.b_median * 1e3:.2f} ms, ORT {cmp.a_median * 1e3:.2f} ms)",
+            flush=True,
+        )
     return 0
 
 

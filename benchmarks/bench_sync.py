@@ -67,16 +67,29 @@ def nets() -> dict:
     # name -> (factory, per-rank batch, channels, H=W)
     return {
         # the `bnswap train` main job's model and batch (global 64 = 2 x 32), 1x16x16 digits
-        "mainjob": (lambda: MobileNetV2(num_classes=10, in_channels=1, width_mult=0.5), 32, 1,
-                    16),
+        "mainjob": (lambda: MobileNetV2(num_classes=10, in_channels=1, width_mult=0.5), 32, 1, 16),
         # ResNet-18 at small size: width 16, 3x32x32, 16 per rank
         "resnet18s": (lambda: ResNet18(num_classes=10, in_channels=3, width=16), 16, 3, 32),
         # --quick: 3 conv + BatchNorm layers
-        "tiny": (lambda: nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)), 8, 3, 8),
+        "tiny": (
+            lambda: nn.Sequential(
+                nn.Conv2d(3, 8, 3, padding=1),
+                nn.BatchNorm2d(8),
+                nn.ReLU(),
+                nn.Conv2d(8, 16, 3, padding=1),
+                nn.BatchNorm2d(16),
+                nn.ReLU(),
+                nn.Conv2d(16, 16, 3, padding=1),
+                nn.BatchNorm2d(16),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(16, 10),
+            ),
+            8,
+            3,
+            8,
+        ),
     }
 
 
@@ -148,7 +161,7 @@ def rounds(steps: dict, n: int, warmup: int) -> dict:
     gc.disable()
     try:
         for r in range(n):
-            for k in names[r % len(names):] + names[:r % len(names)]:
+            for k in names[r % len(names) :] + names[: r % len(names)]:
                 c0, t0 = time.process_time(), time.perf_counter()
                 steps[k]()
                 wall[k].append(time.perf_counter() - t0)
@@ -169,13 +182,16 @@ def summarize(times: dict) -> dict:
     """Medians (ms) of each variant, and per round: the sync step's extra over unsync as a
     multiple of the floor's extra (wall, CPU), and sync / floor CPU time."""
     wall, cpu = times["wall"], times["cpu"]
-    out: dict = {"ms": {k: statistics.median(v) * 1e3 for k, v in wall.items()},
-                 "cpu_ms": {k: statistics.median(v) * 1e3 for k, v in cpu.items()},
-                 "rounds": len(wall["sync"])}
+    out: dict = {
+        "ms": {k: statistics.median(v) * 1e3 for k, v in wall.items()},
+        "cpu_ms": {k: statistics.median(v) * 1e3 for k, v in cpu.items()},
+        "rounds": len(wall["sync"]),
+    }
 
     def extra_ratio(t: dict) -> list[float]:
-        return [(s - u) / (f - u) for s, f, u in zip(t["sync"], t["floor"], t["unsync"])
-                if f - u > 0]
+        return [
+            (s - u) / (f - u) for s, f, u in zip(t["sync"], t["floor"], t["unsync"]) if f - u > 0
+        ]
 
     out["extra_over_floor_extra"] = _median_ci(extra_ratio(wall))
     out["cpu_extra_over_floor_extra"] = _median_ci(extra_ratio(cpu))
@@ -186,18 +202,24 @@ def summarize(times: dict) -> dict:
     out["extra_ms"] = {"floor": m["floor"] - m["unsync"], "sync": m["sync"] - m["unsync"]}
     # the same figure from the medians (less noisy than the per-round ratio's median)
     out["extra_ratio_of_medians"] = out["extra_ms"]["sync"] / out["extra_ms"]["floor"]
-    out["goal_met"] = (out["extra_over_floor_extra"]["median"] <= 1.1
-                       and out["cpu_sync_over_floor"]["median"] <= 1.1)
+    out["goal_met"] = (
+        out["extra_over_floor_extra"]["median"] <= 1.1
+        and out["cpu_sync_over_floor"]["median"] <= 1.1
+    )
     return out
 
 
 #: breakdown categories: (label, event names) of the events inside a synchronized
 #: layer's forward (``_SyncBatchNorm``) or backward (``_SyncBatchNormBackward``)
 _COLLECTIVE = ("bnswap.sync.all_gather", "bnswap.sync.all_reduce")
-_FORWARD = (("statistics kernel", ("aten::batch_norm_update_stats", "aten::mean")),
-            ("normalization kernel", ("aten::_batch_norm_no_update",)))
-_BACKWARD = (("sums kernel", ("aten::native_batch_norm_backward",)),
-             ("input gradient kernels", ("aten::_batch_norm_no_update", "aten::addcmul_")))
+_FORWARD = (
+    ("statistics kernel", ("aten::batch_norm_update_stats", "aten::mean")),
+    ("normalization kernel", ("aten::_batch_norm_no_update",)),
+)
+_BACKWARD = (
+    ("sums kernel", ("aten::native_batch_norm_backward",)),
+    ("input gradient kernels", ("aten::_batch_norm_no_update", "aten::addcmul_")),
+)
 
 
 def breakdown(step, steps: int) -> dict:
@@ -228,16 +250,18 @@ def breakdown(step, steps: int) -> dict:
             add(f"sync {part}", total)
             add(f"sync {part}: collectives and waiting", coll)
             rest = total - coll
-            for label, names in (_FORWARD if part == "forward" else _BACKWARD):
+            for label, names in _FORWARD if part == "forward" else _BACKWARD:
                 t = under(e, names)
                 add(f"sync {part}: {label}", t)
                 rest -= t
             add(f"sync {part}: the rest", rest)
         elif e.name in ("aten::_batch_norm_with_update", "aten::batch_norm_backward") and (
-                e.cpu_parent is None or "batch_norm" not in e.cpu_parent.name):
+            e.cpu_parent is None or "batch_norm" not in e.cpu_parent.name
+        ):
             add(f"stock BatchNorm: {e.name.removeprefix('aten::')}", e.cpu_time_total)
         elif e.name in _COLLECTIVE and not any(
-                a.name.startswith("_SyncBatchNorm") for a in _ancestors(e)):
+            a.name.startswith("_SyncBatchNorm") for a in _ancestors(e)
+        ):
             add("floor hooks: collectives and waiting", e.cpu_time_total)
     out = {k: v / 1e3 / steps for k, v in sums.items()}
     out["step wall"] = wall * 1e3 / steps
@@ -280,7 +304,8 @@ def alternatives(times: dict) -> dict:
         if k.startswith("sync, "):
             out[k.removeprefix("sync, ")] = {
                 part: _median_ci([a / b for a, b in zip(times[part][k], times[part]["sync"])])
-                for part in ("wall", "cpu")}
+                for part in ("wall", "cpu")
+            }
     return out
 
 
@@ -293,8 +318,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     sys.path.insert(0, ROOT)
     # a rank that dies leaves the others waiting no longer than this (gloo's default is
     # 30 minutes): the longest collective here takes milliseconds
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     import bnswap
     from bnswap import sync
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -312,8 +342,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             "unsync": bnswap.convert(copy.deepcopy(base)),
             "floor": add_floor_hooks(bnswap.convert(copy.deepcopy(base)), group, world),
             "sync": bnswap.convert(copy.deepcopy(base), sync_batchnorm=True),
-            "sync, own process group": bnswap.convert(copy.deepcopy(base),
-                                                      sync_batchnorm=True, process_group=own),
+            "sync, own process group": bnswap.convert(
+                copy.deepcopy(base), sync_batchnorm=True, process_group=own
+            ),
         }
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(batch, ch, hw, hw, generator=g)
@@ -331,23 +362,30 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             steps[key] = step
         steps["collectives"] = collectives_alone(channels, group, world)
         # what bnswap.sync did not keep, on the same model as "sync"
-        steps[f"sync, backward {other}"] = _with(sync, "_BACKWARD_COLLECTIVE", other,
-                                                 steps["sync"])
+        steps[f"sync, backward {other}"] = _with(sync, "_BACKWARD_COLLECTIVE", other, steps["sync"])
         if sync._EAGER_C10D:
-            steps["sync, functional collectives"] = _with(sync, "_EAGER_C10D", False,
-                                                          steps["sync"])
+            steps["sync, functional collectives"] = _with(sync, "_EAGER_C10D", False, steps["sync"])
         counts = {k: count_collectives(s) for k, s in steps.items()}
         times = rounds(steps, args.rounds, args.warmup)
         main = {part: {k: times[part][k] for k in VARIANTS} for part in ("wall", "cpu")}
-        row = {"bn_layers": len(channels), "per_rank_batch": batch, "input": [ch, hw, hw],
-               "collectives_per_step": counts, **summarize(main),
-               "alternatives": alternatives(times),
-               "alternatives_ms": {k: statistics.median(v) * 1e3
-                                   for k, v in times["wall"].items() if k.startswith("sync, ")},
-               "samples_ms": {k: [t * 1e3 for t in v] for k, v in times["wall"].items()},
-               "samples_cpu_ms": {k: [t * 1e3 for t in v] for k, v in times["cpu"].items()},
-               "breakdown": {k: breakdown(steps[k], args.profile_steps)
-                             for k in ("unsync", "floor", "sync")}}
+        row = {
+            "bn_layers": len(channels),
+            "per_rank_batch": batch,
+            "input": [ch, hw, hw],
+            "collectives_per_step": counts,
+            **summarize(main),
+            "alternatives": alternatives(times),
+            "alternatives_ms": {
+                k: statistics.median(v) * 1e3
+                for k, v in times["wall"].items()
+                if k.startswith("sync, ")
+            },
+            "samples_ms": {k: [t * 1e3 for t in v] for k, v in times["wall"].items()},
+            "samples_cpu_ms": {k: [t * 1e3 for t in v] for k, v in times["cpu"].items()},
+            "breakdown": {
+                k: breakdown(steps[k], args.profile_steps) for k in ("unsync", "floor", "sync")
+            },
+        }
         results[name] = row
     if rank == 0:
         with open(out, "w") as f:
@@ -366,22 +404,32 @@ def table(doc: dict) -> str:
         "| ranks | net | BN layers | unsync / floor / sync / collectives alone, ms | extra "
         "over unsync: floor / sync, ms | sync extra / floor extra, wall (95 % CI) | same, CPU "
         "| sync / floor CPU time | goal |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for world, per_net in doc["results"].items():
         for net, r in per_net.items():
             m, e = r["ms"], r["extra_ms"]
-            w, c, cs = (r["extra_over_floor_extra"], r["cpu_extra_over_floor_extra"],
-                        r["cpu_sync_over_floor"])
+            w, c, cs = (
+                r["extra_over_floor_extra"],
+                r["cpu_extra_over_floor_extra"],
+                r["cpu_sync_over_floor"],
+            )
             lines.append(
                 f"| {world} | {net} | {r['bn_layers']} | {m['unsync']:.0f} / {m['floor']:.0f} / "
                 f"{m['sync']:.0f} / {m['collectives']:.0f} | {e['floor']:.0f} / {e['sync']:.0f} "
                 f"| {w['median']:.2f} ({w['ci95'][0]:.2f}-{w['ci95'][1]:.2f}) | "
                 f"{c['median']:.2f} ({c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}) | "
                 f"{cs['median']:.2f} ({cs['ci95'][0]:.2f}-{cs['ci95'][1]:.2f}) | "
-                f"{'met' if r['goal_met'] else 'missed'} |")
-    lines += ["", "What bnswap.sync did not keep, in the same rounds (per round, its step over "
-              "the synchronized step's; median, 95 % CI):", "",
-              "| ranks | net | alternative | ms | wall | CPU |", "|---|---|---|---|---|---|"]
+                f"{'met' if r['goal_met'] else 'missed'} |"
+            )
+    lines += [
+        "",
+        "What bnswap.sync did not keep, in the same rounds (per round, its step over "
+        "the synchronized step's; median, 95 % CI):",
+        "",
+        "| ranks | net | alternative | ms | wall | CPU |",
+        "|---|---|---|---|---|---|",
+    ]
     for world, per_net in doc["results"].items():
         for net, r in per_net.items():
             for alt, v in r["alternatives"].items():
@@ -389,21 +437,31 @@ def table(doc: dict) -> str:
                 lines.append(
                     f"| {world} | {net} | {alt} | {r['alternatives_ms']['sync, ' + alt]:.0f} | "
                     f"{w['median']:.2f} ({w['ci95'][0]:.2f}-{w['ci95'][1]:.2f}) | "
-                    f"{c['median']:.2f} ({c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}) |")
-    lines += ["", "Profiler breakdown (rank 0, ms per step; the profiler adds its own cost):",
-              "", "| ranks | net | variant | part | ms |", "|---|---|---|---|---|"]
+                    f"{c['median']:.2f} ({c['ci95'][0]:.2f}-{c['ci95'][1]:.2f}) |"
+                )
+    lines += [
+        "",
+        "Profiler breakdown (rank 0, ms per step; the profiler adds its own cost):",
+        "",
+        "| ranks | net | variant | part | ms |",
+        "|---|---|---|---|---|",
+    ]
     for world, per_net in doc["results"].items():
         for net, r in per_net.items():
             for variant, parts in r["breakdown"].items():
                 for part, ms in parts.items():
                     lines.append(f"| {world} | {net} | {variant} | {part} | {ms:.1f} |")
-    lines += ["", "| ranks | net | variant | collectives per step (per rank; gloo events) |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "| ranks | net | variant | collectives per step (per rank; gloo events) |",
+        "|---|---|---|---|",
+    ]
     for world, per_net in doc["results"].items():
         for net, r in per_net.items():
             for variant, counts in r["collectives_per_step"].items():
-                coll = ", ".join(f"{k.removeprefix('gloo:')} {v}"
-                                 for k, v in sorted(counts.items()))
+                coll = ", ".join(
+                    f"{k.removeprefix('gloo:')} {v}" for k, v in sorted(counts.items())
+                )
                 lines.append(f"| {world} | {net} | {variant} | {coll} |")
     return "\n".join(lines) + "\n"
 
@@ -418,36 +476,55 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="The full measurement: python -m benchmarks.bench_sync (about 5 minutes on "
-               "2 cores); --quick checks that it runs.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "2 cores); --quick checks that it runs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rounds", type=int, default=15, help="timed rounds (default 15)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
-    p.add_argument("--nets", default="mainjob,resnet18s",
-                   help="comma-separated: mainjob, resnet18s, tiny (default mainjob,resnet18s)")
+    p.add_argument(
+        "--nets",
+        default="mainjob,resnet18s",
+        help="comma-separated: mainjob, resnet18s, tiny (default mainjob,resnet18s)",
+    )
     p.add_argument("--ranks", default="2,3", help="world sizes, one run each (default 2,3)")
-    p.add_argument("--profile-steps", type=int, default=3,
-                   help="steps profiled per variant for the breakdown (default 3)")
-    p.add_argument("--quick", action="store_true",
-                   help="--nets tiny --ranks 2 --rounds 3 --warmup 1 --profile-steps 1")
-    p.add_argument("--out", default=None,
-                   help="writes OUT.json and OUT.md (default benchmarks/results/sync, "
-                        "with --quick benchmarks/results/sync_quick)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=3,
+        help="steps profiled per variant for the breakdown (default 3)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="--nets tiny --ranks 2 --rounds 3 --warmup 1 --profile-steps 1",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="writes OUT.json and OUT.md (default benchmarks/results/sync, "
+        "with --quick benchmarks/results/sync_quick)",
+    )
     args = p.parse_args(argv)
     if args.quick:
-        args.nets, args.ranks, args.rounds, args.warmup, args.profile_steps = (
-            "tiny", "2", 3, 1, 1)
+        args.nets, args.ranks, args.rounds, args.warmup, args.profile_steps = ("tiny", "2", 3, 1, 1)
     if args.out is None:
-        args.out = os.path.join(ROOT, "benchmarks", "results",
-                                "sync_quick" if args.quick else "sync")
+        args.out = os.path.join(
+            ROOT, "benchmarks", "results", "sync_quick" if args.quick else "sync"
+        )
     sys.path.insert(0, ROOT)
     from benchmarks.harness import machine_info
     from bnswap import sync
 
-    doc = {"machine": machine_info(), "threads_per_rank": 1, "rounds": args.rounds,
-           "warmup": args.warmup, "backward_collective": sync._BACKWARD_COLLECTIVE,
-           "eager_c10d": sync._EAGER_C10D,
-           "command": " ".join(["python -m benchmarks.bench_sync", *(argv or sys.argv[1:])]),
-           "results": {}}
+    doc = {
+        "machine": machine_info(),
+        "threads_per_rank": 1,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "backward_collective": sync._BACKWARD_COLLECTIVE,
+        "eager_c10d": sync._EAGER_C10D,
+        "command": " ".join(["python -m benchmarks.bench_sync", *(argv or sys.argv[1:])]),
+        "results": {},
+    }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     t0 = time.perf_counter()
     for world in (int(w) for w in args.ranks.split(",")):

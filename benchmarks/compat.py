@@ -19,24 +19,36 @@ def counts(path: pathlib.Path) -> dict[str, int]:
     """passed / skipped / failed (failures + errors) of one JUnit XML file."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    total = {k: sum(int(s.get(k, 0)) for s in suites)
-             for k in ("tests", "failures", "errors", "skipped")}
+    total = {
+        k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")
+    }
     failed = total["failures"] + total["errors"]
-    return {"passed": total["tests"] - failed - total["skipped"],
-            "skipped": total["skipped"], "failed": failed}
+    return {
+        "passed": total["tests"] - failed - total["skipped"],
+        "skipped": total["skipped"],
+        "failed": failed,
+    }
 
 
 def failures(path: pathlib.Path) -> list[str]:
     root = ET.parse(path).getroot()
-    return [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
-            if c.find("failure") is not None or c.find("error") is not None]
+    return [
+        f"{c.get('classname')}::{c.get('name')}"
+        for c in root.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
 
 
 def main(argv: list[str]) -> int:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    lines = ["# torch releases: bnswap's core suite (`make compat`)", "",
-             f"{date}; CPU; the test files: `COMPAT_TESTS` in the Makefile.", "",
-             "| torch | passed | skipped | failed |", "|---|---|---|---|"]
+    lines = [
+        "# torch releases: bnswap's core suite (`make compat`)",
+        "",
+        f"{date}; CPU; the test files: `COMPAT_TESTS` in the Makefile.",
+        "",
+        "| torch | passed | skipped | failed |",
+        "|---|---|---|---|",
+    ]
     bad: list[str] = []
     for arg in argv:
         path = pathlib.Path(arg)

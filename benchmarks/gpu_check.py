@@ -85,15 +85,21 @@ def _nets() -> dict[str, Callable[[], nn.Module]]:
     the main job's, width 1.0)."""
     from bnswap.app.models import ConvNet4, MobileNetV2
 
-    return {"convnet4": lambda: ConvNet4(num_classes=10, in_channels=3),
-            "mobilenetv2": lambda: MobileNetV2(num_classes=10, in_channels=3)}
+    return {
+        "convnet4": lambda: ConvNet4(num_classes=10, in_channels=3),
+        "mobilenetv2": lambda: MobileNetV2(num_classes=10, in_channels=3),
+    }
 
 
 # -------------------------------------------------------------------- kernel names
 _CUDNN_BN = re.compile(r"bn_fw|bn_bw|batchnorm|cudnn.*batch_?norm|batch_?norm.*cudnn", re.I)
 _NATIVE_BN = re.compile(r"batch_norm|welford", re.I)
-_ATEN_CUDNN = {"aten::cudnn_batch_norm", "aten::cudnn_batch_norm_backward",
-               "aten::miopen_batch_norm", "aten::miopen_batch_norm_backward"}
+_ATEN_CUDNN = {
+    "aten::cudnn_batch_norm",
+    "aten::cudnn_batch_norm_backward",
+    "aten::miopen_batch_norm",
+    "aten::miopen_batch_norm_backward",
+}
 
 
 def classify_kernel(name: str) -> str | None:
@@ -142,8 +148,12 @@ def profile_names(fn: Callable[[], object], device: str, all_kernels: bool = Fal
         if ops & _ATEN_CUDNN:
             kernels["cudnn"].add("(from aten ops) " + ", ".join(sorted(ops & _ATEN_CUDNN)))
     kinds = sorted(k for k, v in kernels.items() if v)
-    out = {"aten_ops": sorted(ops), "bn_kernels": {k: sorted(v)[:6] for k, v in kernels.items() if v},
-           "kinds": kinds, "gpu_events": n_gpu}
+    out = {
+        "aten_ops": sorted(ops),
+        "bn_kernels": {k: sorted(v)[:6] for k, v in kernels.items() if v},
+        "kinds": kinds,
+        "gpu_events": n_gpu,
+    }
     if all_kernels:
         out["gpu_kernels"] = sorted(every)[:40]
     return out
@@ -159,8 +169,10 @@ def _pair(factory, seed: int = 0) -> tuple[nn.Module, nn.Module]:
 
 def _batch(n: int, hw: int, device: str, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, 3, hw, hw, generator=g).to(device),
-            torch.randint(0, 10, (n,), generator=g).to(device))
+    return (
+        torch.randn(n, 3, hw, hw, generator=g).to(device),
+        torch.randint(0, 10, (n,), generator=g).to(device),
+    )
 
 
 def _sync(device: str) -> None:
@@ -196,8 +208,13 @@ _JOINT_CACHE: dict = {}
 
 def _bn_ops(graph) -> list[str]:
     """The batch-norm ops an fx graph calls, sorted."""
-    return sorted({str(n.target) for n in graph.nodes
-                   if n.op == "call_function" and "batch_norm" in str(n.target)})
+    return sorted(
+        {
+            str(n.target)
+            for n in graph.nodes
+            if n.op == "call_function" and "batch_norm" in str(n.target)
+        }
+    )
 
 
 def joint_export(model: nn.Module, x_cpu, y_cpu, key=None):
@@ -207,8 +224,9 @@ def joint_export(model: nn.Module, x_cpu, y_cpu, key=None):
 
     if key is not None and key in _JOINT_CACHE:
         return _JOINT_CACHE[key]
-    gm, sig = aot_export_module(_Loss(copy.deepcopy(model)).train(), (x_cpu, y_cpu),
-                                trace_joint=True, output_loss_index=0)
+    gm, sig = aot_export_module(
+        _Loss(copy.deepcopy(model)).train(), (x_cpu, y_cpu), trace_joint=True, output_loss_index=0
+    )
     ops = _bn_ops(gm.graph)
     if key is not None:
         _JOINT_CACHE[key] = (gm, sig, ops)
@@ -276,9 +294,14 @@ def _time_pairs(fa, fb, pairs: int, inner: int, device: str) -> dict:
             _sync(device)
             acc.append((time.perf_counter() - t0) / inner)
     ratios = sorted(a / b for a, b in zip(ta, tb))
-    return {"bnswap_ms": statistics.median(ta) * 1e3, "stock_ms": statistics.median(tb) * 1e3,
-            "ratio_median": statistics.median(ratios),
-            "ratio_range": [ratios[0], ratios[-1]], "pairs": pairs, "inner": inner}
+    return {
+        "bnswap_ms": statistics.median(ta) * 1e3,
+        "stock_ms": statistics.median(tb) * 1e3,
+        "ratio_median": statistics.median(ratios),
+        "ratio_range": [ratios[0], ratios[-1]],
+        "pairs": pairs,
+        "inner": inner,
+    }
 
 
 # ---------------------------------------------------------------------- sections
@@ -325,10 +348,12 @@ class Check:
         for name, m in (("bnswap", a), ("stock", b)):
             ep = self._export(name, m, x)
             _, _, joint_ops = joint_export(m, x, y, self._joint_key(name))
-            out[name] = {"export": _bn_ops(ep.graph),
-                         "export_decomposed": _bn_ops(ep.run_decompositions({}).graph),
-                         "export_core_aten": _bn_ops(ep.run_decompositions().graph),
-                         "joint": joint_ops}
+            out[name] = {
+                "export": _bn_ops(ep.graph),
+                "export_decomposed": _bn_ops(ep.run_decompositions({}).graph),
+                "export_core_aten": _bn_ops(ep.run_decompositions().graph),
+                "joint": joint_ops,
+            }
         bn, st = out["bnswap"], out["stock"]
         out["ok"] = (
             any("_batch_norm_with_update" in o for o in bn["export"])
@@ -337,7 +362,8 @@ class Check:
             and not any("native_batch_norm" in o for o in bn["export_decomposed"] + bn["joint"])
             and any("_native_batch_norm_legit_functional" in o for o in st["export_decomposed"])
             and any("native_batch_norm_backward" in o for o in st["joint"])
-            and bn["export_core_aten"] == st["export_core_aten"])  # core ATen: stock's ops
+            and bn["export_core_aten"] == st["export_core_aten"]
+        )  # core ATen: stock's ops
         return out
 
     def _expect(self, res: dict, bnswap_kind: str, stock_kind: str) -> None:
@@ -346,11 +372,13 @@ class Check:
             res["note"] = "kernel names need CUDA: CPU aten ops recorded only"
             return
         res["expected"] = {"bnswap": bnswap_kind, "stock": stock_kind}
-        res["ok"] = (res["bnswap"]["kinds"] == [bnswap_kind]
-                     and res["stock"]["kinds"] == [stock_kind])
+        res["ok"] = res["bnswap"]["kinds"] == [bnswap_kind] and res["stock"]["kinds"] == [
+            stock_kind
+        ]
 
-    def _profile_pair(self, net: str, shape: tuple[int, int], compile_backend: str | None,
-                      res: dict) -> dict:
+    def _profile_pair(
+        self, net: str, shape: tuple[int, int], compile_backend: str | None, res: dict
+    ) -> dict:
         """One warmed-up train step of the bnswap and the stock model of ``net``, each
         under the profiler; with ``compile_backend``, under ``torch.compile`` with it, and
         the first (compiling) step's time and dynamo's graph breaks are recorded too.
@@ -397,11 +425,18 @@ class Check:
         """Kernels and timing of the inductor-compiled train step (GPU only)."""
         res: dict = {}
         steps = self._profile_pair("convnet4", self.compile_shape, "inductor", res)
-        res["timing"] = _time_pairs(steps["bnswap"], steps["stock"],
-                                    pairs=5 if self.quick else 30, inner=5, device=self.device)
+        res["timing"] = _time_pairs(
+            steps["bnswap"],
+            steps["stock"],
+            pairs=5 if self.quick else 30,
+            inner=5,
+            device=self.device,
+        )
         res["ok"] = res["graph_breaks_bnswap"] == 0
-        res["note"] = ("inductor generates its own (triton) normalization kernels for both; "
-                       "bnswap / stock time ratio in 'timing'")
+        res["note"] = (
+            "inductor generates its own (triton) normalization kernels for both; "
+            "bnswap / stock time ratio in 'timing'"
+        )
         torch._dynamo.reset()
         return res
 
@@ -410,16 +445,20 @@ class Check:
         the CPU side's aten ops only)."""
         return profile_names(fn, "cuda" if self.target == "cuda" else "cpu")
 
-    def _expect_moved(self, res: dict, bnswap_kind: str, stock_kind: str,
-                      keys: tuple[str, ...] = ("bnswap", "stock")) -> None:
+    def _expect_moved(
+        self,
+        res: dict,
+        bnswap_kind: str,
+        stock_kind: str,
+        keys: tuple[str, ...] = ("bnswap", "stock"),
+    ) -> None:
         """``res[k]["kinds"]`` against the expected kernel kind on CUDA; on the meta
         device (dry) the moved graphs must have run there."""
         if self.target != "cuda":
             res["ok"] = all(res[k].get("ran_on") == self.target for k in keys)
             res["note"] = "kernel names need CUDA; the graphs were moved to meta and ran there"
             return
-        res["expected"] = {k: bnswap_kind if k.startswith("bnswap") else stock_kind
-                           for k in keys}
+        res["expected"] = {k: bnswap_kind if k.startswith("bnswap") else stock_kind for k in keys}
         res["ok"] = all(res[k]["kinds"] == [res["expected"][k]] for k in keys)
 
     def exported(self) -> dict:
@@ -429,8 +468,12 @@ class Check:
         n, hw = self.shape
         x_cpu, y_cpu = _batch(n, hw, "cpu")
         x, y = x_cpu.to(self.target), y_cpu.to(self.target)
-        res: dict = {"net": self.net, "moved_to": self.target,
-                     "forward_decomposed": {}, "joint": {}}
+        res: dict = {
+            "net": self.net,
+            "moved_to": self.target,
+            "forward_decomposed": {},
+            "joint": {},
+        }
         for name, m in (("bnswap", a), ("stock", b)):
             # a fresh program: moving its module moves the program's own state too
             ep = torch.export.export(copy.deepcopy(m), (x_cpu,)).run_decompositions({})
@@ -463,17 +506,20 @@ class Check:
         x_cpu, _ = _batch(n, hw, "cpu")
         original = torch.export.export(stock, (x_cpu,))
         converted = bnswap.convert(original)  # a new program; the original unchanged
-        res: dict = {"net": self.net, "moved_to": self.target,
-                     "graph_ops": {"stock": _bn_ops(original.graph),
-                                   "bnswap": _bn_ops(converted.graph)}}
-        ops_ok = (res["graph_ops"]["stock"] == ["aten.batch_norm.default"]
-                  and all("_batch_norm_with_update" in o or "_batch_norm_no_update" in o
-                          for o in res["graph_ops"]["bnswap"]))
+        res: dict = {
+            "net": self.net,
+            "moved_to": self.target,
+            "graph_ops": {"stock": _bn_ops(original.graph), "bnswap": _bn_ops(converted.graph)},
+        }
+        ops_ok = res["graph_ops"]["stock"] == ["aten.batch_norm.default"] and all(
+            "_batch_norm_with_update" in o or "_batch_norm_no_update" in o
+            for o in res["graph_ops"]["bnswap"]
+        )
         if self.target != "cuda":  # the same CPU kernel: bitwise, outputs and statistics
             a, b = copy.deepcopy(original.module()), copy.deepcopy(converted.module())
             res["bitwise_equal_on_cpu"] = all(
-                torch.equal(a(x_cpu), b(x_cpu)) for _ in range(2)) and all(
-                torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+                torch.equal(a(x_cpu), b(x_cpu)) for _ in range(2)
+            ) and all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
             ops_ok = ops_ok and res["bitwise_equal_on_cpu"]
         x = x_cpu.to(self.target)
         for name, prog in (("bnswap", converted), ("stock", original)):
@@ -514,22 +560,31 @@ class Check:
                     stock = nn.Sequential(
                         nn.Conv2d(3, c, 3, padding=1),
                         nn.BatchNorm2d(c, affine=affine, track_running_stats=trs),
-                        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                        nn.Linear(c, 10)).train(train)
+                        nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(),
+                        nn.Linear(c, 10),
+                    ).train(train)
                     makers = {
                         "stock": lambda: torch.export.export(copy.deepcopy(stock), (x_cpu,)),
                         "bnswap_exported": lambda: torch.export.export(
-                            bnswap.convert(copy.deepcopy(stock)), (x_cpu,)),
+                            bnswap.convert(copy.deepcopy(stock)), (x_cpu,)
+                        ),
                         "bnswap_converted": lambda: bnswap.convert(
-                            torch.export.export(copy.deepcopy(stock), (x_cpu,)))}
+                            torch.export.export(copy.deepcopy(stock), (x_cpu,))
+                        ),
+                    }
                     case: dict = {}
                     outs: dict = {}
                     for move in ("module_to", "move_to_device_pass"):
                         row: dict = {}
                         for name in keys:
                             ep = makers[name]()  # fresh: a move moves the program's state
-                            run = (ep.module().to(self.target) if move == "module_to"
-                                   else move_to_device_pass(ep, self.target).module())
+                            run = (
+                                ep.module().to(self.target)
+                                if move == "module_to"
+                                else move_to_device_pass(ep, self.target).module()
+                            )
                             with torch.no_grad():
                                 run(x)
                                 row[name] = self._profile_on_target(lambda: run(x))
@@ -539,8 +594,10 @@ class Check:
                         case[move] = row
                     if train:
                         row = {}
-                        for name, m in (("bnswap_exported", bnswap.convert(copy.deepcopy(stock))),
-                                        ("stock", stock)):
+                        for name, m in (
+                            ("bnswap_exported", bnswap.convert(copy.deepcopy(stock))),
+                            ("stock", stock),
+                        ):
                             js = JointStep(m, x_cpu, y_cpu, self.target)
                             js.step(x, y)
                             row[name] = self._profile_on_target(lambda: js.step(x, y))
@@ -553,19 +610,27 @@ class Check:
                         ref = outs[(move, "stock")]
                         if name == "stock":
                             continue
-                        same = out.shape == ref.shape and out.dtype == ref.dtype and \
-                            out.device == ref.device
+                        same = (
+                            out.shape == ref.shape
+                            and out.dtype == ref.dtype
+                            and out.device == ref.device
+                        )
                         diffs[f"{move}/{name}"] = (
                             ("same shape, dtype, device" if same else "differs")
-                            if out.device.type == "meta" else float((out - ref).abs().max()))
+                            if out.device.type == "meta"
+                            else float((out - ref).abs().max())
+                        )
                     case["vs_stock"] = diffs
-                    case["ok"] = all(case[k]["ok"] for k in case if isinstance(case[k], dict)
-                                     and "ok" in case[k]) and all(
+                    case["ok"] = all(
+                        case[k]["ok"] for k in case if isinstance(case[k], dict) and "ok" in case[k]
+                    ) and all(
                         v == "same shape, dtype, device" or (isinstance(v, float) and v < 1e-3)
-                        for v in diffs.values())
+                        for v in diffs.values()
+                    )
                     oks.append(case["ok"])
-                    res["cases"][f"affine={affine},track_running_stats={trs},"
-                                 f"{'train' if train else 'eval'}"] = case
+                    res["cases"][
+                        f"affine={affine},track_running_stats={trs},{'train' if train else 'eval'}"
+                    ] = case
         res["ok"] = all(oks)
         return res
 
@@ -616,16 +681,27 @@ class Check:
 
             def torchs():
                 x = x0.detach().requires_grad_(True)
-                out = TorchSync.apply(x, stock.weight, stock.bias, stock.running_mean,
-                                      stock.running_var, stock.eps, 0.1, group, 1)
+                out = TorchSync.apply(
+                    x,
+                    stock.weight,
+                    stock.bias,
+                    stock.running_mean,
+                    stock.running_var,
+                    stock.eps,
+                    0.1,
+                    group,
+                    1,
+                )
                 out.backward(dy)
                 return out, x.grad
 
-            res: dict = {"backend": backend, "shape": [n, c, hw, hw],
-                         "kernel_column": sync.sync_kernel(self.device),
-                         "bnswap": profile_names(ours, self.device, all_kernels=True),
-                         "bnswap_portable": profile_names(portable, self.device,
-                                                          all_kernels=True)}
+            res: dict = {
+                "backend": backend,
+                "shape": [n, c, hw, hw],
+                "kernel_column": sync.sync_kernel(self.device),
+                "bnswap": profile_names(ours, self.device, all_kernels=True),
+                "bnswap_portable": profile_names(portable, self.device, all_kernels=True),
+            }
             if self.device == "cuda":
                 res["torch_sync"] = profile_names(torchs, self.device, all_kernels=True)
                 ob, gb = torchs()
@@ -636,8 +712,10 @@ class Check:
                 pairs = 10 if self.quick else 30
                 res["timing"] = _time_pairs(ours, torchs, pairs, 20, self.device)
                 res["timing_portable"] = _time_pairs(portable, torchs, pairs, 20, self.device)
-                res["ok"] = all(res[f"max_abs_diff_{k}"] < 1e-4 for k in (
-                    "out", "grad", "out_portable", "grad_portable"))
+                res["ok"] = all(
+                    res[f"max_abs_diff_{k}"] < 1e-4
+                    for k in ("out", "grad", "out_portable", "grad_portable")
+                )
             else:
                 res["note"] = "torch's synchronized kernels need CUDA; kernel names need CUDA"
                 # over one rank the global batch is the local one: stock BatchNorm's result
@@ -647,10 +725,12 @@ class Check:
                 for key, fn in (("", ours), ("_portable", portable)):
                     out, grad = fn()
                     res[f"max_abs_diff_vs_batchnorm{key}"] = max(
-                        float((out - ref).detach().abs().max()),
-                        float((grad - xr.grad).abs().max()))
-                res["ok"] = max(res["max_abs_diff_vs_batchnorm"],
-                                res["max_abs_diff_vs_batchnorm_portable"]) < 1e-5
+                        float((out - ref).detach().abs().max()), float((grad - xr.grad).abs().max())
+                    )
+                res["ok"] = (
+                    max(res["max_abs_diff_vs_batchnorm"], res["max_abs_diff_vs_batchnorm_portable"])
+                    < 1e-5
+                )
             return res
         finally:
             if made:
@@ -664,14 +744,18 @@ class Check:
         n, hw = self.shape
         # synthetic 10-class data: a fixed smooth template per class plus noise
         g = torch.Generator().manual_seed(123)
-        templates = F.interpolate(torch.randn(10, 3, 8, 8, generator=g), size=(hw, hw),
-                                  mode="bilinear", align_corners=False)
+        templates = F.interpolate(
+            torch.randn(10, 3, 8, 8, generator=g),
+            size=(hw, hw),
+            mode="bilinear",
+            align_corners=False,
+        )
         n_train = n * 32
         labels = torch.randint(0, 10, (n_train,), generator=g)
         data = templates[labels] + 1.5 * torch.randn(n_train, 3, hw, hw, generator=g)
         data, labels = data.to(self.device), labels.to(self.device)
         order = torch.randint(0, n_train // n, (steps,), generator=g).tolist()
-        batches = [(data[i * n:(i + 1) * n], labels[i * n:(i + 1) * n]) for i in order]
+        batches = [(data[i * n : (i + 1) * n], labels[i * n : (i + 1) * n]) for i in order]
 
         a, b = _pair(self.nets[self.net])
         x0, y0 = batches[0][0].cpu(), batches[0][1].cpu()
@@ -704,14 +788,24 @@ class Check:
         summary = {}
         for name, c in curves.items():
             summary[name] = {
-                "first_loss": c[0], "final_loss_mean_last": statistics.mean(c[-k:]),
+                "first_loss": c[0],
+                "final_loss_mean_last": statistics.mean(c[-k:]),
                 "max_abs_diff_vs_eager": max(abs(u - v) for u, v in zip(c, ref)),
                 "mean_abs_diff_vs_eager": statistics.mean(abs(u - v) for u, v in zip(c, ref)),
-                "seconds": secs[name], "finite": all(v == v and abs(v) != float("inf") for v in c)}
+                "seconds": secs[name],
+                "finite": all(v == v and abs(v) != float("inf") for v in c),
+            }
         every = max(1, steps // 30)
-        return {"net": self.net, "steps": steps, "batch": n, "hw": hw, "summary": summary,
-                "curves_every": every, "curves": {k2: v[::every] for k2, v in curves.items()},
-                "ok": all(s["finite"] for s in summary.values())}
+        return {
+            "net": self.net,
+            "steps": steps,
+            "batch": n,
+            "hw": hw,
+            "summary": summary,
+            "curves_every": every,
+            "curves": {k2: v[::every] for k2, v in curves.items()},
+            "ok": all(s["finite"] for s in summary.values()),
+        }
 
     def qat_pt2e(self) -> dict:
         """pt2e QAT (torchao, docs/qat.md): stock's and bnswap's nets exported on the CPU,
@@ -735,13 +829,13 @@ class Check:
         x_cpu, y_cpu = _batch(n, hw, "cpu")
         x, y = x_cpu.to(self.device), y_cpu.to(self.device)
         steps = 3 if self.dry else (20 if self.quick else 60)
-        res: dict = {"net": self.net, "steps": steps, "graph_ops": {}, "losses": {},
-                     "step_ms": {}}
+        res: dict = {"net": self.net, "steps": steps, "graph_ops": {}, "losses": {}, "step_ms": {}}
         for name, m in (("bnswap", a), ("stock", b)):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated!"
                 quantizer = XNNPACKQuantizer().set_global(
-                    get_symmetric_quantization_config(is_qat=True))
+                    get_symmetric_quantization_config(is_qat=True)
+                )
             prepared = prepare_qat_pt2e(torch.export.export(m, (x_cpu,)).module(), quantizer)
             res["graph_ops"][name] = _bn_ops(prepared.graph)
             step = _eager_step(prepared.to(self.device), x, y, lr=0.01)
@@ -753,17 +847,22 @@ class Check:
             _sync(self.device)
             res["step_ms"][name] = (time.perf_counter() - t0) / steps * 1e3
             res["losses"][name] = losses
-        res["ops_ok"] = (res["graph_ops"]["bnswap"] == ["aten._batch_norm_with_update.default"]
-                         and res["graph_ops"]["stock"] == ["aten.batch_norm.default"])
-        res["max_abs_loss_diff"] = max(abs(u - v) for u, v in zip(res["losses"]["bnswap"],
-                                                                  res["losses"]["stock"]))
+        res["ops_ok"] = res["graph_ops"]["bnswap"] == [
+            "aten._batch_norm_with_update.default"
+        ] and res["graph_ops"]["stock"] == ["aten.batch_norm.default"]
+        res["max_abs_loss_diff"] = max(
+            abs(u - v) for u, v in zip(res["losses"]["bnswap"], res["losses"]["stock"])
+        )
         if self.device != "cuda":
             res["ok"] = res["ops_ok"] and res["max_abs_loss_diff"] == 0.0
             res["note"] = "kernel names need CUDA: graph ops and bitwise losses checked"
         else:
             res["expected"] = {"bnswap": "cudnn", "stock": "native"}
-            res["ok"] = (res["ops_ok"] and res["bnswap"]["kinds"] == ["cudnn"]
-                         and res["stock"]["kinds"] == ["native"])
+            res["ok"] = (
+                res["ops_ok"]
+                and res["bnswap"]["kinds"] == ["cudnn"]
+                and res["stock"]["kinds"] == ["native"]
+            )
         return res
 
     def fsdp2_bf16(self) -> dict:
@@ -809,17 +908,24 @@ class Check:
             with torch.no_grad():
                 out, want = bn(xb), ref(xb)
             res["reference"] = {
-                "out_dtype": str(out.dtype), "running_var_dtype": str(bn.running_var.dtype),
+                "out_dtype": str(out.dtype),
+                "running_var_dtype": str(bn.running_var.dtype),
                 "max_abs_diff": float((out.float() - want.float()).abs().max()),
-                "running_var_max_abs_diff": float((bn.running_var - ref.running_var).abs().max())}
+                "running_var_max_abs_diff": float((bn.running_var - ref.running_var).abs().max()),
+            }
         finally:
             if own:
                 dist.destroy_process_group()
         r = res["reference"]
-        res["ok"] = ("error" in res["stock"] and "error" not in res["bnswap"]
-                     and r["out_dtype"] == "torch.bfloat16" and r["running_var_dtype"] == "torch.float32"
-                     and r["max_abs_diff"] == 0.0 and r["running_var_max_abs_diff"] == 0.0
-                     and (self.device != "cuda" or res["bnswap"]["kinds"] == ["cudnn"]))
+        res["ok"] = (
+            "error" in res["stock"]
+            and "error" not in res["bnswap"]
+            and r["out_dtype"] == "torch.bfloat16"
+            and r["running_var_dtype"] == "torch.float32"
+            and r["max_abs_diff"] == 0.0
+            and r["running_var_max_abs_diff"] == 0.0
+            and (self.device != "cuda" or res["bnswap"]["kinds"] == ["cudnn"])
+        )
         return res
 
 
@@ -827,30 +933,53 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry", action="store_true", help="CPU-only checks (forced without CUDA)")
     ap.add_argument("--quick", action="store_true", help="fewer pairs and training steps")
-    ap.add_argument("--rehearse", action="store_true",
-                    help="dry mode that also runs the GPU-only sections (inductor compile and "
-                         "timing) on the CPU, to rehearse every code path before a GPU run")
+    ap.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="dry mode that also runs the GPU-only sections (inductor compile and "
+        "timing) on the CPU, to rehearse every code path before a GPU run",
+    )
     ap.add_argument("--json", default=None, help="where to write the JSON report")
-    ap.add_argument("--budget", type=float, default=240.0,
-                    help="seconds after which remaining sections are skipped (default 240)")
-    ap.add_argument("--net", default=None, choices=("convnet4", "mobilenetv2"),
-                    help="net for the eager / exported / training sections (default: "
-                         "mobilenetv2 on the GPU, convnet4 in dry mode)")
-    ap.add_argument("--sections", default=None,
-                    help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
-                         "compile_inductor,exported,converted_program,moved_programs,training,"
-                         "sync,qat_pt2e,fsdp2_bf16")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=240.0,
+        help="seconds after which remaining sections are skipped (default 240)",
+    )
+    ap.add_argument(
+        "--net",
+        default=None,
+        choices=("convnet4", "mobilenetv2"),
+        help="net for the eager / exported / training sections (default: "
+        "mobilenetv2 on the GPU, convnet4 in dry mode)",
+    )
+    ap.add_argument(
+        "--sections",
+        default=None,
+        help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
+        "compile_inductor,exported,converted_program,moved_programs,training,"
+        "sync,qat_pt2e,fsdp2_bf16",
+    )
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dry = args.dry or args.rehearse or not cuda
     device = "cpu" if dry else "cuda"
-    info = {"torch": torch.__version__, "python": sys.version.split()[0], "cuda_available": cuda,
-            "dry": dry, "device": device,
-            "dry_reason": None if not dry else ("--rehearse" if args.rehearse else "--dry" if args.dry else "no CUDA device")}
+    info = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cuda_available": cuda,
+        "dry": dry,
+        "device": device,
+        "dry_reason": None
+        if not dry
+        else ("--rehearse" if args.rehearse else "--dry" if args.dry else "no CUDA device"),
+    }
     if cuda:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
-        info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        info["cudnn"] = (
+            torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        )
     if dry:  # small CPU work: one thread avoids oversubscribing a shared CI machine
         torch.set_num_threads(1)
     info["torch_threads"] = torch.get_num_threads()
@@ -874,7 +1003,9 @@ def main(argv: list[str] | None = None) -> int:
     path = args.json
     if path is None:
         out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
-        path = os.path.join(out_dir, "gpu_dry.json" if dry and not os.environ.get("OUT") else "gpu.json")
+        path = os.path.join(
+            out_dir, "gpu_dry.json" if dry and not os.environ.get("OUT") else "gpu.json"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     report: dict = {"info": info, "sections": {}}
 
@@ -883,8 +1014,9 @@ def main(argv: list[str] | None = None) -> int:
         oks = [s.get("ok") for s in report["sections"].values() if s["status"] == "ok"]
         errors = [k for k, s in report["sections"].items() if s["status"].startswith("error")]
         report["all_ok"] = not errors and all(o is not False for o in oks)
-        report["problems"] = errors + [k for k, s in report["sections"].items() if s.get("ok") is False
-                                       and k not in errors]
+        report["problems"] = errors + [
+            k for k, s in report["sections"].items() if s.get("ok") is False and k not in errors
+        ]
         budget = [k for k, s in report["sections"].items() if "time budget" in s["status"]]
         if budget:
             report["all_ok"] = False
@@ -899,22 +1031,30 @@ def main(argv: list[str] | None = None) -> int:
         if not enabled:
             report["sections"][name] = {"status": "skipped: dry mode (needs CUDA)"}
         elif t0 - T0 > args.budget:
-            report["sections"][name] = {"status": f"skipped: time budget of {args.budget:.0f} s spent"}
+            report["sections"][name] = {
+                "status": f"skipped: time budget of {args.budget:.0f} s spent"
+            }
         else:
             try:
                 res = fn()
                 res["status"] = "ok"
             except Exception as e:  # every section reports its own failure
-                res = {"status": f"error: {type(e).__name__}: {e}",
-                       "traceback": traceback.format_exc()[-3000:], "ok": False}
+                res = {
+                    "status": f"error: {type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-3000:],
+                    "ok": False,
+                }
             report["sections"][name] = res
         report["sections"][name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(summary_line(name, report["sections"][name], dry), flush=True)
         finish()
     finish()
     verdict = "ALL OK" if report["all_ok"] else "PROBLEMS: " + ", ".join(report["problems"])
-    print(f"{'DRY ' if dry else ''}{verdict} in {report['seconds']:.0f} s; JSON: {path}"
-          + (f" (dry: {info['dry_reason']})" if dry else ""), flush=True)
+    print(
+        f"{'DRY ' if dry else ''}{verdict} in {report['seconds']:.0f} s; JSON: {path}"
+        + (f" (dry: {info['dry_reason']})" if dry else ""),
+        flush=True,
+    )
     return 0 if report["all_ok"] else 1
 
 
@@ -935,24 +1075,32 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
     if name == "backend":
         detail = f"select_batch_norm_backend: cpu={s['cpu']} cuda={s['cuda']}"
     elif name == "graph_ops":
-        detail = (f"bnswap decomposed {s['bnswap']['export_decomposed']} joint {s['bnswap']['joint']}; "
-                  f"stock decomposed {s['stock']['export_decomposed']} joint {s['stock']['joint']}")
+        detail = (
+            f"bnswap decomposed {s['bnswap']['export_decomposed']} joint {s['bnswap']['joint']}; "
+            f"stock decomposed {s['stock']['export_decomposed']} joint {s['stock']['joint']}"
+        )
         detail = detail.replace("aten.", "").replace(".default", "").replace("'", "")
     elif name in ("eager", "compile_aot_eager"):
         detail = f"bnswap: {_kinds(s['bnswap'])}; stock: {_kinds(s['stock'])}"
     elif name == "compile_inductor":
         t = s["timing"]
-        detail = (f"bnswap: {_kinds(s['bnswap'])}; stock: {_kinds(s['stock'])}; breaks "
-                  f"{s['graph_breaks_bnswap']}/{s['graph_breaks_stock']}; step {t['bnswap_ms']:.3f} / "
-                  f"{t['stock_ms']:.3f} ms, ratio {t['ratio_median']:.3f}")
+        detail = (
+            f"bnswap: {_kinds(s['bnswap'])}; stock: {_kinds(s['stock'])}; breaks "
+            f"{s['graph_breaks_bnswap']}/{s['graph_breaks_stock']}; step {t['bnswap_ms']:.3f} / "
+            f"{t['stock_ms']:.3f} ms, ratio {t['ratio_median']:.3f}"
+        )
     elif name == "exported":
         f, j = s["forward_decomposed"], s["joint"]
-        detail = (f"moved to {s['moved_to']}: fwd: bnswap {_kinds(f['bnswap'])}, stock "
-                  f"{_kinds(f['stock'])}; joint: bnswap {_kinds(j['bnswap'])}, stock "
-                  f"{_kinds(j['stock'])}")
+        detail = (
+            f"moved to {s['moved_to']}: fwd: bnswap {_kinds(f['bnswap'])}, stock "
+            f"{_kinds(f['stock'])}; joint: bnswap {_kinds(j['bnswap'])}, stock "
+            f"{_kinds(j['stock'])}"
+        )
     elif name == "converted_program":
-        detail = (f"moved to {s['moved_to']}: converted {_kinds(s['bnswap'])}; original "
-                  f"{_kinds(s['stock'])}")
+        detail = (
+            f"moved to {s['moved_to']}: converted {_kinds(s['bnswap'])}; original "
+            f"{_kinds(s['stock'])}"
+        )
         if "bitwise_equal_on_cpu" in s:
             detail += f"; bitwise on cpu {s['bitwise_equal_on_cpu']}"
     elif name == "moved_programs":
@@ -963,36 +1111,48 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
                     if isinstance(r, dict) and "ran_on" in r:
                         kinds.setdefault(prog, set()).add(_kinds(r))
         detail = f"{len(s['cases'])} cases moved to {s['moved_to']}: " + "; ".join(
-            f"{prog} {'/'.join(sorted(k))}" for prog, k in kinds.items())
+            f"{prog} {'/'.join(sorted(k))}" for prog, k in kinds.items()
+        )
     elif name == "sync":
-        detail = (f"{s['backend']}: bnswap ({s['kernel_column']}) {_kinds(s['bnswap'])}, "
-                  f"portable {_kinds(s['bnswap_portable'])}")
+        detail = (
+            f"{s['backend']}: bnswap ({s['kernel_column']}) {_kinds(s['bnswap'])}, "
+            f"portable {_kinds(s['bnswap_portable'])}"
+        )
         if "torch_sync" in s:
             t, tp = s["timing"], s["timing_portable"]
-            detail += (f"; torch's sync kernels {_kinds(s['torch_sync'])}; fwd+bwd / torch's: "
-                       f"{t['bnswap_ms']:.3f} / {t['stock_ms']:.3f} ms (ratio "
-                       f"{t['ratio_median']:.3f}), portable {tp['ratio_median']:.3f}; max |d| "
-                       f"out {s['max_abs_diff_out']:.1e} grad {s['max_abs_diff_grad']:.1e}, "
-                       f"portable {s['max_abs_diff_out_portable']:.1e} / "
-                       f"{s['max_abs_diff_grad_portable']:.1e}")
+            detail += (
+                f"; torch's sync kernels {_kinds(s['torch_sync'])}; fwd+bwd / torch's: "
+                f"{t['bnswap_ms']:.3f} / {t['stock_ms']:.3f} ms (ratio "
+                f"{t['ratio_median']:.3f}), portable {tp['ratio_median']:.3f}; max |d| "
+                f"out {s['max_abs_diff_out']:.1e} grad {s['max_abs_diff_grad']:.1e}, "
+                f"portable {s['max_abs_diff_out_portable']:.1e} / "
+                f"{s['max_abs_diff_grad_portable']:.1e}"
+            )
     elif name == "training":
         sm = s["summary"]
         detail = f"{s['steps']} steps: " + "; ".join(
             f"{k} final {v['final_loss_mean_last']:.4f} (max |d| vs eager {v['max_abs_diff_vs_eager']:.2e})"
-            for k, v in sm.items())
+            for k, v in sm.items()
+        )
     elif name == "qat_pt2e":
-        ops = {k: ",".join(o.removeprefix("aten.").removesuffix(".default") for o in v)
-               for k, v in s["graph_ops"].items()}
-        detail = (f"prepared graphs: bnswap {ops['bnswap']} ({_kinds(s['bnswap'])}), stock "
-                  f"{ops['stock']} ({_kinds(s['stock'])}); {s['steps']} steps: loss "
-                  f"{s['losses']['bnswap'][-1]:.4f} / {s['losses']['stock'][-1]:.4f}, "
-                  f"{s['step_ms']['bnswap']:.2f} / {s['step_ms']['stock']:.2f} ms per step, "
-                  f"max |d loss| {s['max_abs_loss_diff']:.1e}")
+        ops = {
+            k: ",".join(o.removeprefix("aten.").removesuffix(".default") for o in v)
+            for k, v in s["graph_ops"].items()
+        }
+        detail = (
+            f"prepared graphs: bnswap {ops['bnswap']} ({_kinds(s['bnswap'])}), stock "
+            f"{ops['stock']} ({_kinds(s['stock'])}); {s['steps']} steps: loss "
+            f"{s['losses']['bnswap'][-1]:.4f} / {s['losses']['stock'][-1]:.4f}, "
+            f"{s['step_ms']['bnswap']:.2f} / {s['step_ms']['stock']:.2f} ms per step, "
+            f"max |d loss| {s['max_abs_loss_diff']:.1e}"
+        )
     elif name == "fsdp2_bf16":
         r = s["reference"]
-        detail = (f"{s['process_group']}: bnswap {_kinds(s['bnswap']) if 'error' not in s['bnswap'] else s['bnswap']['error']}; "
-                  f"stock {s['stock'].get('error', _kinds(s['stock']))}; out {r['out_dtype']}, running_var "
-                  f"{r['running_var_dtype']}, max |d| vs float32-weight stock {r['max_abs_diff']:.1e}")
+        detail = (
+            f"{s['process_group']}: bnswap {_kinds(s['bnswap']) if 'error' not in s['bnswap'] else s['bnswap']['error']}; "
+            f"stock {s['stock'].get('error', _kinds(s['stock']))}; out {r['out_dtype']}, running_var "
+            f"{r['running_var_dtype']}, max |d| vs float32-weight stock {r['max_abs_diff']:.1e}"
+        )
     else:
         detail = ""
     if dry and s.get("note"):

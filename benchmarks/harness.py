@@ -203,11 +203,20 @@ def load_average() -> list[float] | None:
 
 def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5,
-                               cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
         if out.returncode == 0:
             return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
@@ -251,7 +260,8 @@ def machine_info() -> dict:
         "python_loop_1m_ms_start": python_loop_ms(),
         "git_commit": _git_commit(),
         # the interpreter relative to the repository (a result file names no machine path)
-        "executable": os.path.relpath(sys.executable, os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__)))),
+        "executable": os.path.relpath(
+            sys.executable, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ),
         **caps,
     }

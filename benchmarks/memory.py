@@ -68,8 +68,17 @@ def main(argv: list[str] | None = None) -> None:
     step()  # warm-up: optimizer state, allocator caches
     peak = aten_peak_bytes(step)
     rss = peak_rss_kib()
-    print(json.dumps({"net": args.net, "variant": args.variant, "dtype": args.dtype,
-                      "aten_peak_bytes": peak, "maxrss_kib": rss}))
+    print(
+        json.dumps(
+            {
+                "net": args.net,
+                "variant": args.variant,
+                "dtype": args.dtype,
+                "aten_peak_bytes": peak,
+                "maxrss_kib": rss,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

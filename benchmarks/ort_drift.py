@@ -32,8 +32,10 @@ def _net(name: str) -> nn.Module:
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x.detach().double() - y.detach().double()).abs().max())
-               for x, y in zip(a, b, strict=True))
+    return max(
+        float((x.detach().double() - y.detach().double()).abs().max())
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def drift(opt_name: str, net: str, steps: int, batch: int) -> list[tuple[int, float, float, float]]:
@@ -42,8 +44,10 @@ def drift(opt_name: str, net: str, steps: int, batch: int) -> list[tuple[int, fl
     ref = _net(net)
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
-    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3)}[opt_name]
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    }[opt_name]
     opt, opt_ref = make(wrapped.parameters()), make(ref.parameters())
     dm = DigitsDataModule(batch_size=batch, image_size=16 if net == "mainjob" else 8)
     dm.setup("fit")
@@ -62,8 +66,14 @@ def drift(opt_name: str, net: str, steps: int, batch: int) -> list[tuple[int, fl
         opt.zero_grad(), opt_ref.zero_grad()
         stats = [b for n, b in model.named_buffers() if "running" in n]
         stats_ref = [b for n, b in ref.named_buffers() if "running" in n]
-        rows.append((step, _max_diff(list(model.parameters()), list(ref.parameters())),
-                     _max_diff(stats, stats_ref), _max_diff([out], [out_ref])))
+        rows.append(
+            (
+                step,
+                _max_diff(list(model.parameters()), list(ref.parameters())),
+                _max_diff(stats, stats_ref),
+                _max_diff([out], [out_ref]),
+            )
+        )
     return rows
 
 

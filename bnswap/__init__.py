@@ -23,6 +23,7 @@ from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from bnswap.plan import Plan, PlanRow, check_patterns, plan
 from bnswap.registry import register, safe_globals, unregister
 
+
 def _version() -> str:
     """The installed distribution's version: pyproject.toml's, the one version source."""
     try:
@@ -60,8 +61,13 @@ __all__ = [
 def __dir__() -> list[str]:
     """The public names and submodules (``dir(bnswap)``, tab completion), without what
     this file imports for itself."""
-    modules = [n for n, v in globals().items() if isinstance(v, types.ModuleType)
-               and not n.startswith("_") and v.__name__.startswith("bnswap.")]
+    modules = [
+        n
+        for n, v in globals().items()
+        if isinstance(v, types.ModuleType)
+        and not n.startswith("_")
+        and v.__name__.startswith("bnswap.")
+    ]
     return sorted({*__all__, "__version__", "ort", *modules})
 
 

@@ -106,8 +106,17 @@ from bnswap._swap import (
 from bnswap import _swap as _swap_module
 from bnswap._warn import warn
 
-__all__ = ["CORE_ATEN_DECOMPOSITIONS", "DISABLE_ENV", "MIN_TORCHAO", "PATCHES", "Patch",
-           "applied", "install", "patch_core_aten_decompositions", "stock_view"]
+__all__ = [
+    "CORE_ATEN_DECOMPOSITIONS",
+    "DISABLE_ENV",
+    "MIN_TORCHAO",
+    "PATCHES",
+    "Patch",
+    "applied",
+    "install",
+    "patch_core_aten_decompositions",
+    "stock_view",
+]
 
 logger = logging.getLogger("bnswap")
 
@@ -145,8 +154,9 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
         return view
     if isinstance(module, torch.jit.ScriptModule):
         return module
-    children = {k: (stock_view(v, memo) if v is not None else None)
-                for k, v in module._modules.items()}
+    children = {
+        k: (stock_view(v, memo) if v is not None else None) for k, v in module._modules.items()
+    }
     hooks = [k for k, h in module._forward_pre_hooks.items() if getattr(h, INTERNAL_HOOK, False)]
     internal = internal_buffer_names(module)
     dispatched = dispatches(type(module))
@@ -169,7 +179,8 @@ def stock_view(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> n
         d["_non_persistent_buffers_set"] = module._non_persistent_buffers_set - set(internal)
     if hooks:  # TorchScript would compile them (and cannot: not functions)
         d["_forward_pre_hooks"] = collections.OrderedDict(  # torch's own type
-            (k, h) for k, h in module._forward_pre_hooks.items() if k not in hooks)
+            (k, h) for k, h in module._forward_pre_hooks.items() if k not in hooks
+        )
     d["_modules"] = children
     return view
 
@@ -180,8 +191,10 @@ def _patch_torchscript() -> bool:
     if original is None or _patched(original):
         return original is not None
     if list(inspect.signature(original).parameters)[:2] != ["nn_module", "stubs_fn"]:
-        logger.debug("bnswap: torch.jit._recursive.create_script_module has an unknown "
-                     "signature; torch.jit.script of swapped layers is not supported here")
+        logger.debug(
+            "bnswap: torch.jit._recursive.create_script_module has an unknown "
+            "signature; torch.jit.script of swapped layers is not supported here"
+        )
         return False
 
     @functools.wraps(original)
@@ -198,9 +211,11 @@ def _patch_torchscript() -> bool:
 
 # ---------------------------------------------------------------- torch.onnx (dynamo)
 def _has_bnswap_nodes(ep: torch.export.ExportedProgram) -> bool:
-    return any(n.op == "call_function" and n.target in (
-        _aten._batch_norm_with_update.default, _aten._batch_norm_no_update.default)
-        for n in ep.graph.nodes)
+    return any(
+        n.op == "call_function"
+        and n.target in (_aten._batch_norm_with_update.default, _aten._batch_norm_no_update.default)
+        for n in ep.graph.nodes
+    )
 
 
 def patch_onnx_exporter(mod: Any) -> bool:
@@ -219,8 +234,10 @@ def patch_onnx_exporter(mod: Any) -> bool:
             return original(exported_program, registry)
         ops = set(decomp.get_onnx_implemented_overloads(registry))
         table = decomp.create_onnx_friendly_decomposition_table(ops)
-        for op in (_aten._batch_norm_with_update_functional.default,
-                   _aten._batch_norm_no_update.default):
+        for op in (
+            _aten._batch_norm_with_update_functional.default,
+            _aten._batch_norm_no_update.default,
+        ):
             table.pop(op, None)  # kept for the rewrite below (ONNX decomposed them)
         decomposed = exported_program.run_decompositions(table)
         to_stock_ops(decomposed, core_aten=True)
@@ -244,15 +261,19 @@ def _refuse_cumulative(gm: torch.fx.GraphModule) -> None:
     """bnswap's compiled momentum=None update: batch statistics via momentum 1 on
     ``zeros_like`` scratch statistics, then a ``lerp_`` into the running ones."""
     for node in gm.graph.nodes:
-        if (node.op == "call_function" and node.target is _aten._batch_norm_with_update.default
-                and node.args[5] == 1.0 and getattr(node.args[3], "target", None)
-                is _aten.zeros_like.default):
+        if (
+            node.op == "call_function"
+            and node.target is _aten._batch_norm_with_update.default
+            and node.args[5] == 1.0
+            and getattr(node.args[3], "target", None) is _aten.zeros_like.default
+        ):
             raise NotImplementedError(
                 "bnswap: a BatchNorm layer with momentum=None (a cumulative moving average) "
                 "is in this exported graph; torchao's pt2e fold would drop its running-"
                 "statistics update, silently (torch.export of a stock one raises instead). "
                 "Set a momentum (e.g. 0.1) on the layer before exporting, or "
-                "bnswap.revert(model).")
+                "bnswap.revert(model)."
+            )
 
 
 #: ``node.meta`` key: whether a batch-norm node of a graph handed to torchao's prepare ran
@@ -260,8 +281,7 @@ def _refuse_cumulative(gm: torch.fx.GraphModule) -> None:
 _ORIGIN = "_bnswap_consolidated"
 #: what prepare_pt2e / prepare_qat_pt2e's first helper saw, for their ``prepare`` call
 _pending = threading.local()
-_TORCHAO_OPS = ("prepare_pt2e / prepare_qat_pt2e, move_exported_model_to_eval / _train, "
-                "convert_pt2e")
+_TORCHAO_OPS = "prepare_pt2e / prepare_qat_pt2e, move_exported_model_to_eval / _train, convert_pt2e"
 
 
 def _stock_for_torchao(gm: torch.fx.GraphModule, mark: bool) -> list[bool] | None:
@@ -287,11 +307,14 @@ def _names(nodes: list) -> str:
 
 
 def _stays(where: str, nodes: list, why: str) -> None:
-    warn(f"bnswap: {where}: {len(nodes)} batch-norm node{'s' if len(nodes) != 1 else ''} of "
-         f"swapped layers ({_names(nodes)}) stay{'s' if len(nodes) == 1 else ''} on stock's "
-         "aten.batch_norm (cudnn_enabled=False: the native kernel on CUDA, pytorch issue "
-         f"111384): {why}. The graph is as torchao made it for stock (bnswap.plan(graph) "
-         "lists its batch-norm nodes and what bnswap.convert(graph) would do)", UserWarning)
+    warn(
+        f"bnswap: {where}: {len(nodes)} batch-norm node{'s' if len(nodes) != 1 else ''} of "
+        f"swapped layers ({_names(nodes)}) stay{'s' if len(nodes) == 1 else ''} on stock's "
+        "aten.batch_norm (cudnn_enabled=False: the native kernel on CUDA, pytorch issue "
+        f"111384): {why}. The graph is as torchao made it for stock (bnswap.plan(graph) "
+        "lists its batch-norm nodes and what bnswap.convert(graph) would do)",
+        UserWarning,
+    )
 
 
 def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str) -> int:
@@ -311,8 +334,12 @@ def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str)
     elif all(flags):
         chosen = nodes
     else:
-        _stays(where, nodes, f"torchao turned the graph's {len(flags)} batch-norm nodes "
-               f"into {len(nodes)}, some stock's, and bnswap cannot tell which is which")
+        _stays(
+            where,
+            nodes,
+            f"torchao turned the graph's {len(flags)} batch-norm nodes "
+            f"into {len(nodes)}, some stock's, and bnswap cannot tell which is which",
+        )
         return 0
     cannot = [(n, consolidated_target(n)[1]) for n in chosen]
     cannot = [(n, why) for n, why in cannot if why != "-"]
@@ -326,6 +353,7 @@ def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str)
 def _before_prepare(helper: Callable, mark: bool) -> Callable:
     """prepare_pt2e / prepare_qat_pt2e's first helper: the graph as stock's for torchao
     (and the nodes' origin for :func:`_after_prepare`, when ``mark``)."""
+
     @functools.wraps(helper)
     def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
         _pending.flags = None
@@ -340,6 +368,7 @@ def _before_prepare(helper: Callable, mark: bool) -> Callable:
 def _after_prepare(prepare: Callable) -> Callable:
     """torchao's ``prepare`` (the last step of prepare_pt2e / prepare_qat_pt2e): the
     prepared graph's nodes of swapped layers on the consolidated ops again."""
+
     @functools.wraps(prepare)
     def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
         flags, _pending.flags = getattr(_pending, "flags", None), None
@@ -354,6 +383,7 @@ def _after_prepare(prepare: Callable) -> Callable:
 
 def _stock_first(helper: Callable) -> Callable:
     """convert_pt2e's first helper: the graph as stock's (the quantized graph is stock's)."""
+
     @functools.wraps(helper)
     def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(model, torch.fx.GraphModule):
@@ -366,15 +396,20 @@ def _stock_first(helper: Callable) -> Callable:
 def _switch_keeping(helper: Callable) -> Callable:
     """``_replace_batchnorm(m, train_to_eval)`` (move_exported_model_to_eval / _train):
     switches stock's nodes, then the swapped layers' run the consolidated ops again."""
+
     @functools.wraps(helper)
     def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
-        flags = (_stock_for_torchao(model, mark=False)
-                 if isinstance(model, torch.fx.GraphModule) else None)
+        flags = (
+            _stock_for_torchao(model, mark=False)
+            if isinstance(model, torch.fx.GraphModule)
+            else None
+        )
         out = helper(model, *args, **kwargs)
         if flags is not None:
             to_eval = kwargs.get("train_to_eval", args[0] if args else True)
-            _consolidated_again(model, flags, "move_exported_model_to_"
-                                + ("eval" if to_eval else "train"))
+            _consolidated_again(
+                model, flags, "move_exported_model_to_" + ("eval" if to_eval else "train")
+            )
         return out
 
     return _mark(patched)
@@ -389,12 +424,15 @@ def _unpatched(why: str) -> None:
     if why in _unpatched_warned:
         return
     _unpatched_warned.add(why)
-    warn(f"bnswap: {why}; torchao's {_TORCHAO_OPS} are not patched: a swapped model's "
-         "exported graph keeps the consolidated batch-norm ops, which torchao's conv-BN "
-         "fold and quantizer patterns do not match (silently), and a prepared graph stays "
-         "on stock's aten.batch_norm. By hand: bnswap.to_stock_ops(graph) before each of "
-         "those calls, bnswap.convert(prepared) after prepare for the consolidated ops; "
-         "or use torchao " + ".".join(map(str, MIN_TORCHAO)) + " (tested)", UserWarning)
+    warn(
+        f"bnswap: {why}; torchao's {_TORCHAO_OPS} are not patched: a swapped model's "
+        "exported graph keeps the consolidated batch-norm ops, which torchao's conv-BN "
+        "fold and quantizer patterns do not match (silently), and a prepared graph stays "
+        "on stock's aten.batch_norm. By hand: bnswap.to_stock_ops(graph) before each of "
+        "those calls, bnswap.convert(prepared) after prepare for the consolidated ops; "
+        "or use torchao " + ".".join(map(str, MIN_TORCHAO)) + " (tested)",
+        UserWarning,
+    )
 
 
 def _calls(mod: Any, helper_name: str, callers: tuple[str, ...]) -> bool:
@@ -413,8 +451,12 @@ def _calls(mod: Any, helper_name: str, callers: tuple[str, ...]) -> bool:
 
 def _torchao_too_old() -> bool:
     if _version("torchao") < MIN_TORCHAO:
-        _unpatched("torchao " + ".".join(map(str, _version("torchao"))) + " is older than "
-                   + ".".join(map(str, MIN_TORCHAO)))
+        _unpatched(
+            "torchao "
+            + ".".join(map(str, _version("torchao")))
+            + " is older than "
+            + ".".join(map(str, MIN_TORCHAO))
+        )
         return True
     return False
 
@@ -445,20 +487,25 @@ def patch_torchao_pt2e(mod: Any) -> bool:
     helper = _patchable(mod, scope, ("prepare_pt2e", "prepare_qat_pt2e"))
     if not callable(helper):
         return helper
-    post = (_calls(mod, "prepare", ("prepare_pt2e", "prepare_qat_pt2e"))
-            and _calls(mod, "_convert_to_reference_decomposed_fx", ("convert_pt2e",)))
+    post = _calls(mod, "prepare", ("prepare_pt2e", "prepare_qat_pt2e")) and _calls(
+        mod, "_convert_to_reference_decomposed_fx", ("convert_pt2e",)
+    )
     setattr(mod, scope, _before_prepare(helper, mark=post))
     if post:
         mod.prepare = _after_prepare(mod.prepare)
         mod._convert_to_reference_decomposed_fx = _stock_first(
-            mod._convert_to_reference_decomposed_fx)
+            mod._convert_to_reference_decomposed_fx
+        )
     else:
-        warn(f"bnswap: torchao's {mod.__name__}.prepare_pt2e / prepare_qat_pt2e no longer call "
-             "prepare, or convert_pt2e _convert_to_reference_decomposed_fx, by name: "
-             "prepared graphs stay on stock's aten.batch_norm (cudnn_enabled=False: the "
-             "native kernel on CUDA, pytorch issue 111384). By hand: "
-             "bnswap.convert(prepared), and bnswap.to_stock_ops(prepared) before "
-             "move_exported_model_to_eval / _train and convert_pt2e", UserWarning)
+        warn(
+            f"bnswap: torchao's {mod.__name__}.prepare_pt2e / prepare_qat_pt2e no longer call "
+            "prepare, or convert_pt2e _convert_to_reference_decomposed_fx, by name: "
+            "prepared graphs stay on stock's aten.batch_norm (cudnn_enabled=False: the "
+            "native kernel on CUDA, pytorch issue 111384). By hand: "
+            "bnswap.convert(prepared), and bnswap.to_stock_ops(prepared) before "
+            "move_exported_model_to_eval / _train and convert_pt2e",
+            UserWarning,
+        )
     return True
 
 
@@ -467,8 +514,9 @@ def patch_torchao_export_utils(mod: Any) -> bool:
     swapped layers' nodes (their ``_replace_batchnorm`` runs on stock's nodes, which then
     run the consolidated ops again)."""
     name = "_replace_batchnorm"
-    helper = _patchable(mod, name, ("_move_exported_model_to_eval",
-                                    "_move_exported_model_to_train"))
+    helper = _patchable(
+        mod, name, ("_move_exported_model_to_eval", "_move_exported_model_to_train")
+    )
     if not callable(helper):
         return helper
     setattr(mod, name, _switch_keeping(helper))
@@ -476,30 +524,65 @@ def patch_torchao_export_utils(mod: Any) -> bool:
 
 
 # ---------------------------------------------------------------------- core ATen
-def _with_update_functional(input: torch.Tensor, weight: Any, bias: Any,
-                            running_mean: torch.Tensor, running_var: torch.Tensor,
-                            momentum: float, eps: float) -> tuple:
-    out, save_mean, save_rstd, new_mean, new_var = \
+def _with_update_functional(
+    input: torch.Tensor,
+    weight: Any,
+    bias: Any,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    momentum: float,
+    eps: float,
+) -> tuple:
+    out, save_mean, save_rstd, new_mean, new_var = (
         _aten._native_batch_norm_legit_functional.default(
-            input, weight, bias, running_mean, running_var, True, momentum, eps)
+            input, weight, bias, running_mean, running_var, True, momentum, eps
+        )
+    )
     reserve = torch.empty(0, dtype=torch.uint8, device=input.device)  # cuDNN's only
     return out, save_mean, save_rstd, reserve, new_mean, new_var
 
 
-def _no_update(input: torch.Tensor, weight: Any, bias: Any, running_mean: torch.Tensor,
-               running_var: torch.Tensor, momentum: float, eps: float) -> tuple:
+def _no_update(
+    input: torch.Tensor,
+    weight: Any,
+    bias: Any,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    momentum: float,
+    eps: float,
+) -> tuple:
     out, save_mean, save_rstd = _aten._native_batch_norm_legit_no_training.default(
-        input, weight, bias, running_mean, running_var, momentum, eps)
+        input, weight, bias, running_mean, running_var, momentum, eps
+    )
     return out, save_mean, save_rstd, torch.empty(0, dtype=torch.uint8, device=input.device)
 
 
-def _backward(grad_out: torch.Tensor, input: torch.Tensor, weight: Any, running_mean: Any,
-              running_var: Any, save_mean: Any, save_var: Any, update: bool, eps: float,
-              output_mask: list[bool], reserve: torch.Tensor) -> tuple:
+def _backward(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    weight: Any,
+    running_mean: Any,
+    running_var: Any,
+    save_mean: Any,
+    save_var: Any,
+    update: bool,
+    eps: float,
+    output_mask: list[bool],
+    reserve: torch.Tensor,
+) -> tuple:
     # (native_batch_norm_backward is in the core table: it decomposes on, as stock's)
     return _aten.native_batch_norm_backward.default(
-        grad_out, input, weight, running_mean, running_var, save_mean, save_var, update,
-        eps, output_mask)
+        grad_out,
+        input,
+        weight,
+        running_mean,
+        running_var,
+        save_mean,
+        save_var,
+        update,
+        eps,
+        output_mask,
+    )
 
 
 #: What bnswap adds to the core ATen decomposition table: each consolidated op as the
@@ -545,8 +628,10 @@ def patch_core_aten_decompositions() -> bool:
         return False
     names = CustomDecompTable.__init__.__code__.co_names
     if "_core_aten_decompositions_post_autograd" not in names:
-        logger.debug("bnswap: torch's default decomposition table is not built by "
-                     "_core_aten_decompositions_post_autograd; core ATen not patched")
+        logger.debug(
+            "bnswap: torch's default decomposition table is not built by "
+            "_core_aten_decompositions_post_autograd; core ATen not patched"
+        )
         return False
 
     @functools.wraps(original)
@@ -559,7 +644,8 @@ def patch_core_aten_decompositions() -> bool:
     with _lock:
         if not _patched(decomp._core_aten_decompositions_post_autograd):
             decomp._core_aten_decompositions_post_autograd = _mark(
-                _core_aten_decompositions_post_autograd)
+                _core_aten_decompositions_post_autograd
+            )
     return True
 
 
@@ -586,12 +672,16 @@ def _patch_ddp_syncbn_check() -> bool:
 
     @functools.wraps(stock)
     def _passing_sync_batchnorm_handle(self: Any, module: nn.Module) -> None:
-        left = [n for n, m in module.named_modules()
-                if isinstance(m, nn.SyncBatchNorm) and not is_swapped(m)]
+        left = [
+            n
+            for n, m in module.named_modules()
+            if isinstance(m, nn.SyncBatchNorm) and not is_swapped(m)
+        ]
         if not left:
             return
         if getattr(self, "device_type", None) == "cpu" and callable(
-                getattr(self, "_log_and_throw", None)):
+            getattr(self, "_log_and_throw", None)
+        ):
             self._log_and_throw(ValueError, _unswapped_sync_message(left))
         stock(self, module)
 
@@ -620,7 +710,8 @@ def _unswapped_sync_message(names: list[str]) -> str:
         "excluding them; with Lightning, BNSwap() in the Trainer's callbacks (it handles "
         "Trainer(sync_batchnorm=True)), with no exclude / include pattern leaving them out "
         "(an excluded layer stays torch's SyncBatchNorm, which DDP refuses on the CPU). "
-        "bnswap.plan(model) shows each layer")
+        "bnswap.plan(model) shows each layer"
+    )
 
 
 # ------------------------------------------------------------ whole-model checkpoints
@@ -635,8 +726,11 @@ def _stock_state(state: Any) -> Any:
     if not isinstance(state, dict):
         return state
     buffers = state.get("_buffers")
-    internal = ([k for k in buffers if k.startswith(INTERNAL_BUFFER_PREFIX)]
-                if isinstance(buffers, dict) else [])
+    internal = (
+        [k for k in buffers if k.startswith(INTERNAL_BUFFER_PREFIX)]
+        if isinstance(buffers, dict)
+        else []
+    )
     own = [k for k in state if isinstance(k, str) and k.startswith(INTERNAL_BUFFER_PREFIX)]
     if not internal and not own:
         return state
@@ -652,9 +746,11 @@ def _stock_state(state: Any) -> Any:
 def _forking_codes() -> frozenset:
     from multiprocessing import reduction
 
-    return frozenset(f.__code__ for f in (reduction.ForkingPickler.dumps.__func__,
-                                          reduction.dump)
-                     if hasattr(f, "__code__"))
+    return frozenset(
+        f.__code__
+        for f in (reduction.ForkingPickler.dumps.__func__, reduction.dump)
+        if hasattr(f, "__code__")
+    )
 
 
 _FORKING_CODES: frozenset = frozenset()
@@ -683,15 +779,23 @@ def _patch_checkpoints() -> bool:
     pickle for another process of the job (multiprocessing's ``ForkingPickler``:
     ``torch.multiprocessing.spawn``'s arguments, its queues)."""
     cls = _BN_CLASS
-    prev = getattr(cls, "__getstate__", None)   # nn.Module's (object's on Python 3.11+)
+    prev = getattr(cls, "__getstate__", None)  # nn.Module's (object's on Python 3.11+)
     if prev is not None and _patched(prev):
         return True
-    if (prev is None or "__getstate__" in vars(cls) or "__deepcopy__" in vars(cls)
-            or hasattr(cls, "__deepcopy__") or not hasattr(copy, "_reconstruct")):
-        warn("bnswap: this torch's BatchNorm defines its own __getstate__ / __deepcopy__, "
-             "so the checkpoints patch is off: torch.save(model) of a converted model "
-             "names bnswap (loading it needs bnswap); save model.state_dict(), or "
-             "bnswap.revert(model) before torch.save(model)", UserWarning)
+    if (
+        prev is None
+        or "__getstate__" in vars(cls)
+        or "__deepcopy__" in vars(cls)
+        or hasattr(cls, "__deepcopy__")
+        or not hasattr(copy, "_reconstruct")
+    ):
+        warn(
+            "bnswap: this torch's BatchNorm defines its own __getstate__ / __deepcopy__, "
+            "so the checkpoints patch is off: torch.save(model) of a converted model "
+            "names bnswap (loading it needs bnswap); save model.state_dict(), or "
+            "bnswap.revert(model) before torch.save(model)",
+            UserWarning,
+        )
         return False
 
     @_mark
@@ -748,48 +852,76 @@ class Patch(NamedTuple):
 
 #: Every patch, in the order :func:`install` applies them (``docs/patches.md``).
 PATCHES: tuple[Patch, ...] = (
-    Patch("torchscript", None, _patch_torchscript,
-          "torch.jit._recursive.create_script_module",
-          "torch.jit.script / torch.jit.trace compile stock's forward on a stock view of the "
-          "model (the user's modules untouched)",
-          "the function exists with parameters (nn_module, stubs_fn, ...); tested on torch "
-          "2.4.1, 2.9.1, 2.13, 2.14, 2.15.0"),
-    Patch("onnx", "torch.onnx._internal.exporter._fx_passes", patch_onnx_exporter,
-          "torch.onnx._internal.exporter._fx_passes.decompose_with_registry",
-          "torch.onnx.export(dynamo=True) translates stock's core ATen batch norm (folded "
-          "into Conv; track_running_stats=False keeps batch statistics)",
-          "the function and its _decomp helpers exist (absent in torch 2.4); tested on "
-          "torch 2.9.1, 2.13, 2.14, 2.15.0"),
-    Patch("torchao", "torchao.quantization.pt2e.quantize_pt2e", patch_torchao_pt2e,
-          "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope",
-          "prepare_pt2e / prepare_qat_pt2e see stock's aten.batch_norm (conv-BN fold, "
-          "quantizer patterns) and return the swapped layers' nodes on the consolidated "
-          "ops (also patched: prepare); convert_pt2e sees stock's graph (also patched: "
-          "_convert_to_reference_decomposed_fx)",
-          f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name"),
-    Patch("torchao", "torchao.quantization.pt2e.export_utils", patch_torchao_export_utils,
-          "torchao.quantization.pt2e.export_utils._replace_batchnorm",
-          "move_exported_model_to_eval / _train switch the swapped layers' nodes, which "
-          "stay on the consolidated ops",
-          f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name"),
-    Patch("ddp", None, _patch_ddp_syncbn_check,
-          "torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle",
-          "DistributedDataParallel wraps a CPU module whose SyncBatchNorm layers are all "
-          "swapped (stock refuses any SyncBatchNorm on the CPU: its kernels are CUDA-only)",
-          "the method exists; tested on torch 2.13 / 2.14"),
-    Patch("checkpoints", None, _patch_checkpoints,
-          "torch.nn.modules.batchnorm._BatchNorm.__getstate__ / __deepcopy__ (added)",
-          "torch.save / pickle of a whole model and copy.copy leave the swap out (nothing of "
-          "bnswap's in a checkpoint: it loads where bnswap is not installed, as stock's "
-          "layers); copy.deepcopy and multiprocessing's pickles (mp.spawn) keep it",
-          "_BatchNorm defines neither (inherits nn.Module's __getstate__), copy._reconstruct "
-          "exists; tested on torch 2.13 / 2.14"),
-    Patch("core_aten", None, patch_core_aten_decompositions,
-          "torch._decomp._core_aten_decompositions_post_autograd",
-          "ExportedProgram.run_decompositions() (the default, core ATen table) turns the "
-          "consolidated ops into stock's core ATen batch-norm ops (ExecuTorch's to_edge)",
-          "the function exists and torch.export.decomp_utils.CustomDecompTable calls it by "
-          "name; tested on torch 2.13 / 2.14"),
+    Patch(
+        "torchscript",
+        None,
+        _patch_torchscript,
+        "torch.jit._recursive.create_script_module",
+        "torch.jit.script / torch.jit.trace compile stock's forward on a stock view of the "
+        "model (the user's modules untouched)",
+        "the function exists with parameters (nn_module, stubs_fn, ...); tested on torch "
+        "2.4.1, 2.9.1, 2.13, 2.14, 2.15.0",
+    ),
+    Patch(
+        "onnx",
+        "torch.onnx._internal.exporter._fx_passes",
+        patch_onnx_exporter,
+        "torch.onnx._internal.exporter._fx_passes.decompose_with_registry",
+        "torch.onnx.export(dynamo=True) translates stock's core ATen batch norm (folded "
+        "into Conv; track_running_stats=False keeps batch statistics)",
+        "the function and its _decomp helpers exist (absent in torch 2.4); tested on "
+        "torch 2.9.1, 2.13, 2.14, 2.15.0",
+    ),
+    Patch(
+        "torchao",
+        "torchao.quantization.pt2e.quantize_pt2e",
+        patch_torchao_pt2e,
+        "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope",
+        "prepare_pt2e / prepare_qat_pt2e see stock's aten.batch_norm (conv-BN fold, "
+        "quantizer patterns) and return the swapped layers' nodes on the consolidated "
+        "ops (also patched: prepare); convert_pt2e sees stock's graph (also patched: "
+        "_convert_to_reference_decomposed_fx)",
+        f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name",
+    ),
+    Patch(
+        "torchao",
+        "torchao.quantization.pt2e.export_utils",
+        patch_torchao_export_utils,
+        "torchao.quantization.pt2e.export_utils._replace_batchnorm",
+        "move_exported_model_to_eval / _train switch the swapped layers' nodes, which "
+        "stay on the consolidated ops",
+        f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name",
+    ),
+    Patch(
+        "ddp",
+        None,
+        _patch_ddp_syncbn_check,
+        "torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle",
+        "DistributedDataParallel wraps a CPU module whose SyncBatchNorm layers are all "
+        "swapped (stock refuses any SyncBatchNorm on the CPU: its kernels are CUDA-only)",
+        "the method exists; tested on torch 2.13 / 2.14",
+    ),
+    Patch(
+        "checkpoints",
+        None,
+        _patch_checkpoints,
+        "torch.nn.modules.batchnorm._BatchNorm.__getstate__ / __deepcopy__ (added)",
+        "torch.save / pickle of a whole model and copy.copy leave the swap out (nothing of "
+        "bnswap's in a checkpoint: it loads where bnswap is not installed, as stock's "
+        "layers); copy.deepcopy and multiprocessing's pickles (mp.spawn) keep it",
+        "_BatchNorm defines neither (inherits nn.Module's __getstate__), copy._reconstruct "
+        "exists; tested on torch 2.13 / 2.14",
+    ),
+    Patch(
+        "core_aten",
+        None,
+        patch_core_aten_decompositions,
+        "torch._decomp._core_aten_decompositions_post_autograd",
+        "ExportedProgram.run_decompositions() (the default, core ATen table) turns the "
+        "consolidated ops into stock's core ATen batch-norm ops (ExecuTorch's to_edge)",
+        "the function exists and torch.export.decomp_utils.CustomDecompTable calls it by "
+        "name; tested on torch 2.13 / 2.14",
+    ),
 )
 
 #: Environment variable: ``all``, or patch names (``torchscript``, ``onnx``,
@@ -807,9 +939,12 @@ def _disabled() -> set[str]:
         return set(_NAMES)
     unknown = sorted(names - _NAMES)
     if unknown:
-        warnings.warn(f"bnswap: {DISABLE_ENV} names unknown patches {unknown}; known: 'all', "
-                      + ", ".join(repr(n) for n in sorted(_NAMES)), RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"bnswap: {DISABLE_ENV} names unknown patches {unknown}; known: 'all', "
+            + ", ".join(repr(n) for n in sorted(_NAMES)),
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return names & _NAMES
 
 

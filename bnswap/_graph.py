@@ -76,8 +76,12 @@ def _export_cudnn_enabled() -> bool:
 #: record (it follows the tensor it is made like: :func:`bnswap.functional._stand_ins`);
 #: full / ones / zeros with a literal device and dtype are what bnswap recorded before
 #: (programs saved then still load and turn back into stock's).
-_FILLS = {_aten.full_like.default: None, _aten.full.default: None,
-          _aten.ones.default: 1.0, _aten.zeros.default: 0.0}
+_FILLS = {
+    _aten.full_like.default: None,
+    _aten.full.default: None,
+    _aten.ones.default: 1.0,
+    _aten.zeros.default: 0.0,
+}
 
 
 def _fill_value(arg: object) -> float | None:
@@ -116,14 +120,23 @@ def _erase_unused(graph: torch.fx.Graph, nodes: list) -> None:
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        if isinstance(n, Node) and n.op == "call_function" and not n.users \
-                and n.graph is graph and not n.is_impure():
+        if (
+            isinstance(n, Node)
+            and n.op == "call_function"
+            and not n.users
+            and n.graph is graph
+            and not n.is_impure()
+        ):
             stack.extend(a for a in n.all_input_nodes)
             graph.erase_node(n)
 
 
-def _rewrite(graph: torch.fx.Graph, node: Node, core_aten: bool,
-             renamed: Callable[[str, str], None] | None = None) -> bool:
+def _rewrite(
+    graph: torch.fx.Graph,
+    node: Node,
+    core_aten: bool,
+    renamed: Callable[[str, str], None] | None = None,
+) -> bool:
     users = list(node.users)
     if any(u.target is not operator.getitem for u in users):
         return False
@@ -163,8 +176,9 @@ def _rewrite(graph: torch.fx.Graph, node: Node, core_aten: bool,
         if index == {0: None}:
             new.meta["val"] = old_val[0]
         else:  # new output j is old output i where index[i] == j
-            new.meta["val"] = tuple(old_val[i] for i, _ in sorted(
-                index.items(), key=lambda kv: kv[1]))
+            new.meta["val"] = tuple(
+                old_val[i] for i, _ in sorted(index.items(), key=lambda kv: kv[1])
+            )
     for u in users:
         i = u.args[1]
         if index == {0: None} and u is first:
@@ -183,8 +197,12 @@ def _rewrite(graph: torch.fx.Graph, node: Node, core_aten: bool,
 
 def _drop_empty_batch_asserts(graph: torch.fx.Graph) -> None:
     for node in list(graph.nodes):
-        if (node.op == "call_function" and node.target is _aten._assert_scalar.default
-                and len(node.args) > 1 and node.args[1] == EMPTY_BATCH_MESSAGE):
+        if (
+            node.op == "call_function"
+            and node.target is _aten._assert_scalar.default
+            and len(node.args) > 1
+            and node.args[1] == EMPTY_BATCH_MESSAGE
+        ):
             cond = node.args[0]
             graph.erase_node(node)
             # its condition (numel != 0) and what computed it, when nothing else uses them
@@ -200,8 +218,11 @@ def _signature_renames(ep: torch.export.ExportedProgram) -> list[tuple[Node, str
     output = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
     outs = output.args[0] if output is not None and output.args else ()
     sig = ep.graph_signature
-    if len(sig.input_specs) != len(placeholders) or not isinstance(outs, (tuple, list)) \
-            or len(sig.output_specs) != len(outs):
+    if (
+        len(sig.input_specs) != len(placeholders)
+        or not isinstance(outs, (tuple, list))
+        or len(sig.output_specs) != len(outs)
+    ):
         return []
     taken = {n.name: n for n in graph.nodes}
     renames = []
@@ -254,8 +275,9 @@ def check_program(ep: torch.export.ExportedProgram, *, repair: bool) -> None:
         raise error
 
 
-def to_stock_ops(module: GraphModule | torch.export.ExportedProgram, *,
-                 core_aten: bool = False) -> int:
+def to_stock_ops(
+    module: GraphModule | torch.export.ExportedProgram, *, core_aten: bool = False
+) -> int:
     """Rewrite bnswap's batch-norm nodes of an exported graph into stock's
     ``aten.batch_norm``, in place.
 
@@ -305,7 +327,8 @@ def to_stock_ops(module: GraphModule | torch.export.ExportedProgram, *,
     else:
         raise TypeError(
             "bnswap.to_stock_ops expects a torch.fx.GraphModule or a "
-            f"torch.export.ExportedProgram, got {type(module).__name__}")
+            f"torch.export.ExportedProgram, got {type(module).__name__}"
+        )
     count = 0
     for sub in gm.modules():  # the root graph and any nested graphs (cond, scan...)
         graph = getattr(sub, "graph", None)
@@ -345,8 +368,11 @@ STOCK_TARGETS = (*_STOCK, _BACKWARD)
 def _arg(node: Node, i: int | None, default: object = None) -> object:
     if i is None:
         return default
-    return node.args[i] if i < len(node.args) else node.kwargs.get(
-        node.target._schema.arguments[i].name, default)  # type: ignore[union-attr]
+    return (
+        node.args[i]
+        if i < len(node.args)
+        else node.kwargs.get(node.target._schema.arguments[i].name, default)
+    )  # type: ignore[union-attr]
 
 
 def stock_call(node: Node) -> tuple[list, bool] | None:
@@ -368,15 +394,19 @@ def consolidated_target(node: Node) -> tuple[object | None, str]:
     if node.op == "call_function" and node.target is _BACKWARD:
         fwd = _forward_of(node)
         if fwd is None or consolidated_target(fwd)[0] is None:
-            return None, ("its forward is no stock batch-norm node this rewrite turns "
-                          "into a consolidated op (the cuDNN reserve comes from it)")
+            return None, (
+                "its forward is no stock batch-norm node this rewrite turns "
+                "into a consolidated op (the cuDNN reserve comes from it)"
+            )
         return _aten.batch_norm_backward.default, "-"
     call = stock_call(node)
     if call is None:
         return None, "not a batch-norm node"
     (x, w, b, mean, var, training, momentum, eps), functional = call
-    if any(u.op != "call_function" or u.target is not operator.getitem for u in node.users) \
-            and node.target is not _aten.batch_norm.default:
+    if (
+        any(u.op != "call_function" or u.target is not operator.getitem for u in node.users)
+        and node.target is not _aten.batch_norm.default
+    ):
         return None, "an output is used other than by indexing"
     if (mean is None) != (var is None):
         return None, "only one of running_mean / running_var is given"
@@ -387,8 +417,10 @@ def consolidated_target(node: Node) -> tuple[object | None, str]:
     if not training and functional:
         return None, "a functional op in evaluation (no consolidated counterpart)"
     if w is None and b is None and mean is None and _rank(x) is None:
-        return None, ("no shape metadata (node.meta['val']) for the input's channel "
-                      "view the stand-in weight / bias / statistics are made like")
+        return None, (
+            "no shape metadata (node.meta['val']) for the input's channel "
+            "view the stand-in weight / bias / statistics are made like"
+        )
     if not training:
         return _NO_UPDATE, "-"
     if functional or mean is None:
@@ -400,9 +432,12 @@ def _forward_of(node: Node) -> Node | None:
     """The forward batch-norm node whose save_mean a ``native_batch_norm_backward``
     node reads (``getitem(forward, 1)``)."""
     save_mean = node.args[5] if len(node.args) > 5 else None
-    if (isinstance(save_mean, Node) and save_mean.target is operator.getitem
-            and isinstance(save_mean.args[0], Node)
-            and (stock_call(save_mean.args[0]) or save_mean.args[0].target in _TARGETS)):
+    if (
+        isinstance(save_mean, Node)
+        and save_mean.target is operator.getitem
+        and isinstance(save_mean.args[0], Node)
+        and (stock_call(save_mean.args[0]) or save_mean.args[0].target in _TARGETS)
+    ):
         return save_mean.args[0]
     return None
 
@@ -421,14 +456,12 @@ def _fake_mode(graph: torch.fx.Graph):  # noqa: ANN202 - torch's FakeTensorMode 
     from torch._guards import detect_fake_mode
 
     try:
-        return detect_fake_mode([v for n in graph.nodes
-                                 if isinstance(v := _val(n), torch.Tensor)])
+        return detect_fake_mode([v for n in graph.nodes if isinstance(v := _val(n), torch.Tensor)])
     except AssertionError:  # several fake modes (make_fx): the new nodes get no "val"
         return None
 
 
-def _fill_like(graph: torch.fx.Graph, like: Node, value: float, meta: dict,
-               fake) -> Node:  # noqa: ANN001
+def _fill_like(graph: torch.fx.Graph, like: Node, value: float, meta: dict, fake) -> Node:  # noqa: ANN001
     """``aten.full_like(like, value)``, as bnswap's layers record their stand-ins (no
     device or dtype of its own: it follows ``like``; :func:`to_stock_ops` turns it back
     into ``None``)."""
@@ -478,8 +511,11 @@ def _assert_not_empty(graph: torch.fx.Graph, x: object, meta: dict) -> None:
     assertion goes right after the input is computed (after the placeholders when it is
     one), before any state moves; :func:`to_stock_ops` removes it with its condition."""
     xv = _val(x)
-    if not isinstance(x, Node) or not isinstance(xv, torch.Tensor) \
-            or not isinstance(xv.numel(), torch.SymInt):
+    if (
+        not isinstance(x, Node)
+        or not isinstance(xv, torch.Tensor)
+        or not isinstance(xv.numel(), torch.SymInt)
+    ):
         return
     at = x.next
     while at.op == "placeholder":
@@ -497,8 +533,13 @@ def _assert_not_empty(graph: torch.fx.Graph, x: object, meta: dict) -> None:
         check.meta["val"] = None
 
 
-def _to_consolidated(graph: torch.fx.Graph, node: Node, target: object, fake,  # noqa: ANN001
-                     renamed: Callable[[str, str], None] | None) -> Node:
+def _to_consolidated(
+    graph: torch.fx.Graph,
+    node: Node,
+    target: object,
+    fake,  # noqa: ANN001
+    renamed: Callable[[str, str], None] | None,
+) -> Node:
     (x, w, b, mean, var, training, momentum, eps), _ = stock_call(node)  # type: ignore[misc]
     meta = dict(node.meta)
     _assert_not_empty(graph, x, meta)
@@ -543,16 +584,15 @@ def _backward_to_consolidated(graph: torch.fx.Graph, node: Node, fake) -> Node: 
     fwd = _forward_of(node)
     assert fwd is not None
     schema = node.target._schema  # type: ignore[union-attr]
-    args = list(node.args) + [node.kwargs[a.name]
-                              for a in schema.arguments[len(node.args):]]
+    args = list(node.args) + [node.kwargs[a.name] for a in schema.arguments[len(node.args) :]]
     grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask = args[:10]
     meta = dict(node.meta)
     with graph.inserting_before(node):
         reserve = _getitem(graph, fwd, 3, meta)
         new = graph.call_function(
             _aten.batch_norm_backward.default,
-            (grad, x, fwd.args[1], mean, var, save_mean, save_invstd, train, eps, mask,
-             reserve))
+            (grad, x, fwd.args[1], mean, var, save_mean, save_invstd, train, eps, mask, reserve),
+        )
         new.meta.update({k: v for k, v in meta.items() if k != "val"})
         _set_val(new, fake)
     for u in list(node.users):
@@ -564,14 +604,21 @@ def _backward_to_consolidated(graph: torch.fx.Graph, node: Node, fake) -> Node: 
 def batch_norm_nodes(gm: GraphModule) -> list[Node]:
     """The forward batch-norm nodes of ``gm`` (its own graph, then nested ones), stock's
     (:data:`STOCK_TARGETS` but the backward) and consolidated ones, in graph order."""
-    return [n for sub in gm.modules() if isinstance(getattr(sub, "graph", None), torch.fx.Graph)
-            for n in sub.graph.nodes
-            if n.op == "call_function" and (n.target in _STOCK or n.target in _TARGETS)]
+    return [
+        n
+        for sub in gm.modules()
+        if isinstance(getattr(sub, "graph", None), torch.fx.Graph)
+        for n in sub.graph.nodes
+        if n.op == "call_function" and (n.target in _STOCK or n.target in _TARGETS)
+    ]
 
 
-def to_consolidated_ops(gm: GraphModule, *, names: Callable[[str], bool] | None = None,
-                        renamed: Callable[[str, str], None] | None = None,
-                        ) -> list[tuple[str, str, str]]:
+def to_consolidated_ops(
+    gm: GraphModule,
+    *,
+    names: Callable[[str], bool] | None = None,
+    renamed: Callable[[str, str], None] | None = None,
+) -> list[tuple[str, str, str]]:
     """Rewrite ``gm``'s stock batch-norm nodes (:data:`STOCK_TARGETS`) into the
     consolidated ops, in place, and recompile it; the low half of
     :func:`bnswap.programs.convert` (its docstring gives the rules).
@@ -594,16 +641,18 @@ def to_consolidated_ops(gm: GraphModule, *, names: Callable[[str], bool] | None 
         forwards = [n for n in graph.nodes if n.op == "call_function" and n.target in _STOCK]
         backwards = [n for n in graph.nodes if n.op == "call_function" and n.target is _BACKWARD]
         # the backward nodes first: they look their forward node up by its stock op
-        plans = [(n, n.name, str(n.target), consolidated_target(n)[0])
-                 for n in backwards + forwards if names is None or names(n.name)]
+        plans = [
+            (n, n.name, str(n.target), consolidated_target(n)[0])
+            for n in backwards + forwards
+            if names is None or names(n.name)
+        ]
         plans = [p for p in plans if p[3] is not None]
         if not plans:
             continue
         for n, name, before, target in plans:
             if n.target is _BACKWARD:
                 continue
-            _to_consolidated(graph, n, target, fake,
-                                            renamed if sub is gm else None)
+            _to_consolidated(graph, n, target, fake, renamed if sub is gm else None)
             done.append((name, before, str(target)))
         for n, name, before, target in plans:
             if n.target is _BACKWARD:

@@ -95,12 +95,14 @@ def unconfigured(log: logging.Logger) -> bool:
     """True when nothing in this process shows ``log``'s INFO lines because nothing is
     configured: no handler on ``log`` or above it, no level of its own, and INFO below
     the effective level (the root logger's default WARNING)."""
-    return (log.level == logging.NOTSET and not log.isEnabledFor(logging.INFO)
-            and not log.hasHandlers())
+    return (
+        log.level == logging.NOTSET and not log.isEnabledFor(logging.INFO) and not log.hasHandlers()
+    )
 
 
-def info(log: logging.Logger, msg: str, *args: object,
-         unconfigured_line: str | None = None) -> None:
+def info(
+    log: logging.Logger, msg: str, *args: object, unconfigured_line: str | None = None
+) -> None:
     """``log.info(msg, *args)`` on rank zero, ``log.debug(...)`` on the other ranks; the
     message is formatted only when that level is enabled (``%s`` arguments, as
     ``logging`` does). ``unconfigured_line``, if given, goes to ``sys.stderr`` instead on
@@ -116,7 +118,11 @@ def info(log: logging.Logger, msg: str, *args: object,
     level = info_level()
     if log.isEnabledFor(level):
         log.log(level, msg, *args, stacklevel=2)
-    elif (unconfigured_line is not None and not _STDERR.used and level == logging.INFO
-          and unconfigured(log)):
-        _STDERR.used = True   # once per process (a script converting many models)
+    elif (
+        unconfigured_line is not None
+        and not _STDERR.used
+        and level == logging.INFO
+        and unconfigured(log)
+    ):
+        _STDERR.used = True  # once per process (a script converting many models)
         _STDERR.handle(log.makeRecord(log.name, level, "", 0, unconfigured_line, (), None))

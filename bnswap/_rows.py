@@ -61,8 +61,11 @@ class Rows(Sequence, Generic[Row]):
         """``"1 swap, 0 skip"`` (``"0 swap, 4 keep, 0 skip"`` when some are kept): the
         plans' ``repr``."""
         keep = len(self.kept)
-        return (f"{len(self.swapped) - keep} swap, " + (f"{keep} keep, " if keep else "")
-                + f"{len(self.skipped)} skip")
+        return (
+            f"{len(self.swapped) - keep} swap, "
+            + (f"{keep} keep, " if keep else "")
+            + f"{len(self.skipped)} skip"
+        )
 
     def summary(self) -> str:
         """What the plan would do, before ``apply``: ``"bnswap plan: N of M <counted> would
@@ -72,9 +75,11 @@ class Rows(Sequence, Generic[Row]):
         swapped, K skipped"`` (``": nothing changed"``). N counts the rows that run bnswap's
         ops (:attr:`swapped`: action ``swap`` or ``keep``)."""
         done = self.applied
-        text = (f"{'bnswap' if done else 'bnswap plan'}: {len(self.swapped)} of "
-                f"{len(self.rows)} {self.counted} {'' if done else 'would be '}swapped, "
-                f"{len(self.skipped)} skipped")
+        text = (
+            f"{'bnswap' if done else 'bnswap plan'}: {len(self.swapped)} of "
+            f"{len(self.rows)} {self.counted} {'' if done else 'would be '}swapped, "
+            f"{len(self.skipped)} skipped"
+        )
         kept = len(self.kept)
         if kept:
             text += f"; {kept} already swapped (keep)"

@@ -44,11 +44,30 @@ from torch.nn.utils import parametrize
 
 from bnswap.functional import records_consolidated_ops
 
-__all__ = ["Adapter", "INTERNAL_BUFFER_PREFIX", "INTERNAL_HOOK", "SWAP", "Swap",
-           "WRAPPER_STATE", "adapter_of", "add_internal_buffer", "class_forward",
-           "dispatch_on", "dispatches", "drop_internal_buffers", "forward_owner", "internal_buffer_names",
-           "is_swapped", "on_first_swap", "swap", "type_before_parametrizations", "undo_of",
-           "unpickle_swap", "unswap", "wrapped_model"]
+__all__ = [
+    "Adapter",
+    "INTERNAL_BUFFER_PREFIX",
+    "INTERNAL_HOOK",
+    "SWAP",
+    "Swap",
+    "WRAPPER_STATE",
+    "adapter_of",
+    "add_internal_buffer",
+    "class_forward",
+    "dispatch_on",
+    "dispatches",
+    "drop_internal_buffers",
+    "forward_owner",
+    "internal_buffer_names",
+    "is_swapped",
+    "on_first_swap",
+    "swap",
+    "type_before_parametrizations",
+    "undo_of",
+    "unpickle_swap",
+    "unswap",
+    "wrapped_model",
+]
 
 #: The instance attribute (in ``__dict__``) where a bnswap backend wrapper (e.g. the one
 #: :mod:`bnswap.ort` returns) keeps its state; the state's ``model`` is the model it wraps.
@@ -257,8 +276,11 @@ def _takes_one_input(fn: Callable[..., Any]) -> bool:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return False
-    return (len(params) == 2 and params[1].name == "input"
-            and all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params))
+    return (
+        len(params) == 2
+        and params[1].name == "input"
+        and all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params)
+    )
 
 
 def _one_input(owner: type, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -392,8 +414,10 @@ def add_internal_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> N
         ([], False)
     """
     if isinstance(name, str) and not name.startswith(INTERNAL_BUFFER_PREFIX):
-        raise ValueError(f"bnswap: an internal buffer's name starts with "
-                         f"{INTERNAL_BUFFER_PREFIX!r}, got {name!r}")
+        raise ValueError(
+            f"bnswap: an internal buffer's name starts with "
+            f"{INTERNAL_BUFFER_PREFIX!r}, got {name!r}"
+        )
     module.register_buffer(name, tensor, persistent=False)
 
 

@@ -24,6 +24,7 @@ class UnmatchedPatternWarning(UserWarning):
     """An include / exclude pattern matches no BatchNorm layer of the model (or no
     batch-norm node of a program)."""
 
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Packages whose frames stand between the user's line and bnswap's code
 #: (``trainer.fit(...)`` -> Lightning's hooks -> BNSwap; ``prepare_qat_pt2e(...)`` ->

@@ -104,8 +104,10 @@ class _Ort(Backend):
     runs_skipped = False
     runs_uninitialized = False
     runtime = "ONNX Runtime"
-    skip_note = ("ORT cannot run an unswapped BatchNorm: bnswap.convert(..., backend='ort') "
-                 "refuses the model, BNSwap keeps its child eager")
+    skip_note = (
+        "ORT cannot run an unswapped BatchNorm: bnswap.convert(..., backend='ort') "
+        "refuses the model, BNSwap keeps its child eager"
+    )
 
     @staticmethod
     def _ort() -> Any:
@@ -118,20 +120,28 @@ class _Ort(Backend):
         ort.check_python()
         if not ort.is_available():
             raise ort.ORTNotAvailableError(
-                "backend='ort' needs ONNX Runtime training and torch-ort: " + ort.INSTALL)
+                "backend='ort' needs ONNX Runtime training and torch-ort: " + ort.INSTALL
+            )
 
     def sync_error(self, layer: str | None = None) -> Exception:
         from bnswap.ort.errors import UnsupportedLayerError  # imports no ONNX Runtime
 
-        what = (f"layer {layer!r} is a SyncBatchNorm" if layer is not None
-                else "sync_batchnorm=True with backend='ort'")
+        what = (
+            f"layer {layer!r} is a SyncBatchNorm"
+            if layer is not None
+            else "sync_batchnorm=True with backend='ort'"
+        )
         return UnsupportedLayerError(
             f"bnswap: {what}; the ONNX Runtime backend cannot synchronize batch statistics "
             "across processes (its BatchNormInternal kernel sees one process's batch). Use "
             "backend='aten' (synchronized on every device)"
-            + ("; or convert with backend='aten' and bnswap.ort.wrap only submodules "
-               "without it (BNSwap(backend='ort') keeps such children eager itself)."
-               if layer is not None else "."))
+            + (
+                "; or convert with backend='aten' and bnswap.ort.wrap only submodules "
+                "without it (BNSwap(backend='ort') keeps such children eager itself)."
+                if layer is not None
+                else "."
+            )
+        )
 
     def unsupported_error(self, message: str) -> Exception:
         from bnswap.ort.errors import UnsupportedLayerError  # imports no ONNX Runtime
@@ -162,6 +172,7 @@ def backend_named(backend: str | Backend) -> Backend:
         return backend
     found = BACKENDS.get(backend) if isinstance(backend, str) else None
     if found is None:
-        raise ValueError(f"unknown backend {backend!r}; choose one of "
-                         f"{', '.join(map(repr, BACKENDS))}")
+        raise ValueError(
+            f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}"
+        )
     return found

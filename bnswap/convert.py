@@ -118,9 +118,11 @@ def convert(
     """
     if programs.is_program(module):  # a torch.export program: bnswap.programs.convert
         if sync_batchnorm:
-            raise ValueError("bnswap.convert: sync_batchnorm=True converts modules; a program's "
-                             "batch-norm nodes have no process group (convert the model, "
-                             "then export it)")
+            raise ValueError(
+                "bnswap.convert: sync_batchnorm=True converts modules; a program's "
+                "batch-norm nodes have no process group (convert the model, "
+                "then export it)"
+            )
         return programs.convert(module, backend, include=include, exclude=exclude)
     check_module(module, "convert")
     be = check_backend(backend)
@@ -129,22 +131,42 @@ def convert(
     if graph and any(isinstance(m, _BatchNorm) for m in module.modules()):
         # its BatchNorm layers and its stock batch-norm call_function nodes: a pattern
         # may name either, so it warns only when it matches neither (once)
-        todo, unmatched = _plan_layers(module, backend, include=include, exclude=exclude,
-                                       sync_batchnorm=sync_batchnorm,
-                                       process_group=process_group)
+        todo, unmatched = _plan_layers(
+            module,
+            backend,
+            include=include,
+            exclude=exclude,
+            sync_batchnorm=sync_batchnorm,
+            process_group=process_group,
+        )
         nodes, no_node = programs._plan_nodes(module, include=include, exclude=exclude)
         for kind, p in unmatched:
             if (kind, p) in no_node:
-                warn(f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and no "
-                     "batch-norm node", UnmatchedPatternWarning)
+                warn(
+                    f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and no "
+                    "batch-norm node",
+                    UnmatchedPatternWarning,
+                )
     else:
-        todo = plan(module, backend, include=include, exclude=exclude,
-                    sync_batchnorm=sync_batchnorm, process_group=process_group)
+        todo = plan(
+            module,
+            backend,
+            include=include,
+            exclude=exclude,
+            sync_batchnorm=sync_batchnorm,
+            process_group=process_group,
+        )
     if not todo.rows and not graph:
-        warn("bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
-             + (f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
+        warn(
+            "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
+            + (
+                f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
                 f"{be.name!r}) leaves such modules eager)"
-                if be.wraps and not be.is_wrapper(module) else ""), UserWarning)
+                if be.wraps and not be.is_wrapper(module)
+                else ""
+            ),
+            UserWarning,
+        )
     out = todo.apply()
     if nodes is not None:  # its stock batch-norm call_function nodes too, in place
         programs._apply(nodes)
@@ -152,9 +174,15 @@ def convert(
     if left:
         warn(left, UserWarning)
     # (str() computes the kernel column, a probe per layer: only when it is logged)
-    info(logger, "%s", todo, unconfigured_line=(
-        f"bnswap.convert: {todo.summary().partition(': ')[2]} (the table: "
-        "logging.basicConfig(level=logging.INFO))"))
+    info(
+        logger,
+        "%s",
+        todo,
+        unconfigured_line=(
+            f"bnswap.convert: {todo.summary().partition(': ')[2]} (the table: "
+            "logging.basicConfig(level=logging.INFO))"
+        ),
+    )
     return out
 
 
@@ -179,28 +207,37 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
     layers that stay unsynchronized: how many, why, and which (qualified names), or
     ``""``."""
     left = [r for r in todo.skipped if not r.excluded]
-    unsynced = [r for r in todo.rows if sync_batchnorm and r.action != "skip"
-                and not r.synchronized] if sync_batchnorm else []
+    unsynced = (
+        [r for r in todo.rows if sync_batchnorm and r.action != "skip" and not r.synchronized]
+        if sync_batchnorm
+        else []
+    )
     if not left and not unsynced:
         return ""
     of = len(todo)
     parts = []
     if left:
         n = len(left)
-        what = (f"none of the model's {of} BatchNorm layers can be swapped" if n == of else
-                f"{n} of the model's {of} BatchNorm layers {'was' if n == 1 else 'were'} "
-                f"not swapped (kept {'its' if n == 1 else 'their'} own forward)")
+        what = (
+            f"none of the model's {of} BatchNorm layers can be swapped"
+            if n == of
+            else f"{n} of the model's {of} BatchNorm layers {'was' if n == 1 else 'were'} "
+            f"not swapped (kept {'its' if n == 1 else 'their'} own forward)"
+        )
         parts.append(f"{what}: {_reasons(left)}")
         if any(r.reason.partition("; ")[0].endswith(" overrides forward") for r in left):
-            parts.append("a subclass that overrides forward needs an adapter "
-                         "(bnswap.register, docs/adapters.md)")
+            parts.append(
+                "a subclass that overrides forward needs an adapter "
+                "(bnswap.register, docs/adapters.md)"
+            )
     if unsynced:
         n = len(unsynced)
-        parts.append(f"{n} swapped layer{'s' if n > 1 else ''} stay{'' if n > 1 else 's'} "
-                     f"unsynchronized with sync_batchnorm=True: "
-                     f"{_reasons(unsynced, drop='not synchronized: ')}")
-    return "bnswap.convert: " + "; ".join(parts) + \
-        "; bnswap.plan(model) shows each layer and why"
+        parts.append(
+            f"{n} swapped layer{'s' if n > 1 else ''} stay{'' if n > 1 else 's'} "
+            f"unsynchronized with sync_batchnorm=True: "
+            f"{_reasons(unsynced, drop='not synchronized: ')}"
+        )
+    return "bnswap.convert: " + "; ".join(parts) + "; bnswap.plan(model) shows each layer and why"
 
 
 def revert(module: nn.Module) -> nn.Module:
@@ -235,7 +272,8 @@ def revert(module: nn.Module) -> nn.Module:
         raise TypeError(
             f"bnswap.revert() expects a torch.nn.Module, got {type(module).__name__}; a "
             "program's consolidated nodes go back to stock's ops with "
-            "bnswap.to_stock_ops(program) (in place)")
+            "bnswap.to_stock_ops(program) (in place)"
+        )
     check_module(module, "revert")
     modules = list(module.modules())  # an ORT wrapper's modules() include the model's
     for parent in modules:

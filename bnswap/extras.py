@@ -28,14 +28,14 @@ __all__ = ["EXTRAS", "command_for", "install_command", "install_hint"]
 #: Each extra and what it brings (README, Install).
 EXTRAS = {
     "lightning": "Lightning, scikit-learn, matplotlib: the BNSwap callback and the "
-                 "train / validate / test / predict / compare subcommands",
+    "train / validate / test / predict / compare subcommands",
     "onnx": "onnxscript, onnx: torch.onnx.export(..., dynamo=True) of a converted model",
     "ort-cpu": "onnxruntime-training-cpu 1.19.2: backend='ort' (then pip install --no-deps "
-               "torch-ort==1.19.2)",
+    "torch-ort==1.19.2)",
     "ort": "onnxruntime-training 1.19.2 (CUDA), torch-ort 1.19.2: backend='ort' on GPUs",
     "dev": "pytest, hypothesis, torchao, ptflops, build, twine: bnswap's own test suite",
     "docs": "Sphinx, furo, myst-parser, playwright: the documentation site (make docs) "
-            "and its browser check",
+    "and its browser check",
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -90,8 +90,9 @@ def install_command(extra: str) -> str | None:
     return command_for(extra, info, installed=installed, checkout=_checkout())
 
 
-def command_for(extra: str, direct_url: dict | None, *, installed: bool = True,
-                checkout: str | None = None) -> str | None:
+def command_for(
+    extra: str, direct_url: dict | None, *, installed: bool = True, checkout: str | None = None
+) -> str | None:
     """The ``pip install`` of :func:`install_command` for a distribution whose
     ``direct_url.json`` (PEP 610) is ``direct_url`` (None: it has none, installed from an
     index), or for code running from the folder ``checkout``; None when not ``installed``
@@ -142,5 +143,7 @@ def install_hint(extra: str) -> str:
     cmd = install_command(extra)
     if cmd is not None:
         return f"{cmd} (bnswap's {extra!r} extra)"
-    return (f"bnswap's {extra!r} extra: pip install '.[{extra}]' in a checkout of bnswap "
-            "(README, Install; bnswap is not on PyPI)")
+    return (
+        f"bnswap's {extra!r} extra: pip install '.[{extra}]' in a checkout of bnswap "
+        "(README, Install; bnswap is not on PyPI)"
+    )

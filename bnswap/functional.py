@@ -25,10 +25,16 @@ from torch import Tensor
 if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["module_batch_norm", "check_batch_norm_input", "check_momentum",
-           "exponential_average_factor",
-           "mixed_precision_params", "StandIns", "consolidated_ops_while_tracing",
-           "records_consolidated_ops"]
+__all__ = [
+    "module_batch_norm",
+    "check_batch_norm_input",
+    "check_momentum",
+    "exponential_average_factor",
+    "mixed_precision_params",
+    "StandIns",
+    "consolidated_ops_while_tracing",
+    "records_consolidated_ops",
+]
 
 #: A stand-ins provider: ``stand_ins(bn) -> (weight, bias)``, each a (C,) tensor or None,
 #: for a layer ``bn`` without a weight / bias (affine=False) (see
@@ -110,7 +116,9 @@ EMPTY_BATCH_MESSAGE = (
     "bnswap: a batch norm of this exported program got an empty input (a batch of 0); "
     "the consolidated ops it runs (aten._batch_norm_with_update / _batch_norm_no_update) "
     "reject empty input, and an exported graph has no eager early return. Skip empty "
-    "batches, or call bnswap.to_stock_ops(exported.module()) for stock's aten.batch_norm.")
+    "batches, or call bnswap.to_stock_ops(exported.module()) for stock's aten.batch_norm."
+)
+
 
 def _stock_checks_eps() -> bool:
     """Whether this torch's ``F.batch_norm`` rejects a non-positive eps in training
@@ -226,20 +234,27 @@ def check_batch_norm_input(
         elif not use_batch_stats and label.startswith("running"):
             raise RuntimeError(f"{label} must be defined in evaluation mode")
     if (running_mean is None) != (running_var is None):
-        raise ValueError(
-            "running_mean and running_var must either both be None or neither be None"
-        )
+        raise ValueError("running_mean and running_var must either both be None or neither be None")
     if not input.is_floating_point():
         # Stock's own call raises stock's dispatch error for this dtype and device (e.g.
         # '"batch_norm" not implemented for 'Long'', or the QuantizedCPU backend's) before
         # any kernel runs; on copies of the statistics, in case a dtype ever runs.
-        probe = input if input.numel() else torch.zeros(
-            (2, num_features), dtype=input.dtype, device=input.device)
+        probe = (
+            input
+            if input.numel()
+            else torch.zeros((2, num_features), dtype=input.dtype, device=input.device)
+        )
         torch.batch_norm(
-            probe, weight, bias,
+            probe,
+            weight,
+            bias,
             None if running_mean is None else running_mean.clone(),
             None if running_var is None else running_var.clone(),
-            use_batch_stats, 0.0, eps, torch.backends.cudnn.enabled)
+            use_batch_stats,
+            0.0,
+            eps,
+            torch.backends.cudnn.enabled,
+        )
 
 
 #: Reduced-precision inputs torch's batch-norm kernels take with float32 parameters and
@@ -248,9 +263,13 @@ def check_batch_norm_input(
 _REDUCED = frozenset((torch.float16, torch.bfloat16))
 
 
-def mixed_precision_params(input: Tensor, weight: Tensor | None, bias: Tensor | None,
-                           running_mean: Tensor | None, running_var: Tensor | None
-                           ) -> tuple[Tensor | None, Tensor | None]:
+def mixed_precision_params(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None]:
     """``weight`` / ``bias`` as float32 when a mixed-precision wrapper cast them to the
     half input's dtype but left the statistics float32; unchanged otherwise.
 
@@ -289,8 +308,12 @@ def mixed_precision_params(input: Tensor, weight: Tensor | None, bias: Tensor | 
         >>> mixed_precision_params(x, w, w, None, None)[0].dtype  # no statistics: all bf16
         torch.bfloat16
     """
-    if (running_mean is None or running_var is None or running_mean.dtype != torch.float32
-            or running_var.dtype != torch.float32):
+    if (
+        running_mean is None
+        or running_var is None
+        or running_mean.dtype != torch.float32
+        or running_var.dtype != torch.float32
+    ):
         return weight, bias
     dtype = input.dtype
     if weight is not None and weight.dtype == dtype:
@@ -300,9 +323,13 @@ def mixed_precision_params(input: Tensor, weight: Tensor | None, bias: Tensor | 
     return weight, bias
 
 
-def exponential_average_factor(momentum: float | None, num_batches_tracked: Tensor | None,
-                               *, traced: bool = False,
-                               like: Tensor | None = None) -> float | Tensor:
+def exponential_average_factor(
+    momentum: float | None,
+    num_batches_tracked: Tensor | None,
+    *,
+    traced: bool = False,
+    like: Tensor | None = None,
+) -> float | Tensor:
     """torch's ``exponential_average_factor`` (``_BatchNorm.forward``): the weight of the
     batch statistics in the running-statistics update of a training step, after that
     step's ``num_batches_tracked`` increment.
@@ -367,8 +394,13 @@ def _tensors(bn: _BatchNorm) -> tuple[Tensor | None, ...]:
         return bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked
     p, b = bn._parameters, bn._buffers
     try:
-        return (p["weight"], p["bias"], b["running_mean"], b["running_var"],
-                b["num_batches_tracked"])
+        return (
+            p["weight"],
+            p["bias"],
+            b["running_mean"],
+            b["running_var"],
+            b["num_batches_tracked"],
+        )
     except KeyError:  # a layer that unregistered one (stock's attribute lookup decides)
         return bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked
 
@@ -419,9 +451,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     # the running statistics move exactly when batch statistics are used and passed
     update = use_batch_stats and running_mean is not None
 
-    check_batch_norm_input(
-        input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps
-    )
+    check_batch_norm_input(input, weight, bias, running_mean, running_var, use_batch_stats, bn.eps)
     if input.dtype in _REDUCED:  # half parameters with float32 statistics (FSDP2)
         weight, bias = mixed_precision_params(input, weight, bias, running_mean, running_var)
     momentum = bn.momentum
@@ -438,8 +468,13 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     # Compiled code keeps the cumulative factor in the graph (a tensor): reading the
     # counter as a float breaks it (pytorch issue 194504). (A momentum is its own factor:
     # no call on every forward for it.)
-    factor = momentum if momentum is not None else exponential_average_factor(
-        momentum, nbt if counts else None, traced=compiling, like=running_mean)
+    factor = (
+        momentum
+        if momentum is not None
+        else exponential_average_factor(
+            momentum, nbt if counts else None, traced=compiling, like=running_mean
+        )
+    )
 
     if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
@@ -459,14 +494,17 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
 
     if not use_batch_stats:
         return _normalize_with_running_stats(
-            input, weight, bias, running_mean, running_var, factor, bn.eps, compiling)
+            input, weight, bias, running_mean, running_var, factor, bn.eps, compiling
+        )
     if not update:
         return _normalize_with_batch_stats(input, weight, bias, like, factor, bn.eps)
     if counts and momentum is None and compiling:
         return _update_cumulative_traced(
-            input, weight, bias, running_mean, running_var, factor, bn.eps)
+            input, weight, bias, running_mean, running_var, factor, bn.eps
+        )
     return _normalize_and_update(
-        input, weight, bias, running_mean, running_var, factor, bn.eps, compiling)
+        input, weight, bias, running_mean, running_var, factor, bn.eps, compiling
+    )
 
 
 def _assert_batch_not_empty(input: Tensor) -> None:
@@ -504,8 +542,9 @@ def _channel_view(input: Tensor) -> Tensor:
     return input[_CHANNEL_INDEX.get(rank) or (0, slice(None)) + (0,) * (rank - 2)]
 
 
-def _stand_ins(bn: _BatchNorm, like: Tensor, weight: Tensor | None, bias: Tensor | None
-               ) -> tuple[Tensor, Tensor]:
+def _stand_ins(
+    bn: _BatchNorm, like: Tensor, weight: Tensor | None, bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """The weight and bias the ops need: the layer's own, or ``full_like(like, 1.0)`` /
     ``full_like(like, 0.0)``; while the TorchScript tracer records the layer, the
     stand-ins of the enclosing :func:`consolidated_ops_while_tracing` block, if it has a
@@ -533,9 +572,16 @@ def _stand_ins(bn: _BatchNorm, like: Tensor, weight: Tensor | None, bias: Tensor
     return weight, bias
 
 
-def _normalize_with_running_stats(input: Tensor, weight: Tensor, bias: Tensor,
-                                  running_mean: Tensor, running_var: Tensor, factor: float,
-                                  eps: float, compiling: bool) -> Tensor:
+def _normalize_with_running_stats(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    factor: float,
+    eps: float,
+    compiling: bool,
+) -> Tensor:
     """Eval (or a layer that tracks but is not training): the running statistics
     normalize; nothing moves."""
     return (_no_update if compiling else _no_update_eager)(
@@ -543,8 +589,9 @@ def _normalize_with_running_stats(input: Tensor, weight: Tensor, bias: Tensor,
     )[0]
 
 
-def _normalize_with_batch_stats(input: Tensor, weight: Tensor, bias: Tensor, like: Tensor,
-                                factor: float, eps: float) -> Tensor:
+def _normalize_with_batch_stats(
+    input: Tensor, weight: Tensor, bias: Tensor, like: Tensor, factor: float, eps: float
+) -> Tensor:
     """Batch statistics only (``track_running_stats=False``): the op needs statistics to
     write to; these throw-away ones, made like the stand-ins (:func:`_stand_ins`), are
     dropped. ``factor`` is stock's F.batch_norm momentum (it only moves the scratch
@@ -555,9 +602,15 @@ def _normalize_with_batch_stats(input: Tensor, weight: Tensor, bias: Tensor, lik
     return _with_update(input, weight, bias, scratch_mean, scratch_var, factor, eps)[0]
 
 
-def _update_cumulative_traced(input: Tensor, weight: Tensor, bias: Tensor,
-                              running_mean: Tensor, running_var: Tensor, factor: Tensor,
-                              eps: float) -> Tensor:
+def _update_cumulative_traced(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    factor: Tensor,
+    eps: float,
+) -> Tensor:
     """``momentum=None`` in a graph: batch statistics via momentum 1 on scratch
     statistics, then ``running += (batch - running) / num_batches_tracked`` (``factor``,
     a (C,) tensor made like running_mean: :func:`exponential_average_factor`), with no
@@ -574,9 +627,16 @@ def _update_cumulative_traced(input: Tensor, weight: Tensor, bias: Tensor,
     return out
 
 
-def _normalize_and_update(input: Tensor, weight: Tensor, bias: Tensor,
-                          running_mean: Tensor, running_var: Tensor, factor: float | Tensor,
-                          eps: float, compiling: bool) -> Tensor:
+def _normalize_and_update(
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    factor: float | Tensor,
+    eps: float,
+    compiling: bool,
+) -> Tensor:
     """Training with running statistics: batch statistics normalize, and the op moves
     running_mean / running_var by ``factor`` (the unbiased batch variance into
     running_var)."""

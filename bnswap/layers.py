@@ -24,8 +24,14 @@ from torch import Tensor, nn
 from bnswap.functional import module_batch_norm
 from bnswap._swap import is_swapped, swap
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_norm_forward", "is_swapped",
-           "module_batch_norm"]
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "batch_norm_forward",
+    "is_swapped",
+    "module_batch_norm",
+]
 
 
 def batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:

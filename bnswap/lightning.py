@@ -48,13 +48,15 @@ except ImportError:  # exercised only without `lightning` (the install test)
         from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn  # type: ignore
     except ImportError:
         raise ModuleNotFoundError(
-            "bnswap.BNSwap needs Lightning, which is not installed: "
-            + install_hint("lightning"), name="lightning") from None
+            "bnswap.BNSwap needs Lightning, which is not installed: " + install_hint("lightning"),
+            name="lightning",
+        ) from None
 
 __all__ = ["BNSwap"]
 
 #: bnswap's logger: the whole plan goes there at DEBUG (global rank zero) at each stage.
 logger = logging.getLogger("bnswap")
+
 
 def _has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in module.modules())
@@ -142,8 +144,16 @@ class _BNSwapBase:
     #: mean nothing in another process), a WeakSet (its callback does not pickle:
     #: "Can't pickle local object 'WeakSet.__init__.<locals>._remove'"). ``setup``
     #: rebuilds all of it, so a copy carries the arguments and the last ``plan`` only.
-    _RUN_STATE = ("_root", "_handle", "_busy", "_pending", "_swapped", "_left_alone",
-                  "_layer_sync", "_unwrapped_lazy")
+    _RUN_STATE = (
+        "_root",
+        "_handle",
+        "_busy",
+        "_pending",
+        "_swapped",
+        "_left_alone",
+        "_layer_sync",
+        "_unwrapped_lazy",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``pickle`` / ``copy.deepcopy`` keep: everything but the per-run state
@@ -160,9 +170,12 @@ class _BNSwapBase:
         self._unwrapped_lazy = False
 
     def __repr__(self) -> str:
-        return (f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
-                f"exclude={self.exclude!r}, revert_on_teardown={self.revert_on_teardown}"
-                + (", log_table=True" if self.log_table else "") + ")")
+        return (
+            f"BNSwap(backend={self.backend!r}, include={self.include!r}, "
+            f"exclude={self.exclude!r}, revert_on_teardown={self.revert_on_teardown}"
+            + (", log_table=True" if self.log_table else "")
+            + ")"
+        )
 
     # ------------------------------------------------------------------ swapping
     @property
@@ -172,8 +185,9 @@ class _BNSwapBase:
     def _plan(self, root: nn.Module, **kw: Any) -> Plan:
         """``bnswap.plan`` of ``root`` with this callback's backend and filters; a wrapping
         backend (``"ort"``) wraps the LightningModule's children, not the module itself."""
-        return plan(root, self.backend, include=self.include, exclude=self.exclude,
-                    wrap="children", **kw)
+        return plan(
+            root, self.backend, include=self.include, exclude=self.exclude, wrap="children", **kw
+        )
 
     def _swap(self, root: nn.Module, when: str) -> tuple[list[str], tuple[str, ...]]:
         """Swap what the filters select and is not swapped yet, and (``"ort"``) wrap each
@@ -233,8 +247,12 @@ class _BNSwapBase:
             if when is not None and r.action != "skip":
                 # this callback swapped it (its row now says keep): when, then where it
                 # runs (an eager child's note)
-                r = replace(r, action="swap", already=False,
-                            reason=when + (f"; {r.placement}" if r.placement else ""))
+                r = replace(
+                    r,
+                    action="swap",
+                    already=False,
+                    reason=when + (f"; {r.placement}" if r.placement else ""),
+                )
             rows.append(r)
         done = Plan(rows, pl_module, self.backend, wrap="children")
         done.applied = True  # what the model runs now: its summary says "swapped"
@@ -247,8 +265,9 @@ class _BNSwapBase:
         make a SyncBatchNorm); False for a model without BatchNorm (nothing to defer)."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnmatchedPatternWarning)
-            rows = plan(model, self.backend, include=self.include, exclude=self.exclude,
-                        sync_batchnorm=True).rows
+            rows = plan(
+                model, self.backend, include=self.include, exclude=self.exclude, sync_batchnorm=True
+            ).rows
         return bool(rows) and all(r.synchronized for r in rows)
 
     def _take_over_layer_sync(self, trainer: Any) -> None:
@@ -272,7 +291,10 @@ class _BNSwapBase:
 
     def _give_back_layer_sync(self, trainer: Any) -> None:
         strategy = getattr(trainer, "strategy", None)
-        if self._layer_sync is not None and getattr(strategy, "_layer_sync", None) is self._layer_sync:
+        if (
+            self._layer_sync is not None
+            and getattr(strategy, "_layer_sync", None) is self._layer_sync
+        ):
             strategy._layer_sync = self._layer_sync.lightning
         self._layer_sync = None
 
@@ -286,12 +308,12 @@ class _BNSwapBase:
             # the stage start's plan, right after this, warns about a pattern that
             # matches nothing (once: not here too)
             warnings.simplefilter("ignore", UnmatchedPatternWarning)
-            convert(pl_module, include=self.include, exclude=self.exclude,
-                    sync_batchnorm=True)
+            convert(pl_module, include=self.include, exclude=self.exclude, sync_batchnorm=True)
         for m in pl_module.modules():
             if isinstance(m, nn.SyncBatchNorm) and id(m) not in before:
-                self._swapped[id(m)] = ("synchronized at fit start, after the DDP wrap "
-                                        "(Trainer(sync_batchnorm=True))")
+                self._swapped[id(m)] = (
+                    "synchronized at fit start, after the DDP wrap (Trainer(sync_batchnorm=True))"
+                )
 
     def _start(self, trainer: Any, pl_module: nn.Module) -> None:
         """The stage starts: strategy.setup is done. Finish, record and log the plan."""
@@ -308,11 +330,17 @@ class _BNSwapBase:
             rank_zero_warn(
                 f"BNSwap: {n_sync} torch.nn.SyncBatchNorm layer(s) are not swapped (the "
                 "plan's reason column says why): they run torch's SyncBatchNorm, which needs "
-                "a GPU once a process group is initialized (on the CPU, DDP refuses them).")
+                "a GPU once a process group is initialized (on the CPU, DDP refuses them)."
+            )
         if not self.plan.rows:
-            rank_zero_warn("BNSwap: the model has no BatchNorm layer; nothing was swapped"
-                           + (f" and nothing is wrapped in {self._backend.runtime}"
-                              if self._backend.wraps else ""))
+            rank_zero_warn(
+                "BNSwap: the model has no BatchNorm layer; nothing was swapped"
+                + (
+                    f" and nothing is wrapped in {self._backend.runtime}"
+                    if self._backend.wraps
+                    else ""
+                )
+            )
 
     def _summary(self) -> str:
         """The stage's one line: ``BNSwap (fit): 52 of 52 BatchNorm layers swapped, 0
@@ -321,13 +349,16 @@ class _BNSwapBase:
         backend how many run there)."""
         assert self.plan is not None
         p = self.plan
-        text = (f"BNSwap ({self._stage}): {len(p.swapped)} of {len(p)} BatchNorm layers "
-                f"swapped, {len(p.skipped)} skipped")
+        text = (
+            f"BNSwap ({self._stage}): {len(p.swapped)} of {len(p)} BatchNorm layers "
+            f"swapped, {len(p.skipped)} skipped"
+        )
         runs = Counter(r.backend for r in self.plan.swapped)
         if self._backend.wraps and runs:
             text += "; " + ", ".join(
                 f"{n} on {b}" + (" (eager)" if b != self._backend.name else "")
-                for b, n in runs.items())
+                for b, n in runs.items()
+            )
         groups = Counter(r.sync for r in self.plan.rows if r.synchronized)
         if groups:
             text += "; " + ", ".join(f"{n} synchronized over {g}" for g, n in groups.items())
@@ -342,8 +373,10 @@ class _BNSwapBase:
         if getattr(trainer, "is_global_zero", True) and logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s", self.plan)
         # what each layer runs (the reason says when it was swapped: not a change)
-        table = [{k: v for k, v in row.items() if k not in ("reason", "action")}
-                 for row in self.plan.to_dicts()]
+        table = [
+            {k: v for k, v in row.items() if k not in ("reason", "action")}
+            for row in self.plan.to_dicts()
+        ]
         line = self._summary()
         if table == self._logged:
             rank_zero_info(f"{line} (unchanged since the last stage)")
@@ -352,8 +385,11 @@ class _BNSwapBase:
         if self.log_table:
             rank_zero_info(f"{line}\n" + str(self.plan).partition("\n")[2])
             return
-        notable = Plan([r for r in self.plan.rows if r.action == "skip" or r.placement],
-                       backend=self.plan.backend, wrap="children")
+        notable = Plan(
+            [r for r in self.plan.rows if r.action == "skip" or r.placement],
+            backend=self.plan.backend,
+            wrap="children",
+        )
         rank_zero_info(line + ("\n" + str(notable).partition("\n")[2] if notable.rows else ""))
 
     def _swap_added(self, trainer: Any, pl_module: nn.Module) -> None:
@@ -371,21 +407,27 @@ class _BNSwapBase:
         optimizer stays valid); each addition is logged on global rank zero.
         """
         if not self._unwrapped_lazy and not any(
-                isinstance(m, _BatchNorm) and not is_swapped(m) and m not in self._left_alone
-                for m in pl_module.modules()):
+            isinstance(m, _BatchNorm) and not is_swapped(m) and m not in self._left_alone
+            for m in pl_module.modules()
+        ):
             return  # (a child left unwrapped for its lazy layer is planned again each step)
-        when = (f"swapped during fit (epoch {getattr(trainer, 'current_epoch', '?')}, "
-                f"global step {getattr(trainer, 'global_step', '?')})")
+        when = (
+            f"swapped during fit (epoch {getattr(trainer, 'current_epoch', '?')}, "
+            f"global step {getattr(trainer, 'global_step', '?')})"
+        )
         names, wrapped = self._swap(pl_module, when)
         if names or wrapped:
             self.plan = self._current_plan(pl_module)
         if names:
-            rank_zero_info(f"BNSwap: {len(names)} BatchNorm layer(s) appeared in the model "
-                           "since the last training step started; swapped before this one: "
-                           + ", ".join(names))
+            rank_zero_info(
+                f"BNSwap: {len(names)} BatchNorm layer(s) appeared in the model "
+                "since the last training step started; swapped before this one: " + ", ".join(names)
+            )
         if wrapped:
-            rank_zero_info(f"BNSwap: wrapped in {self._backend.runtime} now that their lazy "
-                           "layers are initialized: " + ", ".join(wrapped))
+            rank_zero_info(
+                f"BNSwap: wrapped in {self._backend.runtime} now that their lazy "
+                "layers are initialized: " + ", ".join(wrapped)
+            )
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
@@ -408,8 +450,9 @@ class _BNSwapBase:
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
         self._start(trainer, pl_module)
 
-    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int
+    ) -> None:
         self._swap_added(trainer, pl_module)
 
     def on_sanity_check_start(self, trainer: Any, pl_module: nn.Module) -> None:
@@ -511,9 +554,11 @@ def __getattr__(name: str) -> Any:
 
         if pl is pytorch_lightning:
             return BNSwap
-        cls = type("BNSwap", (_BNSwapBase, pytorch_lightning.Callback),
-                   {"__doc__": BNSwap.__doc__, "__module__": __name__,
-                    "__init__": _BNSwapBase.__init__})
+        cls = type(
+            "BNSwap",
+            (_BNSwapBase, pytorch_lightning.Callback),
+            {"__doc__": BNSwap.__doc__, "__module__": __name__, "__init__": _BNSwapBase.__init__},
+        )
         globals()["BNSwapPL"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,12 +29,22 @@ from bnswap._rows import Rows
 from bnswap.backends import BACKENDS, Backend, backend_named
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.registry import qualified_name
-from bnswap.sync import describe_group, sync_class, sync_kernel, \
-    to_sync_batch_norm
+from bnswap.sync import describe_group, sync_class, sync_kernel, to_sync_batch_norm
 
-__all__ = ["BACKENDS", "Pattern", "Patterns", "Plan", "PlanRow", "UnmatchedPatternWarning",
-           "WRAP_SCOPES", "check_backend", "check_module", "check_patterns", "plan",
-           "select_kernel"]
+__all__ = [
+    "BACKENDS",
+    "Pattern",
+    "Patterns",
+    "Plan",
+    "PlanRow",
+    "UnmatchedPatternWarning",
+    "WRAP_SCOPES",
+    "check_backend",
+    "check_module",
+    "check_patterns",
+    "plan",
+    "select_kernel",
+]
 
 Pattern = str | type
 Patterns = Pattern | Iterable[Pattern] | None
@@ -111,8 +121,11 @@ def _probe_dtype(m: nn.Module) -> torch.dtype:
     """The dtype of the weight the core passes the kernel for ``m``: its first floating
     (C,) tensor's (weight, bias, running_mean: the stand-ins are made like it), else the
     input's, taken to be float32."""
-    for ref in (m._parameters.get("weight"), m._parameters.get("bias"),
-                m._buffers.get("running_mean")):
+    for ref in (
+        m._parameters.get("weight"),
+        m._parameters.get("bias"),
+        m._buffers.get("running_mean"),
+    ):
         if ref is not None and ref.is_floating_point():
             return ref.dtype
     return torch.float32
@@ -182,8 +195,11 @@ def _predicted_cuda_kernel(dtype: torch.dtype, eps: float) -> str:
     (``torch.backends.cudnn.enabled``), batch size at most 880,801 in training (65,535
     in eval; not known here). ``dtype`` is the parameters' (the input is assumed to match
     them). Marked "predicted": no CUDA device here."""
-    if (dtype in (torch.bfloat16, torch.float16) or eps < CUDNN_BN_MIN_EPSILON
-            or not torch.backends.cudnn.enabled):
+    if (
+        dtype in (torch.bfloat16, torch.float16)
+        or eps < CUDNN_BN_MIN_EPSILON
+        or not torch.backends.cudnn.enabled
+    ):
         return "Native (predicted)"
     return "Cudnn (predicted)"
 
@@ -256,7 +272,8 @@ class PlanRow:
         """Whether the swapped layer synchronizes its training statistics (a
         ``SyncBatchNorm``, or becoming one)."""
         return self.action != "skip" and (
-            self.sync_class is not None or isinstance(self.module, nn.SyncBatchNorm))
+            self.sync_class is not None or isinstance(self.module, nn.SyncBatchNorm)
+        )
 
     @property
     def sync(self) -> str:
@@ -267,8 +284,11 @@ class PlanRow:
         synchronize."""
         if not self.synchronized:
             return "-"
-        group = self.process_group if self.sync_class is not None else getattr(
-            self.module, "process_group", None)
+        group = (
+            self.process_group
+            if self.sync_class is not None
+            else getattr(self.module, "process_group", None)
+        )
         return describe_group(group)
 
     def _synchronizes_now(self) -> bool:
@@ -303,9 +323,16 @@ class PlanRow:
     def to_dict(self) -> dict[str, str]:
         """The table's columns as plain strings (for logging or JSON); :attr:`placement`
         is no key of its own: the reason holds it, as the table does."""
-        return {"name": self.name, "cls": self.cls, "action": self.action,
-                "reason": self.reason, "backend": self.backend, "kernel": self.kernel,
-                "adapter": self.adapter_name, "sync": self.sync}
+        return {
+            "name": self.name,
+            "cls": self.cls,
+            "action": self.action,
+            "reason": self.reason,
+            "backend": self.backend,
+            "kernel": self.kernel,
+            "adapter": self.adapter_name,
+            "sync": self.sync,
+        }
 
 
 class Plan(Rows[PlanRow]):
@@ -334,10 +361,15 @@ class Plan(Rows[PlanRow]):
         ('Native', 1, 0)
     """
 
-    def __init__(self, rows: Sequence[PlanRow], model: nn.Module | None = None,
-                 backend: str = "aten",
-                 parents: dict[int, list[tuple[nn.Module, str]]] | None = None,
-                 wrap: str = "model", to_wrap: Sequence[str] = ()):
+    def __init__(
+        self,
+        rows: Sequence[PlanRow],
+        model: nn.Module | None = None,
+        backend: str = "aten",
+        parents: dict[int, list[tuple[nn.Module, str]]] | None = None,
+        wrap: str = "model",
+        to_wrap: Sequence[str] = (),
+    ):
         self.rows: tuple[PlanRow, ...] = tuple(rows)
         self.model = model
         self.backend = backend_named(backend).name
@@ -348,7 +380,6 @@ class Plan(Rows[PlanRow]):
         self._parents = parents or {}
 
     counted = "BatchNorm layers"
-
 
     def apply(self) -> nn.Module:
         """Swap every layer the plan swaps and is not swapped yet; with
@@ -427,10 +458,19 @@ class Plan(Rows[PlanRow]):
         return model  # (an ORT wrapper exports again on its next call)
 
     def __str__(self) -> str:
-        header: tuple[str, ...] = ("layer", "class", "action", "backend", "kernel", "adapter",
-                                   "reason")
-        body = [(r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.reason)
-                for r in self.rows]
+        header: tuple[str, ...] = (
+            "layer",
+            "class",
+            "action",
+            "backend",
+            "kernel",
+            "adapter",
+            "reason",
+        )
+        body = [
+            (r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.reason)
+            for r in self.rows
+        ]
         if any(r.synchronized for r in self.rows):  # the sync column only when it says something
             header = header[:-1] + ("sync", header[-1])
             body = [b[:-1] + (r.sync, b[-1]) for b, r in zip(body, self.rows)]
@@ -465,17 +505,26 @@ class Plan(Rows[PlanRow]):
 
     def _refusal_message(self, backend: Backend) -> str:
         blocking = [f"{r.name!r} ({r.reason.partition('; ')[0]})" for r in self.skipped] or [
-            f"{r.name!r} is an uninitialized {r.cls}" for r in self.swapped if r.lazy]
-        fix = ("run one forward of the model first (BNSwap(backend='ort') wraps such a "
-               "child once it has)" if not self.skipped else
-               "convert them, wrap only submodules without them (BNSwap(backend='ort') "
-               "keeps such children eager), or use backend='aten'")
-        what = ("a BatchNorm layer that is not a bnswap layer" if self.skipped
-                else "an uninitialized lazy layer")
-        return (f"bnswap.convert: backend={backend.name!r} refuses this model: "
-                f"{backend.runtime} cannot run {what}: {', '.join(blocking)}. To use it, "
-                f"{fix}. Nothing was changed; bnswap.plan(model, backend={backend.name!r}) "
-                "shows every layer.")
+            f"{r.name!r} is an uninitialized {r.cls}" for r in self.swapped if r.lazy
+        ]
+        fix = (
+            "run one forward of the model first (BNSwap(backend='ort') wraps such a "
+            "child once it has)"
+            if not self.skipped
+            else "convert them, wrap only submodules without them (BNSwap(backend='ort') "
+            "keeps such children eager), or use backend='aten'"
+        )
+        what = (
+            "a BatchNorm layer that is not a bnswap layer"
+            if self.skipped
+            else "an uninitialized lazy layer"
+        )
+        return (
+            f"bnswap.convert: backend={backend.name!r} refuses this model: "
+            f"{backend.runtime} cannot run {what}: {', '.join(blocking)}. To use it, "
+            f"{fix}. Nothing was changed; bnswap.plan(model, backend={backend.name!r}) "
+            "shows every layer."
+        )
 
     def summary(self) -> str:
         """``"bnswap plan: N of M BatchNorm layers would be swapped, K skipped"``
@@ -486,8 +535,10 @@ class Plan(Rows[PlanRow]):
         refusal = self._refusal()
         if refusal:
             backend = backend_named(self.backend)
-            text += (f"; convert(backend={backend.name!r}) refuses this model ({backend.runtime} "
-                     f"cannot run {refusal}): nothing would change")
+            text += (
+                f"; convert(backend={backend.name!r}) refuses this model ({backend.runtime} "
+                f"cannot run {refusal}): nothing would change"
+            )
         return text
 
     def __repr__(self) -> str:
@@ -504,7 +555,8 @@ def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:
     from bnswap import programs
 
     return programs.stock_nodes(gm, consolidated=True) > 0 and not any(
-        isinstance(m, _BatchNorm) for m in gm.modules())
+        isinstance(m, _BatchNorm) for m in gm.modules()
+    )
 
 
 def _put_back(parent: nn.Module, key: str, layer: nn.Module) -> Callable[[], None]:
@@ -519,7 +571,8 @@ def _refuse_sync(rows: Sequence[PlanRow], backend: Backend) -> None:
     BatchNormInternal computes each process's own statistics)."""
     for r in rows:
         if isinstance(r.module, nn.SyncBatchNorm) and not r.reason.startswith(
-                ("excluded", "not matched")):
+            ("excluded", "not matched")
+        ):
             raise backend.sync_error(r.name)
 
 
@@ -537,23 +590,44 @@ def _bn_parent(name: str, rows: dict[str, PlanRow]) -> PlanRow | None:
     return rows.get("") if name and "" in rows else None
 
 
-def _row(name: str, m: nn.Module, cls: type, backend: Backend, device, action: str,
-         reason: str, adapter: Adapter | None = None, **kw: object) -> PlanRow:
-    if action == "skip" and backend.skip_note and not (
-            backend.cannot_sync and reason.startswith(backend.cannot_sync)):
+def _row(
+    name: str,
+    m: nn.Module,
+    cls: type,
+    backend: Backend,
+    device,
+    action: str,
+    reason: str,
+    adapter: Adapter | None = None,
+    **kw: object,
+) -> PlanRow:
+    if (
+        action == "skip"
+        and backend.skip_note
+        and not (backend.cannot_sync and reason.startswith(backend.cannot_sync))
+    ):
         reason += "; " + backend.skip_note
-    return PlanRow(_display(name), cls.__name__, action, reason or "-",
-                   backend.name if action != "skip" else "-", adapter, m, device=device, **kw)
+    return PlanRow(
+        _display(name),
+        cls.__name__,
+        action,
+        reason or "-",
+        backend.name if action != "skip" else "-",
+        adapter,
+        m,
+        device=device,
+        **kw,
+    )
 
 
 _EAGER = "eager: its top-level module holds a layer that is not swapped"
 _EAGER_SYNC = "eager, synchronized on aten: its top-level module holds a SyncBatchNorm ({})"
-_EAGER_LAZY = ("eager until a forward initializes its top-level module's lazy layer (then "
-               "wrapped)")
+_EAGER_LAZY = "eager until a forward initializes its top-level module's lazy layer (then wrapped)"
 
 
-def _place(rows: list[PlanRow], model: nn.Module, backend: Backend
-           ) -> tuple[list[PlanRow], list[str]]:
+def _place(
+    rows: list[PlanRow], model: nn.Module, backend: Backend
+) -> tuple[list[PlanRow], list[str]]:
     """``wrap="children"``: which direct children of ``model`` get wrapped (each whose
     BatchNorm layers are all swapped and initialized, and synchronize none unless the
     backend can, not wrapped yet), and the rows of swapped layers in the other children,
@@ -576,12 +650,15 @@ def _place(rows: list[PlanRow], model: nn.Module, backend: Backend
             if not backend.is_wrapper(child):
                 to_wrap.append(key)
             continue
-        note = (_EAGER_SYNC.format(backend.cannot_sync) if syncs
-                else _EAGER_LAZY if lazy else _EAGER)
+        note = _EAGER_SYNC.format(backend.cannot_sync) if syncs else _EAGER_LAZY if lazy else _EAGER
         for r in mine:
             if r.action != "skip":
-                placed[id(r)] = replace(r, backend=aten.name, placement=note, reason=(
-                    r.reason + "; " if r.reason != "-" else "") + note)
+                placed[id(r)] = replace(
+                    r,
+                    backend=aten.name,
+                    placement=note,
+                    reason=(r.reason + "; " if r.reason != "-" else "") + note,
+                )
     for rest in by_child.values():  # the model itself is a BatchNorm layer: never wrapped
         for r in rest:
             if r.action != "skip":
@@ -671,17 +748,32 @@ def plan(
         ['BatchNorm2d -> SyncBatchNorm', 'SyncBatchNorm']
     """
     if isinstance(module, torch.export.ExportedProgram) or (
-            isinstance(module, torch.fx.GraphModule) and _has_stock_nodes(module)):
+        isinstance(module, torch.fx.GraphModule) and _has_stock_nodes(module)
+    ):
         from bnswap import programs  # a program: one row per batch-norm node
 
-        return programs.plan(module, backend, include=include,  # type: ignore[return-value]
-                             exclude=exclude, device=device)  # type: ignore[arg-type]
-    todo, unmatched = _plan_layers(module, backend, include=include, exclude=exclude,
-                                   device=device, sync_batchnorm=sync_batchnorm,
-                                   process_group=process_group, wrap=wrap)
+        return programs.plan(
+            module,
+            backend,
+            include=include,  # type: ignore[return-value]
+            exclude=exclude,
+            device=device,
+        )  # type: ignore[arg-type]
+    todo, unmatched = _plan_layers(
+        module,
+        backend,
+        include=include,
+        exclude=exclude,
+        device=device,
+        sync_batchnorm=sync_batchnorm,
+        process_group=process_group,
+        wrap=wrap,
+    )
     for kind, p in unmatched:
-        warn(f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
-             UnmatchedPatternWarning)
+        warn(
+            f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
+            UnmatchedPatternWarning,
+        )
     return todo
 
 
@@ -703,8 +795,9 @@ def _plan_layers(
     check_module(module, "plan")
     be = backend_named(backend)
     if wrap not in WRAP_SCOPES:
-        raise ValueError(f"unknown wrap {wrap!r}; choose one of "
-                         f"{', '.join(map(repr, WRAP_SCOPES))}")
+        raise ValueError(
+            f"unknown wrap {wrap!r}; choose one of {', '.join(map(repr, WRAP_SCOPES))}"
+        )
     if sync_batchnorm and not be.synchronizes:
         raise be.sync_error()
     if device is not None:
@@ -717,7 +810,8 @@ def _plan_layers(
                 "backend='ort' returned); it would keep running ONNX Runtime. To run the "
                 "model on the aten backend, use the model it wraps: model = wrapper.module "
                 "(its layers stay swapped unless the wrapper was reverted), or "
-                "bnswap.revert(wrapper.module) for stock BatchNorm.")
+                "bnswap.revert(wrapper.module) for stock BatchNorm."
+            )
         module = inner
     inc = _pattern_list(include, "include")
     exc = _pattern_list(exclude, "exclude")
@@ -737,8 +831,7 @@ def _plan_layers(
         if hit_inc:
             used["include"].update(hit_inc)
         lazy = isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
-        uninit = (f"uninitialized {cls.__name__}: keeps the swap when it initializes"
-                  if lazy else "")
+        uninit = f"uninitialized {cls.__name__}: keeps the swap when it initializes" if lazy else ""
         current = adapter_of(m)
         # a BatchNorm layer inside another (timm's SplitBatchNorm2d and its aux_bn, which
         # its adapter calls) follows it: left out with it, chosen with it, synchronized
@@ -747,46 +840,100 @@ def _plan_layers(
         if hit_exc:
             left_out: str | None = f"excluded by {_pattern_str(exc[hit_exc[0]])}"
         elif parent is not None:
-            left_out = (f"excluded with the BatchNorm layer it is part of, {parent.name!r}"
-                        if parent.excluded else None)
+            left_out = (
+                f"excluded with the BatchNorm layer it is part of, {parent.name!r}"
+                if parent.excluded
+                else None
+            )
         else:
             left_out = "not matched by include" if inc and not hit_inc else None
-        to_sync = (sync_class(cls) if sync_batchnorm and type(m) is cls and left_out is None
-                   and (parent is None or parent.synchronized) else None)
+        to_sync = (
+            sync_class(cls)
+            if sync_batchnorm
+            and type(m) is cls
+            and left_out is None
+            and (parent is None or parent.synchronized)
+            else None
+        )
         if to_sync is not None and (current is not None or "forward" not in vars(m)):
-            rows.append(_row(name, m, cls, be, device, "swap",
-                             _sync_reason(to_sync), registry.lookup(to_sync),
-                             sync_class=to_sync, process_group=process_group))
+            rows.append(
+                _row(
+                    name,
+                    m,
+                    cls,
+                    be,
+                    device,
+                    "swap",
+                    _sync_reason(to_sync),
+                    registry.lookup(to_sync),
+                    sync_class=to_sync,
+                    process_group=process_group,
+                )
+            )
         elif current is not None:
             reason = "already swapped" + ("; " + uninit if lazy else "")
-            rows.append(_row(name, m, cls, be, device, "keep", reason, current,
-                             lazy=lazy, already=True))
+            rows.append(
+                _row(name, m, cls, be, device, "keep", reason, current, lazy=lazy, already=True)
+            )
         elif left_out is not None:
             rows.append(_row(name, m, cls, be, device, "skip", left_out, excluded=True))
         elif isinstance(m, nn.SyncBatchNorm) and not be.synchronizes and wrap == "model":
-            rows.append(_row(name, m, cls, be, device, "skip",
-                             be.cannot_sync + " (convert refuses the model: "
-                             f"{type(be.sync_error(name)).__name__})"))
+            rows.append(
+                _row(
+                    name,
+                    m,
+                    cls,
+                    be,
+                    device,
+                    "skip",
+                    be.cannot_sync + " (convert refuses the model: "
+                    f"{type(be.sync_error(name)).__name__})",
+                )
+            )
         elif "forward" in vars(m):
-            rows.append(_row(name, m, cls, be, device, "skip",
-                             "its forward is set on the instance (by a library's hook, e.g. "
-                             "accelerate's, or by hand); swapping would drop it"))
+            rows.append(
+                _row(
+                    name,
+                    m,
+                    cls,
+                    be,
+                    device,
+                    "skip",
+                    "its forward is set on the instance (by a library's hook, e.g. "
+                    "accelerate's, or by hand); swapping would drop it",
+                )
+            )
         elif (adapter := registry.lookup(cls)) is not None:
             note = uninit.replace("keeps", "swapped now, keeps")
             if sync_batchnorm and not isinstance(m, nn.SyncBatchNorm):
-                why = (_NOT_SYNCED if parent is None or parent.synchronized else
-                       f"not synchronized: part of {parent.name!r}, which is not")
+                why = (
+                    _NOT_SYNCED
+                    if parent is None or parent.synchronized
+                    else f"not synchronized: part of {parent.name!r}, which is not"
+                )
                 note = "; ".join(filter(None, [note, why]))
             rows.append(_row(name, m, cls, be, device, "swap", note, adapter, lazy=lazy))
         else:
-            rows.append(_row(
-                name, m, cls, be, device, "skip",
-                f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
-                f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
-                "see docs/adapters.md"))
+            rows.append(
+                _row(
+                    name,
+                    m,
+                    cls,
+                    be,
+                    device,
+                    "skip",
+                    f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
+                    f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
+                    "see docs/adapters.md",
+                )
+            )
         by_name[name] = rows[-1]
-    unmatched = [(kind, p) for kind, pats in (("include", inc), ("exclude", exc))
-                 for i, p in enumerate(pats) if i not in used[kind]]
+    unmatched = [
+        (kind, p)
+        for kind, pats in (("include", inc), ("exclude", exc))
+        for i, p in enumerate(pats)
+        if i not in used[kind]
+    ]
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
     if any(r.sync_class is not None for r in rows):
         for parent in module.modules():
@@ -799,14 +946,20 @@ def _plan_layers(
     return Plan(rows, wrapper, be.name, parents, wrap, to_wrap), unmatched
 
 
-_NOT_SYNCED = ("not synchronized: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact "
-               "class, not parametrized) and timm's BatchNormAct2d")
+_NOT_SYNCED = (
+    "not synchronized: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact "
+    "class, not parametrized) and timm's BatchNormAct2d"
+)
 
 
 def _sync_reason(to: type) -> str:
     if to.__name__ == "SyncBatchNormAct":
-        return ("sync_batchnorm=True: becomes timm's SyncBatchNormAct (timm's own synchronized "
-                "class, as timm.layers.convert_sync_batchnorm makes; drop and act kept), same "
-                "Parameter and buffer objects; bnswap.revert puts the original back")
-    return (f"sync_batchnorm=True: becomes {to.__name__}, same Parameter and buffer objects; "
-            "bnswap.revert puts the original back")
+        return (
+            "sync_batchnorm=True: becomes timm's SyncBatchNormAct (timm's own synchronized "
+            "class, as timm.layers.convert_sync_batchnorm makes; drop and act kept), same "
+            "Parameter and buffer objects; bnswap.revert puts the original back"
+        )
+    return (
+        f"sync_batchnorm=True: becomes {to.__name__}, same Parameter and buffer objects; "
+        "bnswap.revert puts the original back"
+    )

@@ -63,25 +63,29 @@ def _graph_module(program: object, fn: str) -> GraphModule:
         return program.graph_module
     if isinstance(program, GraphModule):
         return program
-    raise TypeError(f"bnswap.programs.{fn}() expects a torch.export.ExportedProgram or a "
-                    f"torch.fx.GraphModule, got {type(program).__name__}")
+    raise TypeError(
+        f"bnswap.programs.{fn}() expects a torch.export.ExportedProgram or a "
+        f"torch.fx.GraphModule, got {type(program).__name__}"
+    )
 
 
 def _check_backend(backend: str) -> None:
     if backend != "aten":
-        raise ValueError(f"bnswap: backend={backend!r} takes an nn.Module; a program "
-                         "converts to the aten backend's ops only (backend='aten')")
+        raise ValueError(
+            f"bnswap: backend={backend!r} takes an nn.Module; a program "
+            "converts to the aten backend's ops only (backend='aten')"
+        )
 
 
 def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     out = []
     for arg, p in (("include", include), ("exclude", exclude)):
-        items = ([] if p is None else [p] if isinstance(p, str)
-                 else list(p))  # type: ignore[call-overload]
+        items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]
         for item in items:
             if not isinstance(item, str):
-                raise TypeError(f"{arg} takes glob patterns (str) on node names for a "
-                                f"program, got {item!r}")
+                raise TypeError(
+                    f"{arg} takes glob patterns (str) on node names for a program, got {item!r}"
+                )
         out.append(items)
     return out[0], out[1]
 
@@ -102,24 +106,31 @@ def _selected(name: str, inc: list[str], exc: list[str]) -> str | None:
 _CUDNN_MIN_EPS = 1e-5
 
 
-def _kernel(x: object, w: object, mean: object, eps: float,
-            device: torch.device | None) -> str:
+def _kernel(x: object, w: object, mean: object, eps: float, device: torch.device | None) -> str:
     """What ``torch._C._select_batch_norm_backend`` picks for the consolidated op on
     this node's input, in training, with defined weight, bias and statistics."""
     xv = x.meta.get("val") if isinstance(x, Node) else None
     if not isinstance(xv, torch.Tensor) or xv.dim() < 2:
         return "n/a (no shape metadata)"
-    ref = next((v for v in (getattr(w, "meta", {}).get("val"),
-                            getattr(mean, "meta", {}).get("val"))
-                if isinstance(v, torch.Tensor)), xv)
+    ref = next(
+        (
+            v
+            for v in (getattr(w, "meta", {}).get("val"), getattr(mean, "meta", {}).get("val"))
+            if isinstance(v, torch.Tensor)
+        ),
+        xv,
+    )
     dev = device if device is not None else xv.device
     if dev.type == "meta":
         return "n/a (meta)"
     if dev.type == "cuda" and not torch.cuda.is_available():
         # torch's rule: no bfloat16; half input only with float32 parameters
-        if (torch.bfloat16 in (ref.dtype, xv.dtype) or eps < _CUDNN_MIN_EPS
-                or (xv.dtype == torch.float16 and ref.dtype != torch.float32)
-                or not torch.backends.cudnn.enabled):
+        if (
+            torch.bfloat16 in (ref.dtype, xv.dtype)
+            or eps < _CUDNN_MIN_EPS
+            or (xv.dtype == torch.float16 and ref.dtype != torch.float32)
+            or not torch.backends.cudnn.enabled
+        ):
             return "Native (predicted)"
         return "Cudnn (predicted)"
     c = int(xv.shape[1]) if isinstance(xv.shape[1], int) else 1
@@ -128,7 +139,8 @@ def _kernel(x: object, w: object, mean: object, eps: float,
         ones = torch.ones(c, device=dev, dtype=ref.dtype)
         zeros = torch.zeros(c, device=dev, dtype=ref.dtype)
         return torch._C._select_batch_norm_backend(  # type: ignore[attr-defined]
-            probe, ones, zeros, zeros, ones, True, float(eps)).name
+            probe, ones, zeros, zeros, ones, True, float(eps)
+        ).name
     except Exception as e:  # noqa: BLE001 - a device this torch cannot probe
         return f"n/a ({type(e).__name__})"
 
@@ -198,9 +210,15 @@ class NodeRow:
 
     def to_dict(self) -> dict[str, str]:
         """The row as plain strings (for logging or JSON)."""
-        return {"node": self.name, "op": self.op, "action": self.action,
-                "becomes": self.becomes, "kernel_before": self.kernel_before,
-                "kernel": self.kernel, "reason": self.reason}
+        return {
+            "node": self.name,
+            "op": self.op,
+            "action": self.action,
+            "becomes": self.becomes,
+            "kernel_before": self.kernel_before,
+            "kernel": self.kernel,
+            "reason": self.reason,
+        }
 
 
 class ProgramPlan(Rows[NodeRow]):
@@ -221,14 +239,18 @@ class ProgramPlan(Rows[NodeRow]):
 
     backend = "aten"
 
-    def __init__(self, rows: Sequence[NodeRow], program: Program | None = None,
-                 include: object = None, exclude: object = None):
+    def __init__(
+        self,
+        rows: Sequence[NodeRow],
+        program: Program | None = None,
+        include: object = None,
+        exclude: object = None,
+    ):
         self.rows: tuple[NodeRow, ...] = tuple(rows)
         self.program = program
         self._patterns = (include, exclude)
 
     counted = "batch-norm nodes"
-
 
     def apply(self) -> Program:
         """:func:`convert` the program with the plan's patterns: a new ExportedProgram
@@ -236,11 +258,13 @@ class ProgramPlan(Rows[NodeRow]):
         node does not warn again (:func:`plan` did). Sets ``applied`` when it
         succeeds (:meth:`summary` then says "swapped", not "would be swapped")."""
         if self.program is None:
-            raise ValueError("this ProgramPlan has no program to apply to (build it with "
-                             "bnswap.plan)")
+            raise ValueError(
+                "this ProgramPlan has no program to apply to (build it with bnswap.plan)"
+            )
         # planned again (the program may have changed), without the warnings plan gave
-        new = _apply(_plan_nodes(self.program, include=self._patterns[0],
-                                 exclude=self._patterns[1])[0])
+        new = _apply(
+            _plan_nodes(self.program, include=self._patterns[0], exclude=self._patterns[1])[0]
+        )
         self.applied = True  # the summary says what was done from now on
         return new
 
@@ -248,9 +272,19 @@ class ProgramPlan(Rows[NodeRow]):
         header = ("node", "op", "action", "becomes", "kernel", "reason")
         if not self.rows:
             return self.summary() + " (the program has no batch-norm node)"
-        body = [(r.name, r.op, r.action, r.becomes,
-                 r.kernel if r.kernel in (r.kernel_before, "-")
-                 else f"{r.kernel_before} -> {r.kernel}", r.reason) for r in self.rows]
+        body = [
+            (
+                r.name,
+                r.op,
+                r.action,
+                r.becomes,
+                r.kernel
+                if r.kernel in (r.kernel_before, "-")
+                else f"{r.kernel_before} -> {r.kernel}",
+                r.reason,
+            )
+            for r in self.rows
+        ]
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header) - 1)]
 
         def line(cells: Sequence[str]) -> str:
@@ -273,10 +307,14 @@ def _kernel_before(node: Node, device: torch.device | None) -> str:
     return "Native"
 
 
-def plan(program: Program, backend: str = "aten", *,
-         include: Iterable[str] | str | None = None,
-         exclude: Iterable[str] | str | None = None,
-         device: torch.device | str | None = None) -> ProgramPlan:
+def plan(
+    program: Program,
+    backend: str = "aten",
+    *,
+    include: Iterable[str] | str | None = None,
+    exclude: Iterable[str] | str | None = None,
+    device: torch.device | str | None = None,
+) -> ProgramPlan:
     """What :func:`convert` would do to each batch-norm node of ``program``, without
     changing it (``bnswap.plan(program)`` comes here).
 
@@ -306,19 +344,24 @@ def plan(program: Program, backend: str = "aten", *,
         >>> print(bnswap.plan(ep, device="cuda").summary())
         bnswap plan: 1 of 1 batch-norm nodes would be swapped, 0 skipped
     """
-    todo, unmatched = _plan_nodes(program, backend, include=include, exclude=exclude,
-                                  device=device)
+    todo, unmatched = _plan_nodes(program, backend, include=include, exclude=exclude, device=device)
     for kind, p in unmatched:  # as plan() does for layers
-        warn(f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program patterns "
-             "match node names, e.g. 'batch_norm_1')", UnmatchedPatternWarning)
+        warn(
+            f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program patterns "
+            "match node names, e.g. 'batch_norm_1')",
+            UnmatchedPatternWarning,
+        )
     return todo
 
 
-def _plan_nodes(program: Program, backend: str = "aten", *,
-                include: Iterable[str] | str | None = None,
-                exclude: Iterable[str] | str | None = None,
-                device: torch.device | str | None = None
-                ) -> tuple[ProgramPlan, list[tuple[str, str]]]:
+def _plan_nodes(
+    program: Program,
+    backend: str = "aten",
+    *,
+    include: Iterable[str] | str | None = None,
+    exclude: Iterable[str] | str | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[ProgramPlan, list[tuple[str, str]]]:
     """:func:`plan`, warning nothing: the plan, and each include / exclude pattern that
     matches no batch-norm node as ``("include" | "exclude", pattern)``, which :func:`plan`
     warns about (and :meth:`ProgramPlan.apply`, planning again, does not)."""
@@ -335,9 +378,17 @@ def _plan_nodes(program: Program, backend: str = "aten", *,
             continue
         for n in graph.nodes:
             if n.op == "call_function" and n.target in CONSOLIDATED_TARGETS:
-                row = NodeRow(n.name, str(n.target), "keep", str(n.target),
-                              "already the consolidated op", "-", already=True, node=n,
-                              device=dev)
+                row = NodeRow(
+                    n.name,
+                    str(n.target),
+                    "keep",
+                    str(n.target),
+                    "already the consolidated op",
+                    "-",
+                    already=True,
+                    node=n,
+                    device=dev,
+                )
                 rows.append(dataclasses.replace(row, kernel_before=row.kernel))
                 continue
             if n.op != "call_function" or n.target not in STOCK_TARGETS:
@@ -353,22 +404,41 @@ def _plan_nodes(program: Program, backend: str = "aten", *,
                 fwd = _forward_of(n)
                 fwd_row = next((r for r in rows if r.node is fwd), None)
                 if fwd_row is not None and fwd_row.action == "skip":
-                    target, reason = None, (f"its forward node {fwd_row.name!r} is left as "
-                                            f"it is ({fwd_row.reason})")
+                    target, reason = (
+                        None,
+                        (f"its forward node {fwd_row.name!r} is left as it is ({fwd_row.reason})"),
+                    )
                     excluded = fwd_row.excluded
-            rows.append(NodeRow(n.name, str(n.target), "swap" if target else "skip",
-                                str(target) if target else "-", reason,
-                                _kernel_before(n, dev), excluded=excluded and not target,
-                                node=n, device=dev))
-    unmatched = [(kind, p) for kind, pats in (("include", inc), ("exclude", exc))
-                 for p in pats if not any(fnmatch.fnmatchcase(r.name, p) for r in rows)]
+            rows.append(
+                NodeRow(
+                    n.name,
+                    str(n.target),
+                    "swap" if target else "skip",
+                    str(target) if target else "-",
+                    reason,
+                    _kernel_before(n, dev),
+                    excluded=excluded and not target,
+                    node=n,
+                    device=dev,
+                )
+            )
+    unmatched = [
+        (kind, p)
+        for kind, pats in (("include", inc), ("exclude", exc))
+        for p in pats
+        if not any(fnmatch.fnmatchcase(r.name, p) for r in rows)
+    ]
     return ProgramPlan(rows, program, include, exclude), unmatched
 
 
 # -------------------------------------------------------------------------- convert
-def convert(program: Program, backend: str = "aten", *,
-            include: Iterable[str] | str | None = None,
-            exclude: Iterable[str] | str | None = None) -> Program:
+def convert(
+    program: Program,
+    backend: str = "aten",
+    *,
+    include: Iterable[str] | str | None = None,
+    exclude: Iterable[str] | str | None = None,
+) -> Program:
     """Make every stock batch-norm node of ``program`` run the consolidated ops
     (``bnswap.convert(program)`` comes here).
 
@@ -458,22 +528,28 @@ def _apply(todo: ProgramPlan) -> Program:
     kind = "program" if is_program(program) else "graph"
     if not todo.rows:
         if is_program(program):
-            warn("bnswap.convert: the program has no batch-norm node; it is returned "
-                 "unchanged", UserWarning)
+            warn(
+                "bnswap.convert: the program has no batch-norm node; it is returned unchanged",
+                UserWarning,
+            )
         return _valid(program)
     if todo.swapped and all(r.already for r in todo.swapped):
         return _valid(program)  # converted already (idempotent, as for a module)
     if not todo.swapped:
         if include is None and exclude is None:
-            warn(f"bnswap.convert: none of the {kind}'s {len(todo)} batch-norm nodes can be "
-                 "converted; see bnswap.plan(program) for why", UserWarning)
+            warn(
+                f"bnswap.convert: none of the {kind}'s {len(todo)} batch-norm nodes can be "
+                "converted; see bnswap.plan(program) for why",
+                UserWarning,
+            )
         return program
     _compat.install()  # (as a first swap does) run_decompositions() reaches core ATen
     names = {r.name for r in todo.swapped if not r.already}
     if isinstance(program, torch.export.ExportedProgram):
         new = _copy(program)
-        to_consolidated_ops(new.graph_module, names=names.__contains__,
-                            renamed=new.graph_signature.replace_all_uses)
+        to_consolidated_ops(
+            new.graph_module, names=names.__contains__, renamed=new.graph_signature.replace_all_uses
+        )
         new.validate()
         return new
     to_consolidated_ops(gm, names=names.__contains__)
@@ -498,8 +574,9 @@ def _copy(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     (torch 2.13: a FutureWarning from ``copyreg``), which the user cannot act on: not
     shown."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning
+        )
         new = copy.deepcopy(ep)
     renamed = False
     for old, n in zip(ep.graph.nodes, new.graph.nodes, strict=True):
@@ -518,5 +595,9 @@ def stock_nodes(gm: GraphModule, consolidated: bool = False) -> int:
     """How many stock batch-norm nodes ``gm`` holds (its own graph and nested ones);
     with ``consolidated``, the consolidated ones too (every node :func:`plan` lists)."""
     targets = (*STOCK_TARGETS, *CONSOLIDATED_TARGETS) if consolidated else STOCK_TARGETS
-    return sum(1 for sub in gm.modules() for n in getattr(sub, "graph", torch.fx.Graph()).nodes
-               if n.op == "call_function" and n.target in targets)
+    return sum(
+        1
+        for sub in gm.modules()
+        for n in getattr(sub, "graph", torch.fx.Graph()).nodes
+        if n.op == "call_function" and n.target in targets
+    )

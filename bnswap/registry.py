@@ -33,8 +33,15 @@ from bnswap._swap import Adapter, unpickle_swap
 from bnswap.layers import batch_norm_forward
 from bnswap.sync import sync_batch_norm_forward
 
-__all__ = ["register", "unregister", "lookup", "registered", "overrides_forward",
-           "qualified_name", "safe_globals"]
+__all__ = [
+    "register",
+    "unregister",
+    "lookup",
+    "registered",
+    "overrides_forward",
+    "qualified_name",
+    "safe_globals",
+]
 
 _ADAPTERS: dict[type, Adapter] = {}
 # lookup() of classes with no entry of their own, memoized (cleared by register /
@@ -112,7 +119,8 @@ def register(source_cls: type, adapter: Adapter) -> None:
         raise TypeError(
             "adapter must be a function adapter(layer, input) that does what "
             f"{source_cls.__name__}.forward does on bnswap's kernel, got {adapter!r}; see "
-            "docs/adapters.md")
+            "docs/adapters.md"
+        )
     _ADAPTERS[source_cls] = adapter
     _FOUND.clear()
 
@@ -161,10 +169,10 @@ def lookup(cls: type) -> Adapter | None:
         return _FOUND[cls]
     _resolve_lazy(cls)
     found = _ADAPTERS.get(cls)
-    if found is None and (isinstance(cls, type) and issubclass(cls, _BatchNorm)
-                          and not overrides_forward(cls)):
-        found = (sync_batch_norm_forward if issubclass(cls, nn.SyncBatchNorm)
-                 else batch_norm_forward)
+    if found is None and (
+        isinstance(cls, type) and issubclass(cls, _BatchNorm) and not overrides_forward(cls)
+    ):
+        found = sync_batch_norm_forward if issubclass(cls, nn.SyncBatchNorm) else batch_norm_forward
     _FOUND[cls] = found
     return found
 

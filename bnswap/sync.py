@@ -61,13 +61,31 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bnswap._swap import SWAP, is_swapped
-from bnswap.functional import check_batch_norm_input, check_momentum, \
-    exponential_average_factor, module_batch_norm
+from bnswap.functional import (
+    check_batch_norm_input,
+    check_momentum,
+    exponential_average_factor,
+    module_batch_norm,
+)
 
-__all__ = ["DEVICE_KERNELS", "FLAGS", "NO_GROUP_YET", "ONE_VALUE_MESSAGE", "ORIGINAL",
-           "SYNC_CLASSES", "SYNC_KERNEL", "Slots", "describe_group", "original_of",
-           "sync_batch_norm_forward", "sync_class", "sync_group", "sync_kernel",
-           "synchronized_batch_norm", "to_sync_batch_norm"]
+__all__ = [
+    "DEVICE_KERNELS",
+    "FLAGS",
+    "NO_GROUP_YET",
+    "ONE_VALUE_MESSAGE",
+    "ORIGINAL",
+    "SYNC_CLASSES",
+    "SYNC_KERNEL",
+    "Slots",
+    "describe_group",
+    "original_of",
+    "sync_batch_norm_forward",
+    "sync_class",
+    "sync_group",
+    "sync_kernel",
+    "synchronized_batch_norm",
+    "to_sync_batch_norm",
+]
 
 #: The instance attribute (in ``__dict__``, never a submodule: not in the state_dict) of a
 #: SyncBatchNorm that ``convert(..., sync_batchnorm=True)`` made, holding the original layer
@@ -144,8 +162,11 @@ def describe_group(process_group: Any = None) -> str:
     """
     named = "WORLD" if process_group is None else "group"
     if not (dist.is_available() and dist.is_initialized()):
-        return NO_GROUP_YET if process_group is None else (
-            "group: unsynchronized (no process group initialized)")
+        return (
+            NO_GROUP_YET
+            if process_group is None
+            else ("group: unsynchronized (no process group initialized)")
+        )
     group = dist.group.WORLD if process_group is None else process_group
     if dist.get_rank(group) < 0:
         return "group without this rank"
@@ -170,7 +191,8 @@ def sync_group(layer: nn.Module) -> Any:
             f"SyncBatchNorm: this rank (global rank {dist.get_rank()}) is not in the layer's "
             "process_group, so it cannot synchronize batch statistics with it. Give each "
             "rank the group it belongs to (torch.distributed.new_subgroups / "
-            "new_group on every rank), or None for WORLD.")
+            "new_group on every rank), or None for WORLD."
+        )
     if dist.get_world_size(group) == 1:
         return None
     return group
@@ -242,24 +264,33 @@ def _cpu_kernel_layout(t: Tensor) -> bool:
 def _cpu_stats(x: Tensor) -> tuple[Tensor, Tensor] | None:
     # the statistics kernel of training batch norm itself: the mean, then the squared
     # deviations from it, each summed in double for float32 input
-    return torch.batch_norm_update_stats(x, None, None, 0.0) if _cpu_kernel_layout(x) \
-        else None
+    return torch.batch_norm_update_stats(x, None, None, 0.0) if _cpu_kernel_layout(x) else None
 
 
-def _cpu_sums(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None
-              ) -> tuple[Tensor, Tensor] | None:
+def _cpu_sums(
+    dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
     if not (_cpu_kernel_layout(x) and _cpu_kernel_layout(dy)):
         return None
     # one fused pass over dy and x: the backward kernel's grad_bias is sum(dy), its
     # grad_weight sum(dy * (x - mean)) * invstd, here with invstd 1
     ones = torch.ones_like(mean)
-    _, sum_dy_xmu, sum_dy = _native_backward(dy, x, ones, None, None, mean, ones, True, 0.0,
-                                             [False, True, True])
+    _, sum_dy_xmu, sum_dy = _native_backward(
+        dy, x, ones, None, None, mean, ones, True, 0.0, [False, True, True]
+    )
     return sum_dy, sum_dy_xmu
 
 
-def _cpu_input_grad(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-                    sums: Tensor, counts: Tensor, n: int) -> Tensor | None:
+def _cpu_input_grad(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    sums: Tensor,
+    counts: Tensor,
+    n: int,
+) -> Tensor | None:
     if not (_cpu_kernel_layout(x) and _cpu_kernel_layout(dy)):
         return None
     # dx = (dy - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) scale is, per channel,
@@ -284,26 +315,46 @@ def _cuda_stats(x: Tensor) -> tuple[Tensor, Tensor]:
 def _stock_grad_layout(dy: Tensor) -> Tensor:
     # stock's SyncBatchNorm backward hands its CUDA kernels a contiguous or channels-last
     # output gradient (an expanded one, from out.sum().backward(), becomes contiguous)
-    if dy.is_contiguous() or dy.is_contiguous(memory_format=torch.channels_last) or \
-            dy.is_contiguous(memory_format=torch.channels_last_3d):
+    if (
+        dy.is_contiguous()
+        or dy.is_contiguous(memory_format=torch.channels_last)
+        or dy.is_contiguous(memory_format=torch.channels_last_3d)
+    ):
         return dy
     return dy.contiguous()
 
 
-def _cuda_sums(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None
-               ) -> tuple[Tensor, Tensor]:
+def _cuda_sums(
+    dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None
+) -> tuple[Tensor, Tensor]:
     sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
-        _stock_grad_layout(dy), x, mean, invstd, weight, True, False, False)
+        _stock_grad_layout(dy), x, mean, invstd, weight, True, False, False
+    )
     return sum_dy, sum_dy_xmu
 
 
-def _cuda_input_grad(dy: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-                     sums: Tensor, counts: Tensor, n: int) -> Tensor:
+def _cuda_input_grad(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    sums: Tensor,
+    counts: Tensor,
+    n: int,
+) -> Tensor:
     c = mean.numel()
     # the kernel divides by the sum of the per-rank counts, int32 as stock saves them
-    return torch.batch_norm_backward_elemt(_stock_grad_layout(dy), x, mean, invstd, weight,
-                                           sums.narrow(0, 0, c), sums.narrow(0, c, c),
-                                           counts.to(torch.int32))
+    return torch.batch_norm_backward_elemt(
+        _stock_grad_layout(dy),
+        x,
+        mean,
+        invstd,
+        weight,
+        sums.narrow(0, 0, c),
+        sums.narrow(0, c, c),
+        counts.to(torch.int32),
+    )
 
 
 #: Device types whose own batch-norm kernels fill the per-device slots of the formulation
@@ -396,16 +447,22 @@ class _SyncBatchNorm(torch.autograd.Function):
     collective backward (:func:`_sum_over_ranks`)."""
 
     @staticmethod
-    def forward(ctx: Any, input: Tensor, weight: Tensor | None, bias: Tensor | None,
-                eps: float, group: Any, world: int, size: torch.Size
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor | int]:
+    def forward(
+        ctx: Any,
+        input: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        eps: float,
+        group: Any,
+        world: int,
+        size: torch.Size,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | int]:
         compiling = torch.compiler.is_compiling()
         x = input if input.dtype in _FULL else input.float()
         acc = x.dtype
         c = x.shape[1]
         count = x.numel() // c if c else 0
-        params_acc = (weight is None or weight.dtype == acc) and (
-            bias is None or bias.dtype == acc)
+        params_acc = (weight is None or weight.dtype == acc) and (bias is None or bias.dtype == acc)
         slots = None if compiling or not params_acc else DEVICE_KERNELS.get(x.device.type)
         stats = slots.stats(x) if slots is not None and count else None
         if stats is not None:
@@ -451,9 +508,15 @@ class _SyncBatchNorm(torch.autograd.Function):
             # the normalization itself on bnswap's kernel: aten._batch_norm_no_update with
             # the global statistics (one vectorized pass; memory format and half input as
             # the consolidated ops handle them)
-            out = _no_update(input, weight if weight is not None else torch.ones_like(g_mean),
-                             bias if bias is not None else torch.zeros_like(g_mean),
-                             g_mean, var, 0.0, eps)[0]
+            out = _no_update(
+                input,
+                weight if weight is not None else torch.ones_like(g_mean),
+                bias if bias is not None else torch.zeros_like(g_mean),
+                g_mean,
+                var,
+                0.0,
+                eps,
+            )[0]
         else:
             scale = invstd if weight is None else invstd * weight.to(acc)
             out = (x - _channel_view(g_mean, x)) * _channel_view(scale, x)
@@ -478,8 +541,9 @@ class _SyncBatchNorm(torch.autograd.Function):
         c = input.shape[1]
         x = input if input.dtype == acc else input.to(acc)
         dy = grad_out if grad_out.dtype == acc else grad_out.to(acc)
-        local = slots.sums(dy, x, mean, invstd, weight) \
-            if slots is not None and input.numel() else None
+        local = (
+            slots.sums(dy, x, mean, invstd, weight) if slots is not None and input.numel() else None
+        )
         xmu = None
         if local is not None:
             sum_dy, sum_dy_xmu = local
@@ -491,8 +555,7 @@ class _SyncBatchNorm(torch.autograd.Function):
             sum_dy = sum_dy_xmu = torch.zeros_like(mean)
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            sums = _sum_over_ranks(torch.cat([sum_dy, sum_dy_xmu]), ctx.group, ctx.world,
-                                   compiling)
+            sums = _sum_over_ranks(torch.cat([sum_dy, sum_dy_xmu]), ctx.group, ctx.world, compiling)
             n = ctx.n if ctx.n is not None else counts.sum().clamp(min=1)
             if local is not None:
                 grad_input = slots.input_grad(dy, x, mean, invstd, weight, sums, counts, n)
@@ -501,9 +564,11 @@ class _SyncBatchNorm(torch.autograd.Function):
                     xmu = x - _channel_view(mean, dy)
                 scale = invstd if weight is None else invstd * weight.to(acc)
                 mean_dy, mean_dy_xmu = sums[:c] / n, sums[c:] / n
-                grad_input = ((dy - _channel_view(mean_dy, dy)
-                               - xmu * _channel_view(invstd * invstd * mean_dy_xmu, dy))
-                              * _channel_view(scale, dy))
+                grad_input = (
+                    dy
+                    - _channel_view(mean_dy, dy)
+                    - xmu * _channel_view(invstd * invstd * mean_dy_xmu, dy)
+                ) * _channel_view(scale, dy)
             grad_input = grad_input.to(input.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
@@ -514,14 +579,18 @@ class _SyncBatchNorm(torch.autograd.Function):
 
 #: What a compiled synchronized layer's runtime assertion says (a RuntimeError) where eager
 #: raises stock's ValueError: a graph cannot read the global count without a break.
-ONE_VALUE_MESSAGE = ("Expected more than 1 value per channel when training (in the global "
-                     "batch of the layer's process_group)")
+ONE_VALUE_MESSAGE = (
+    "Expected more than 1 value per channel when training (in the global "
+    "batch of the layer's process_group)"
+)
 
 
 def _one_value_message(size: torch.Size, group: Any) -> str:
-    return (f"Expected more than 1 value per channel when training, got input size {size} "
-            f"(1 value per channel in the global batch of the {dist.get_world_size(group)} "
-            "ranks of the layer's process_group)")
+    return (
+        f"Expected more than 1 value per channel when training, got input size {size} "
+        f"(1 value per channel in the global batch of the {dist.get_world_size(group)} "
+        "ranks of the layer's process_group)"
+    )
 
 
 def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tensor:
@@ -551,11 +620,13 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
     tracking = layer.track_running_stats and layer.running_mean is not None
     running_mean = layer.running_mean if tracking else None
     running_var = layer.running_var if tracking else None
-    check_batch_norm_input(input, weight, bias, running_mean, running_var, True, layer.eps,
-                           synchronized=True)
+    check_batch_norm_input(
+        input, weight, bias, running_mean, running_var, True, layer.eps, synchronized=True
+    )
     check_momentum(layer.momentum)  # as the unsynchronized path: before anything moves
     out, mean, unbiased, total = _SyncBatchNorm.apply(
-        input, weight, bias, float(layer.eps), group, dist.get_world_size(group), input.size())
+        input, weight, bias, float(layer.eps), group, dist.get_world_size(group), input.size()
+    )
     nbt = layer.num_batches_tracked
     if layer.track_running_stats and nbt is not None:
         nbt.add_(1)
@@ -563,8 +634,11 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
         return out
     compiling = torch.compiler.is_compiling()
     factor = exponential_average_factor(
-        layer.momentum, nbt if layer.track_running_stats else None, traced=compiling,
-        like=running_mean)
+        layer.momentum,
+        nbt if layer.track_running_stats else None,
+        traced=compiling,
+        like=running_mean,
+    )
     with torch.no_grad():
         # An all-empty global batch moves no statistics (stock's early return).
         if isinstance(total, Tensor):  # compiled: a factor of 0 then, with finite batch
@@ -614,8 +688,9 @@ def sync_batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
     return synchronized_batch_norm(layer, input, group)
 
 
-def to_sync_batch_norm(layer: nn.Module, process_group: Any = None,
-                       cls: type = nn.SyncBatchNorm) -> nn.Module:
+def to_sync_batch_norm(
+    layer: nn.Module, process_group: Any = None, cls: type = nn.SyncBatchNorm
+) -> nn.Module:
     """A ``cls`` (``nn.SyncBatchNorm``) layer that shares ``layer``'s state: the same
     Parameter, buffer, child module and hook dicts (an optimizer built on ``layer``'s
     parameters stays valid; ``.to()`` / ``load_state_dict`` on one show on the other), its
@@ -659,8 +734,9 @@ def original_of(layer: nn.Module) -> nn.Module | None:
         # learn2learn's clone_module, a DataParallel replica): the original is another
         # model's layer; the copy gets a layer of the original's class on its own state
         fresh = type(original).__new__(type(original))
-        fresh.__dict__.update((k, v) for k, v in state.items()
-                              if k not in (ORIGINAL, SWAP, "process_group"))
+        fresh.__dict__.update(
+            (k, v) for k, v in state.items() if k not in (ORIGINAL, SWAP, "process_group")
+        )
         return fresh
     for name in FLAGS:
         if name in state:

@@ -58,18 +58,27 @@ add_module_names = True
 # page here (no intersphinx: the build works offline).
 nitpicky = True
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|lightning|pytorch_lightning|onnxruntime|torch_ort|jsonargparse|timm"
-               r"|torchvision|torchao|numpy|typing|collections|abc|pathlib|enum|logging"
-               r"|argparse|contextlib|functools|importlib|difflib|warnings|os|sys)(\..*)?"),
+    (
+        r"py:.*",
+        r"(torch|lightning|pytorch_lightning|onnxruntime|torch_ort|jsonargparse|timm"
+        r"|torchvision|torchao|numpy|typing|collections|abc|pathlib|enum|logging"
+        r"|argparse|contextlib|functools|importlib|difflib|warnings|os|sys)(\..*)?",
+    ),
     # bnswap's internals, named in the public docstrings but not pages of the site: each by
     # its exact name, so a typo next to them (bnswap.functional.nonexistent) still fails
     (r"py:class", r"bnswap\.(_swap\.Swap|_rows\.Rows|lightning\._BNSwapBase)"),
     (r"py:data", r"bnswap\.(_graph\.STOCK_TARGETS|functional\.EMPTY_BATCH_MESSAGE)"),
     (r"py:func", r"bnswap\.functional\.check_batch_norm_input"),
-    (r"py:.*", r"(bnswap\.sync\.)?(FLAGS|ORIGINAL|NO_GROUP_YET|sync_group|sync_kernel|synchronized_batch_norm)"),
+    (
+        r"py:.*",
+        r"(bnswap\.sync\.)?(FLAGS|ORIGINAL|NO_GROUP_YET|sync_group|sync_kernel|synchronized_batch_norm)",
+    ),
     (r"py:.*", r"(bnswap\.ort\.)?DEFAULT_SESSION_OPTIONS|check_batch_norm_input|to_wrap|summary"),
-    (r"py:class", r"(int|float|str|bool|dict|list|tuple|set|type|object|None|bytes"
-                  r"|callable|optional|default|iterable|function)"),
+    (
+        r"py:class",
+        r"(int|float|str|bool|dict|list|tuple|set|type|object|None|bytes"
+        r"|callable|optional|default|iterable|function)",
+    ),
 ]
 
 html_theme = "furo"

@@ -67,7 +67,7 @@ from bnswap.app.models import MobileNetV2
 def global_batches(n_train: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
     """The training indices of each step's global batch (the same on every process)."""
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed))
-    return [order[(i * batch_size) % (n_train - batch_size):][:batch_size] for i in range(steps)]
+    return [order[(i * batch_size) % (n_train - batch_size) :][:batch_size] for i in range(steps)]
 
 
 def build(width_mult: float, seed: int) -> nn.Module:
@@ -76,8 +76,9 @@ def build(width_mult: float, seed: int) -> nn.Module:
     return MobileNetV2(width_mult=width_mult)
 
 
-def optimizer(model: nn.Module, lr: float, steps: int
-              ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def optimizer(
+    model: nn.Module, lr: float, steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """SGD (momentum 0.9) and its schedule: the learning rate falls linearly from ``lr``
     (step 0) to ``lr / steps`` (the last step); call the schedule's ``step()`` after each
     optimizer step."""
@@ -85,8 +86,7 @@ def optimizer(model: nn.Module, lr: float, steps: int
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)
 
 
-def share_loss(logits: torch.Tensor, y: torch.Tensor, batch_size: int, world: int
-               ) -> torch.Tensor:
+def share_loss(logits: torch.Tensor, y: torch.Tensor, batch_size: int, world: int) -> torch.Tensor:
     """This rank's part of the global batch's mean cross entropy, times ``world``: the
     sum over its share divided by ``batch_size / world``, so that DDP's average of the
     ranks' gradients is the gradient of the global batch's mean loss, even when the
@@ -102,9 +102,12 @@ def require_sklearn() -> None:
     try:
         import sklearn.datasets  # noqa: F401
     except ImportError:
-        print("examples/ddp_syncbn.py: needs scikit-learn for the digits data: "
-              "pip install scikit-learn",
-              file=sys.stderr, flush=True)
+        print(
+            "examples/ddp_syncbn.py: needs scikit-learn for the digits data: "
+            "pip install scikit-learn",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(1) from None
 
 
@@ -119,10 +122,18 @@ def ddp_options() -> dict:
     return {"broadcast_buffers": False}
 
 
-def main(steps: int = 60, batch_size: int = 64, lr: float = 0.05, width_mult: float = 0.5,
-         image_size: int = 16, seed: int = 0, out: str | None = None,
-         num_threads: int | None = 1, float64: bool = False,
-         timeout_s: float = 1800.0) -> dict:
+def main(
+    steps: int = 60,
+    batch_size: int = 64,
+    lr: float = 0.05,
+    width_mult: float = 0.5,
+    image_size: int = 16,
+    seed: int = 0,
+    out: str | None = None,
+    num_threads: int | None = 1,
+    float64: bool = False,
+    timeout_s: float = 1800.0,
+) -> dict:
     """Train with synchronized BatchNorm on every process of a torchrun job.
 
     ``steps`` steps of ``batch_size`` (the global batch, split over the processes with
@@ -157,8 +168,10 @@ def main(steps: int = 60, batch_size: int = 64, lr: float = 0.05, width_mult: fl
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if batch_size < 2:
-        raise ValueError(f"batch_size must be at least 2 (a training BatchNorm needs more "
-                         f"than one value per channel), got {batch_size}")
+        raise ValueError(
+            f"batch_size must be at least 2 (a training BatchNorm needs more "
+            f"than one value per channel), got {batch_size}"
+        )
     require_sklearn()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
@@ -175,8 +188,13 @@ def main(steps: int = 60, batch_size: int = 64, lr: float = 0.05, width_mult: fl
     bn_before = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     bnswap.convert(model, sync_batchnorm=True)  # BatchNorm2d -> swapped SyncBatchNorm
     if rank == 0:
-        print(bnswap.plan(model).summary(), "| synchronized over:",
-              bnswap.plan(model)[0].sync, "| kernel:", bnswap.plan(model)[0].kernel)
+        print(
+            bnswap.plan(model).summary(),
+            "| synchronized over:",
+            bnswap.plan(model)[0].sync,
+            "| kernel:",
+            bnswap.plan(model)[0].kernel,
+        )
     ddp = DDP(model, device_ids=[device.index] if cuda else None, **ddp_options())
     opt, schedule = optimizer(ddp, lr, steps)
 
@@ -201,8 +219,10 @@ def main(steps: int = 60, batch_size: int = 64, lr: float = 0.05, width_mult: fl
     with torch.no_grad():
         acc = (model(xv.to(device)).argmax(1).cpu() == yv).float().mean().item()
     if rank == 0:
-        print(f"{world} processes, {steps} steps in {seconds:.1f} s; val_acc {acc:.4f}; "
-              f"the model holds {len(bn_before)} stock BatchNorm2d layers again")
+        print(
+            f"{world} processes, {steps} steps in {seconds:.1f} s; val_acc {acc:.4f}; "
+            f"the model holds {len(bn_before)} stock BatchNorm2d layers again"
+        )
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if out is not None:
         os.makedirs(out, exist_ok=True)
@@ -218,7 +238,8 @@ DESCRIPTION = (
     "device: every process trains on its share of each global batch of the digits; rank 0 "
     "prints the plan and the validation accuracy. Run it with torchrun: torchrun "
     "--nproc_per_node=2 examples/ddp_syncbn.py [--steps 20 --out runs/syncbn]. Needs "
-    "scikit-learn.")
+    "scikit-learn."
+)
 
 if __name__ == "__main__":
     from jsonargparse import CLI

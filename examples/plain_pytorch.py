@@ -32,9 +32,16 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def train(swap: bool, epochs: int = 4, batch_size: int = 64, lr: float = 0.1,
-          width_mult: float = 0.5, image_size: int = 16, seed: int = 0,
-          max_batches: int | None = None) -> dict[str, float]:
+def train(
+    swap: bool,
+    epochs: int = 4,
+    batch_size: int = 64,
+    lr: float = 0.1,
+    width_mult: float = 0.5,
+    image_size: int = 16,
+    seed: int = 0,
+    max_batches: int | None = None,
+) -> dict[str, float]:
     """One training run; ``swap`` converts the model's BatchNorm layers first."""
     (xt, yt), (xv, yv) = digits_split(image_size, seed=seed)
     torch.manual_seed(seed)
@@ -44,32 +51,42 @@ def train(swap: bool, epochs: int = 4, batch_size: int = 64, lr: float = 0.1,
         # optimizer before or after the swap makes no difference.
         bnswap.convert(model)
         print(bnswap.plan(model).summary())
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
-                          weight_decay=5e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     steps_per_epoch = len(yt) // batch_size
     if max_batches is not None:
         steps_per_epoch = min(steps_per_epoch, max_batches)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, pct_start=0.25,
-                                                total_steps=max(8, epochs * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=lr, pct_start=0.25, total_steps=max(8, epochs * steps_per_epoch)
+    )
     t0 = time.perf_counter()
     for epoch in range(epochs):
         order = torch.randperm(len(yt), generator=torch.Generator().manual_seed(seed + epoch))
         for i in range(steps_per_epoch):
-            idx = order[i * batch_size:(i + 1) * batch_size]
+            idx = order[i * batch_size : (i + 1) * batch_size]
             loss = F.cross_entropy(model(xt[idx]), yt[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
         val_loss, val_acc = evaluate(model, xv, yv)
-        print(f"[{'bnswap' if swap else 'stock '}] epoch {epoch}: val_loss {val_loss:.4f} "
-              f"val_acc {val_acc:.4f}")
-    return {"val_loss": val_loss, "val_acc": val_acc, "seconds": time.perf_counter() - t0,
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+        print(
+            f"[{'bnswap' if swap else 'stock '}] epoch {epoch}: val_loss {val_loss:.4f} "
+            f"val_acc {val_acc:.4f}"
+        )
+    return {
+        "val_loss": val_loss,
+        "val_acc": val_acc,
+        "seconds": time.perf_counter() - t0,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
-def main(epochs: int = 4, width_mult: float = 0.5, max_batches: int | None = None,
-         num_threads: int | None = 1) -> dict:
+def main(
+    epochs: int = 4,
+    width_mult: float = 0.5,
+    max_batches: int | None = None,
+    num_threads: int | None = 1,
+) -> dict:
     """Train stock and bnswap and print both final validation figures.
 
     Args:
@@ -84,8 +101,10 @@ def main(epochs: int = 4, width_mult: float = 0.5, max_batches: int | None = Non
     swapped = train(True, epochs, width_mult=width_mult, max_batches=max_batches)
     same = all(torch.equal(stock["state"][k], swapped["state"][k]) for k in stock["state"])
     for name, r in (("stock", stock), ("bnswap", swapped)):
-        print(f"{name:>6}: final val_acc {r['val_acc']:.4f}  val_loss {r['val_loss']:.4f}  "
-              f"({r['seconds']:.1f} s)")
+        print(
+            f"{name:>6}: final val_acc {r['val_acc']:.4f}  val_loss {r['val_loss']:.4f}  "
+            f"({r['seconds']:.1f} s)"
+        )
     print(f"final states bitwise identical: {same}")
     return {"stock": stock, "bnswap": swapped, "identical": same}
 

@@ -36,8 +36,17 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: str = "
     return (logits.argmax(1) == y).float().mean().item()
 
 
-def fit(model: nn.Module, xt: torch.Tensor, yt: torch.Tensor, epochs: int, lr: float,
-        limit: int | None, seed: int, device: str, batch_size: int = 64) -> None:
+def fit(
+    model: nn.Module,
+    xt: torch.Tensor,
+    yt: torch.Tensor,
+    epochs: int,
+    lr: float,
+    limit: int | None,
+    seed: int,
+    device: str,
+    batch_size: int = 64,
+) -> None:
     """SGD with a cosine schedule over ``epochs`` (``limit``: batches per epoch at most)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
     steps = len(yt) // batch_size if limit is None else min(limit, len(yt) // batch_size)
@@ -45,7 +54,7 @@ def fit(model: nn.Module, xt: torch.Tensor, yt: torch.Tensor, epochs: int, lr: f
     for epoch in range(epochs):
         order = torch.randperm(len(yt), generator=torch.Generator().manual_seed(seed + epoch))
         for i in range(steps):
-            idx = order[i * batch_size:(i + 1) * batch_size]
+            idx = order[i * batch_size : (i + 1) * batch_size]
             loss = F.cross_entropy(model(xt[idx].to(device)), yt[idx].to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -53,8 +62,15 @@ def fit(model: nn.Module, xt: torch.Tensor, yt: torch.Tensor, epochs: int, lr: f
             sched.step()
 
 
-def run(swap: bool, epochs: int, qat_epochs: int, limit: int | None, width_mult: float,
-        device: str, seed: int = 0) -> dict:
+def run(
+    swap: bool,
+    epochs: int,
+    qat_epochs: int,
+    limit: int | None,
+    width_mult: float,
+    device: str,
+    seed: int = 0,
+) -> dict:
     """One run: float training, export, QAT, convert; its figures and final state."""
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
@@ -73,27 +89,40 @@ def run(swap: bool, epochs: int, qat_epochs: int, limit: int | None, width_mult:
     float_acc = accuracy(model.eval(), xv, yv, device)
     # export on the CPU, as the issue's flow does, then train the prepared graph on device
     batch = {0: torch.export.Dim("batch", min=1)}  # training and validation batch sizes
-    graph = torch.export.export(model.cpu().train(), (xt[:64],),
-                                dynamic_shapes=(batch,)).module()
+    graph = torch.export.export(model.cpu().train(), (xt[:64],), dynamic_shapes=(batch,)).module()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated!" (torchao 0.18)
         quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=True))
     prepared = prepare_qat_pt2e(graph, quantizer)
-    ops = collections.Counter(str(n.target).split(".")[1] for n in prepared.graph.nodes
-                              if n.op == "call_function" and "batch_norm" in str(n.target))
+    ops = collections.Counter(
+        str(n.target).split(".")[1]
+        for n in prepared.graph.nodes
+        if n.op == "call_function" and "batch_norm" in str(n.target)
+    )
     fit(prepared.to(device), xt, yt, qat_epochs, 0.01, limit, seed + 100, device)
     move_exported_model_to_eval(prepared)
     qat_acc = accuracy(prepared, xv, yv, device)
     quantized = convert_pt2e(prepared.cpu())
     int8_acc = accuracy(quantized, xv, yv)
-    return {"float_acc": float_acc, "qat_acc": qat_acc, "int8_acc": int8_acc,
-            "batch_norm_ops": dict(ops), "seconds": time.perf_counter() - t0,
-            "logits": torch.cat([quantized(xb) for xb in xv.split(256)]),
-            "state": {k: v.detach().cpu().clone() for k, v in prepared.state_dict().items()}}
+    return {
+        "float_acc": float_acc,
+        "qat_acc": qat_acc,
+        "int8_acc": int8_acc,
+        "batch_norm_ops": dict(ops),
+        "seconds": time.perf_counter() - t0,
+        "logits": torch.cat([quantized(xb) for xb in xv.split(256)]),
+        "state": {k: v.detach().cpu().clone() for k, v in prepared.state_dict().items()},
+    }
 
 
-def main(epochs: int = 3, qat_epochs: int = 2, limit: int | None = None,
-         width_mult: float = 0.5, device: str = "cpu", num_threads: int | None = 1) -> dict:
+def main(
+    epochs: int = 3,
+    qat_epochs: int = 2,
+    limit: int | None = None,
+    width_mult: float = 0.5,
+    device: str = "cpu",
+    num_threads: int | None = 1,
+) -> dict:
     """Run stock, then bnswap, and print the float and int8 validation accuracies.
 
     Args:
@@ -107,15 +136,20 @@ def main(epochs: int = 3, qat_epochs: int = 2, limit: int | None = None,
     """
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    runs = {"stock": run(False, epochs, qat_epochs, limit, width_mult, device),
-            "bnswap": run(True, epochs, qat_epochs, limit, width_mult, device)}
+    runs = {
+        "stock": run(False, epochs, qat_epochs, limit, width_mult, device),
+        "bnswap": run(True, epochs, qat_epochs, limit, width_mult, device),
+    }
     for name, r in runs.items():
-        print(f"{name:>6}: float val_acc {r['float_acc']:.4f}  QAT val_acc {r['qat_acc']:.4f}  "
-              f"int8 val_acc {r['int8_acc']:.4f}  prepared graph's batch norm: "
-              f"{r['batch_norm_ops']}  ({r['seconds']:.1f} s)")
+        print(
+            f"{name:>6}: float val_acc {r['float_acc']:.4f}  QAT val_acc {r['qat_acc']:.4f}  "
+            f"int8 val_acc {r['int8_acc']:.4f}  prepared graph's batch norm: "
+            f"{r['batch_norm_ops']}  ({r['seconds']:.1f} s)"
+        )
     s, b = runs["stock"], runs["bnswap"]
     same = torch.equal(s["logits"], b["logits"]) and all(
-        torch.equal(s["state"][k], b["state"][k]) for k in s["state"])
+        torch.equal(s["state"][k], b["state"][k]) for k in s["state"]
+    )
     print(f"int8 logits and final QAT states bitwise identical: {same}")
     return {**runs, "identical": same}
 

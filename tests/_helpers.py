@@ -47,8 +47,9 @@ def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
         return "err", (type(e), str(e))
 
 
-def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None, exact: bool = True,
-                **tol: float) -> bool:
+def same_tensor(
+    a: torch.Tensor | None, b: torch.Tensor | None, exact: bool = True, **tol: float
+) -> bool:
     """Bitwise (NaN at the same places counts as equal) or allclose, same dtype and shape."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return a == b if type(a) is type(b) else False
@@ -95,8 +96,7 @@ def state_diff(a: nn.Module, b: nn.Module, exact: bool = True, **tol: float) -> 
 
 def stats_have_nan(m: nn.Module) -> bool:
     return any(
-        b is not None and b.is_floating_point() and bool(b.isnan().any())
-        for b in m.buffers()
+        b is not None and b.is_floating_point() and bool(b.isnan().any()) for b in m.buffers()
     )
 
 
@@ -110,7 +110,11 @@ def run_script(code: str, timeout: float = 120) -> tuple[int, str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
     )
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -123,13 +127,17 @@ def train_then_eval(model: nn.Module, xs: list[torch.Tensor]) -> dict[str, torch
     y0 = model(xs[0])
     y0.sum().backward()
     model.eval()
-    return {"y0": y0.detach(), "y1": model(xs[1]).detach(),
-            **{f"grad.{k}": p.grad for k, p in model.named_parameters()},
-            **{f"state.{k}": v for k, v in model.state_dict().items()}}
+    return {
+        "y0": y0.detach(),
+        "y1": model(xs[1]).detach(),
+        **{f"grad.{k}": p.grad for k, p in model.named_parameters()},
+        **{f"state.{k}": v for k, v in model.state_dict().items()},
+    }
 
 
-def run_where_bnswap_cannot_be_imported(model_file: Any, xs: list[torch.Tensor],
-                                        tmp_path: Any) -> dict[str, torch.Tensor]:
+def run_where_bnswap_cannot_be_imported(
+    model_file: Any, xs: list[torch.Tensor], tmp_path: Any
+) -> dict[str, torch.Tensor]:
     """``torch.load(model_file, weights_only=False)`` in a fresh interpreter where importing
     bnswap fails, then :func:`train_then_eval` there on ``xs``; returns its results (issue
     32: a whole-model checkpoint needs no bnswap). Asserts that the load imported nothing
@@ -138,7 +146,8 @@ def run_where_bnswap_cannot_be_imported(model_file: Any, xs: list[torch.Tensor],
 
     torch.save(xs, os.path.join(tmp_path, "inputs.pt"))
     got_file = os.path.join(tmp_path, "got.pt")
-    code = f"""
+    code = (
+        f"""
         import importlib.abc, sys
         class Block(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path=None, target=None):
@@ -151,13 +160,16 @@ def run_where_bnswap_cannot_be_imported(model_file: Any, xs: list[torch.Tensor],
         model = torch.load({str(model_file)!r}, weights_only=False)
         xs = torch.load({os.path.join(tmp_path, "inputs.pt")!r})
         assert not any(k.startswith("bnswap") for k in sys.modules if sys.modules[k])
-""" + textwrap.indent(inspect.getsource(train_then_eval), " " * 8) + f"""
+"""
+        + textwrap.indent(inspect.getsource(train_then_eval), " " * 8)
+        + f"""
         torch.save(train_then_eval(model, xs), {got_file!r})
         try:
             import bnswap
         except ImportError as e:
             print("blocked:", type(e).__name__)
     """
+    )
     rc, out, err = run_script(code, timeout=180)
     assert rc == 0, err[-3000:]
     assert "blocked: ModuleNotFoundError" in out or "blocked: ImportError" in out, out
@@ -213,22 +225,29 @@ def run_processes(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.C
 
     import pytest
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd[:3]))} ... ran past {timeout} s; its process "
-                    f"group was killed\n{out[-2000:]}\n{err[-4000:]}")
+        pytest.fail(
+            f"{' '.join(map(str, cmd[:3]))} ... ran past {timeout} s; its process "
+            f"group was killed\n{out[-2000:]}\n{err[-4000:]}"
+        )
     finally:
         try:  # children left behind by a command that exited (a rank that outlived it)
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
 
 
 #: The launcher variables a rank script must not inherit from the test's environment.
@@ -256,13 +275,20 @@ def rank_env(**extra: str) -> dict[str, str]:
 
 def imported_modules(importtime_stderr: str) -> set[str]:
     """The modules a ``python -X importtime`` run imported, read from its stderr."""
-    return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()
-            if line.startswith("import time:") and "cumulative" not in line}
+    return {
+        line.rsplit("|", 1)[1].strip()
+        for line in importtime_stderr.splitlines()
+        if line.startswith("import time:") and "cumulative" not in line
+    }
 
 
-def run_bnswap(args: list[str], cwd: Any = ROOT, timeout: float = 300,
-               env: dict[str, str] | None = None, processes: bool = False
-               ) -> subprocess.CompletedProcess:
+def run_bnswap(
+    args: list[str],
+    cwd: Any = ROOT,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    processes: bool = False,
+) -> subprocess.CompletedProcess:
     """``bnswap ARGS`` through the installed console script (the ``bnswap`` executable
     next to this interpreter; ``python -m _bnswap_command`` where there is none), with
     this checkout first on ``PYTHONPATH`` (so its ``bnswap`` and front door run, from any
@@ -278,8 +304,9 @@ def run_bnswap(args: list[str], cwd: Any = ROOT, timeout: float = 300,
     env.setdefault("OMP_NUM_THREADS", "1")
     if processes:
         return run_processes([*cmd, *args], timeout, cwd=cwd, env=env)
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env=env)
+    return subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
 
 
 # The two-rank synchronized jobs' net and data (tests/lightning_sync_fit.py,

@@ -58,18 +58,27 @@ def main(variant: str, out_dir: str) -> None:
 
         def configure_optimizers(self):
             self.classes_at_configure_optimizers = sorted(
-                {_kind(m) for m in self.modules()
-                 if isinstance(m, nn.modules.batchnorm._BatchNorm)})
+                {_kind(m) for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+            )
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     pl.seed_everything(0)
     callbacks = {"stock": [], "bnswap": [BNSwap()], "ort": [BNSwap(backend="ort")]}[variant]
     trainer = pl.Trainer(
         strategy=DDPStrategy(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
-        accelerator="cpu", devices=2, max_epochs=2, limit_train_batches=4,
-        limit_val_batches=2, num_sanity_val_steps=0, deterministic=True, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=callbacks)
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        deterministic=True,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     model = Classifier()
     trainer.fit(model, DigitsDataModule(batch_size=32, image_size=8))
     rank = trainer.global_rank
@@ -79,17 +88,25 @@ def main(variant: str, out_dir: str) -> None:
         import bnswap.ort
 
         ort_ops = dict(bnswap.ort.executed_ops(model.net, training=True))
-    torch.save({
-        "ort_ops": ort_ops,
-        "net_type": type(model.net).__name__,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "classes": sorted({_kind(m) for m in model.modules()
-                           if isinstance(m, nn.modules.batchnorm._BatchNorm)}),
-        "classes_at_configure_optimizers": model.classes_at_configure_optimizers,
-        "plan": None if plan is None else [(r.name, r.action) for r in plan.rows],
-        "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
-    }, os.path.join(out_dir, f"{variant}_rank{rank}.pt"))
+    torch.save(
+        {
+            "ort_ops": ort_ops,
+            "net_type": type(model.net).__name__,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "classes": sorted(
+                {
+                    _kind(m)
+                    for m in model.modules()
+                    if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                }
+            ),
+            "classes_at_configure_optimizers": model.classes_at_configure_optimizers,
+            "plan": None if plan is None else [(r.name, r.action) for r in plan.rows],
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+        },
+        os.path.join(out_dir, f"{variant}_rank{rank}.pt"),
+    )
 
 
 if __name__ == "__main__":

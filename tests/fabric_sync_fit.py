@@ -40,15 +40,19 @@ def reference() -> dict[str, torch.Tensor]:
     for step in range(STEPS):
         lo = step * 2 * PER_RANK
         opt.zero_grad()
-        nn.functional.mse_loss(net(x[lo:lo + 2 * PER_RANK].double()),
-                               y[lo:lo + 2 * PER_RANK].double()).backward()
+        nn.functional.mse_loss(
+            net(x[lo : lo + 2 * PER_RANK].double()), y[lo : lo + 2 * PER_RANK].double()
+        ).backward()
         opt.step()
     return net.state_dict()
 
 
 def main(when: str, out_dir: str) -> None:
-    fabric = L.Fabric(accelerator="cpu", devices=2,
-                      strategy=DDPStrategy(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)))
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPStrategy(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
+    )
     fabric.launch()
     net = make_net()
     if when == "before":
@@ -60,15 +64,19 @@ def main(when: str, out_dir: str) -> None:
     x, y = dataset()
     seen = []
     for step in range(STEPS):
-        rows = torch.arange(2 * PER_RANK * step + fabric.global_rank,
-                            2 * PER_RANK * (step + 1), 2)
+        rows = torch.arange(2 * PER_RANK * step + fabric.global_rank, 2 * PER_RANK * (step + 1), 2)
         opt.zero_grad()
         fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
         opt.step()
         seen.append((type(net[1]).__name__, bnswap.is_swapped(net[1])))
-    torch.save({"seen": seen, "world_size": fabric.world_size,
-                "state": {k: v.detach().clone() for k, v in net.state_dict().items()}},
-               os.path.join(out_dir, f"{when}_rank{fabric.global_rank}.pt"))
+    torch.save(
+        {
+            "seen": seen,
+            "world_size": fabric.world_size,
+            "state": {k: v.detach().clone() for k, v in net.state_dict().items()},
+        },
+        os.path.join(out_dir, f"{when}_rank{fabric.global_rank}.pt"),
+    )
 
 
 if __name__ == "__main__":

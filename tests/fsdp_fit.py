@@ -35,8 +35,9 @@ STEPS = 3
 
 def make_net() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 4 * 4, 2))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)
+    )
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -57,19 +58,27 @@ class Reference:
     def _before(self, bn, args):
         x = args[0]
         self.cur = {
-            "input_dtype": x.dtype, "weight_dtype": bn.weight.dtype,
+            "input_dtype": x.dtype,
+            "weight_dtype": bn.weight.dtype,
             "x": x.detach().clone(),
-            "weight": bn.weight.detach().clone(), "bias": bn.bias.detach().clone(),
-            "stats": [bn.running_mean.clone(), bn.running_var.clone(),
-                      bn.num_batches_tracked.clone()],
+            "weight": bn.weight.detach().clone(),
+            "bias": bn.bias.detach().clone(),
+            "stats": [
+                bn.running_mean.clone(),
+                bn.running_var.clone(),
+                bn.num_batches_tracked.clone(),
+            ],
         }
         if x.requires_grad:
             x.register_hook(lambda g: self.cur.__setitem__("dx", g.detach().clone()))
 
     def _after(self, bn, args, out):
         self.cur["out"] = out.detach().clone()
-        self.cur["stats_after"] = [bn.running_mean.clone(), bn.running_var.clone(),
-                                   bn.num_batches_tracked.clone()]
+        self.cur["stats_after"] = [
+            bn.running_mean.clone(),
+            bn.running_var.clone(),
+            bn.num_batches_tracked.clone(),
+        ]
         out.register_hook(lambda g: self.cur.__setitem__("dy", g.detach().clone()))
         self.steps.append(self.cur)
 
@@ -83,22 +92,32 @@ class Reference:
             with torch.no_grad():
                 ref.weight.copy_(s["weight"].float())
                 ref.bias.copy_(s["bias"].float())
-                for buf, v in zip(("running_mean", "running_var", "num_batches_tracked"),
-                                  s["stats"]):
+                for buf, v in zip(
+                    ("running_mean", "running_var", "num_batches_tracked"), s["stats"]
+                ):
                     getattr(ref, buf).copy_(v)
             x = s["x"].clone().requires_grad_()
             out = ref(x)
             out.backward(s["dy"])
             after = [ref.running_mean, ref.running_var, ref.num_batches_tracked]
-            rows.append({
-                "dtypes": (s["input_dtype"], s["weight_dtype"], s["out"].dtype,
-                           s["stats_after"][0].dtype, s["stats_after"][1].dtype),
-                "out_equal": torch.equal(s["out"], out),
-                "dx_equal": torch.equal(s["dx"], x.grad),
-                "stats_equal": all(torch.equal(a, b) for a, b in zip(s["stats_after"], after)),
-                "ref_grads": [ref.weight.grad.to(s["weight_dtype"]),
-                              ref.bias.grad.to(s["weight_dtype"])],
-            })
+            rows.append(
+                {
+                    "dtypes": (
+                        s["input_dtype"],
+                        s["weight_dtype"],
+                        s["out"].dtype,
+                        s["stats_after"][0].dtype,
+                        s["stats_after"][1].dtype,
+                    ),
+                    "out_equal": torch.equal(s["out"], out),
+                    "dx_equal": torch.equal(s["dx"], x.grad),
+                    "stats_equal": all(torch.equal(a, b) for a, b in zip(s["stats_after"], after)),
+                    "ref_grads": [
+                        ref.weight.grad.to(s["weight_dtype"]),
+                        ref.bias.grad.to(s["weight_dtype"]),
+                    ],
+                }
+            )
         return rows
 
 
@@ -119,8 +138,9 @@ def _plain_rank(rank: int, port: int, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    )
     try:
         mesh = init_device_mesh("cpu", (2,))
         stock = fully_shard(make_net(), mesh=mesh, mp_policy=_policy())
@@ -139,10 +159,16 @@ def _plain_rank(rank: int, port: int, out_dir: str) -> None:
             net(batch(rank, step)).float().square().mean().backward()
             grads.append([_full(net[1].weight.grad), _full(net[1].bias.grad)])
             opt.step()
-        torch.save({"stock_error": stock_error, "steps": check.compare(), "grads": grads,
-                    "swapped": bnswap.is_swapped(net[1]),
-                    "state": {k: _full(v).clone() for k, v in net.state_dict().items()}},
-                   os.path.join(out_dir, f"plain_rank{rank}.pt"))
+        torch.save(
+            {
+                "stock_error": stock_error,
+                "steps": check.compare(),
+                "grads": grads,
+                "swapped": bnswap.is_swapped(net[1]),
+                "state": {k: _full(v).clone() for k, v in net.state_dict().items()},
+            },
+            os.path.join(out_dir, f"plain_rank{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -174,8 +200,7 @@ def lightning(out_dir: str) -> None:
             return self.net(b[0]).float().square().mean()
 
         def on_before_optimizer_step(self, optimizer):
-            self.grads.append([_full(self.net[1].weight.grad),
-                               _full(self.net[1].bias.grad)])
+            self.grads.append([_full(self.net[1].weight.grad), _full(self.net[1].bias.grad)])
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -190,18 +215,33 @@ def lightning(out_dir: str) -> None:
     model = Module()
     cb = BNSwap()
     trainer = pl.Trainer(
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                       timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
-        accelerator="cpu", devices=2, max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[cb], use_distributed_sampler=False)
+        strategy=ModelParallelStrategy(
+            data_parallel_size=2,
+            tensor_parallel_size=1,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        ),
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+        use_distributed_sampler=False,
+    )
     loader = torch.utils.data.DataLoader(Data(), batch_size=None)
     trainer.fit(model, loader)
-    torch.save({"steps": model.check.compare(), "grads": model.grads,
-                "swapped_at_configure_model": model.swapped_at_configure_model,
-                "plan": [(r.name, r.action) for r in cb.plan.rows],
-                "state": {k: _full(v).clone() for k, v in model.state_dict().items()}},
-               os.path.join(out_dir, f"lightning_rank{trainer.global_rank}.pt"))
+    torch.save(
+        {
+            "steps": model.check.compare(),
+            "grads": model.grads,
+            "swapped_at_configure_model": model.swapped_at_configure_model,
+            "plan": [(r.name, r.action) for r in cb.plan.rows],
+            "state": {k: _full(v).clone() for k, v in model.state_dict().items()},
+        },
+        os.path.join(out_dir, f"lightning_rank{trainer.global_rank}.pt"),
+    )
 
 
 if __name__ == "__main__":

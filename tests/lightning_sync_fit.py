@@ -42,8 +42,9 @@ class RankBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, step):
         x, y = dataset()
-        rows = torch.arange(2 * PER_RANK * step + torch.distributed.get_rank(),
-                            2 * PER_RANK * (step + 1), 2)
+        rows = torch.arange(
+            2 * PER_RANK * step + torch.distributed.get_rank(), 2 * PER_RANK * (step + 1), 2
+        )
         return x[rows], y[rows]
 
 
@@ -55,7 +56,7 @@ def reference() -> dict[str, torch.Tensor]:
     x, y = dataset()
     for step in range(STEPS):
         lo = step * 2 * PER_RANK
-        xb, yb = x[lo:lo + 2 * PER_RANK].double(), y[lo:lo + 2 * PER_RANK].double()
+        xb, yb = x[lo : lo + 2 * PER_RANK].double(), y[lo : lo + 2 * PER_RANK].double()
         opt.zero_grad()
         nn.functional.mse_loss(net(xb), yb).backward()
         opt.step()
@@ -73,9 +74,15 @@ class Module(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         bn = self.net[1]
-        self.seen.append((type(bn).__name__, bnswap.is_swapped(bn),
-                          bn.weight is self.original.weight,
-                          bn.running_mean is self.original.running_mean, batch[0].clone()))
+        self.seen.append(
+            (
+                type(bn).__name__,
+                bnswap.is_swapped(bn),
+                bn.weight is self.original.weight,
+                bn.running_mean is self.original.running_mean,
+                batch[0].clone(),
+            )
+        )
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -84,26 +91,39 @@ class Module(pl.LightningModule):
 
     def on_fit_end(self):  # after strategy.teardown (the layer sync's revert)
         cb = next(c for c in self.trainer.callbacks if isinstance(c, BNSwap))
-        torch.save({
-            "seen": self.seen,
-            "world_size": self.trainer.world_size,
-            "plan": [(r.name, r.cls, r.action, r.sync) for r in cb.plan.rows],
-            "plan_text": str(cb.plan),
-            "original_back": self.net[1] is self.original,
-            "original_swapped": bnswap.is_swapped(self.original),
-            "layer_sync": type(self.trainer.strategy._layer_sync).__name__,
-            "state": {k: v.detach().clone() for k, v in self.state_dict().items()},
-        }, os.path.join(self.out_dir, f"{self.strategy}_rank{self.global_rank}.pt"))
+        torch.save(
+            {
+                "seen": self.seen,
+                "world_size": self.trainer.world_size,
+                "plan": [(r.name, r.cls, r.action, r.sync) for r in cb.plan.rows],
+                "plan_text": str(cb.plan),
+                "original_back": self.net[1] is self.original,
+                "original_swapped": bnswap.is_swapped(self.original),
+                "layer_sync": type(self.trainer.strategy._layer_sync).__name__,
+                "state": {k: v.detach().clone() for k, v in self.state_dict().items()},
+            },
+            os.path.join(self.out_dir, f"{self.strategy}_rank{self.global_rank}.pt"),
+        )
 
 
 def main(strategy: str, out_dir: str) -> None:
     trainer = pl.Trainer(
         # ddp / ddp_spawn as Lightning registers them, with a collective timeout of seconds
-        strategy=DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "popen",
-                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
-        accelerator="cpu", devices=2, sync_batchnorm=True,
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[BNSwap()], use_distributed_sampler=False)
+        strategy=DDPStrategy(
+            start_method="spawn" if strategy == "ddp_spawn" else "popen",
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        ),
+        accelerator="cpu",
+        devices=2,
+        sync_batchnorm=True,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[BNSwap()],
+        use_distributed_sampler=False,
+    )
     loader = torch.utils.data.DataLoader(RankBatches(), batch_size=None)
     trainer.fit(Module(out_dir, strategy), loader)
 

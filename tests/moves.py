@@ -19,8 +19,9 @@ import torch
 MOVES = ("meta", "double", "bfloat16", "move_to_device_pass")
 
 
-def moved(ep: torch.export.ExportedProgram, move: str,
-          x: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor]:
+def moved(
+    ep: torch.export.ExportedProgram, move: str, x: torch.Tensor
+) -> tuple[torch.nn.Module, torch.Tensor]:
     """(the program's module after ``move``, the input moved the same way)."""
     if move == "meta":
         return ep.module().to("meta"), x.to("meta")
@@ -35,8 +36,9 @@ def moved(ep: torch.export.ExportedProgram, move: str,
     raise ValueError(move)
 
 
-def outcome(ep: torch.export.ExportedProgram, move: str, x: torch.Tensor,
-            calls: int = 2) -> dict[str, Any]:
+def outcome(
+    ep: torch.export.ExportedProgram, move: str, x: torch.Tensor, calls: int = 2
+) -> dict[str, Any]:
     """Run the moved program ``calls`` times: its outputs and its state after each call,
     or the error it raised (type and message)."""
     try:
@@ -66,8 +68,11 @@ def difference(got: dict[str, Any], want: dict[str, Any]) -> str | None:
     the same error, or bitwise the same outputs and state after every call (shape,
     dtype and device on the meta device)."""
     if "err" in got or "err" in want:
-        return None if got.get("err") == want.get("err") else \
-            f"got {got.get('err', 'a result')}, stock {want.get('err', 'a result')}"
+        return (
+            None
+            if got.get("err") == want.get("err")
+            else f"got {got.get('err', 'a result')}, stock {want.get('err', 'a result')}"
+        )
     for i, ((out, state), (ref, ref_state)) in enumerate(zip(got["ok"], want["ok"])):
         if not _same(out, ref):
             return f"call {i}: output differs ({out.dtype}, {out.device} vs {ref.dtype})"

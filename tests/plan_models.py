@@ -17,9 +17,15 @@ def mixed_net(width: int = 4) -> nn.Module:
     beside plain layers."""
     hooked = nn.BatchNorm2d(width)
     hooked.forward = hooked.forward  # set on the instance (as a library's hook does)
-    return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), hooked,
-                         BatchNormTimesTwo(width), nn.Flatten(), nn.LazyLinear(5),
-                         nn.BatchNorm1d(5))
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3),
+        nn.BatchNorm2d(width),
+        hooked,
+        BatchNormTimesTwo(width),
+        nn.Flatten(),
+        nn.LazyLinear(5),
+        nn.BatchNorm1d(5),
+    )
 
 
 def plain_net(width: int = 4) -> nn.Module:

@@ -28,25 +28,73 @@ from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
 #: channels_last) per world size.
 CASES = {
     2: [
-        ("f64_2d", dict(num_features=3), nn.BatchNorm2d, [[3, 1], [4, 0], [2, 5]],
-         (3, 4, 4), torch.float64, False),
-        ("f64_1d_cma_noaffine", dict(num_features=4, momentum=None, affine=False),
-         nn.BatchNorm1d, [[2, 3], [0, 5], [1, 1]], (4, 6), torch.float64, False),
-        ("f64_no_tracking", dict(num_features=3, track_running_stats=False), nn.BatchNorm2d,
-         [[2, 2], [3, 0]], (3, 2, 2), torch.float64, False),
-        ("f32_2d_cl", dict(num_features=5), nn.BatchNorm2d, [[4, 2], [3, 6]], (5, 4, 3),
-         torch.float32, True),
+        (
+            "f64_2d",
+            dict(num_features=3),
+            nn.BatchNorm2d,
+            [[3, 1], [4, 0], [2, 5]],
+            (3, 4, 4),
+            torch.float64,
+            False,
+        ),
+        (
+            "f64_1d_cma_noaffine",
+            dict(num_features=4, momentum=None, affine=False),
+            nn.BatchNorm1d,
+            [[2, 3], [0, 5], [1, 1]],
+            (4, 6),
+            torch.float64,
+            False,
+        ),
+        (
+            "f64_no_tracking",
+            dict(num_features=3, track_running_stats=False),
+            nn.BatchNorm2d,
+            [[2, 2], [3, 0]],
+            (3, 2, 2),
+            torch.float64,
+            False,
+        ),
+        (
+            "f32_2d_cl",
+            dict(num_features=5),
+            nn.BatchNorm2d,
+            [[4, 2], [3, 6]],
+            (5, 4, 3),
+            torch.float32,
+            True,
+        ),
         # float32 NCHW: ATen's CPU kernels in the statistics and backward slots
-        ("f32_2d", dict(num_features=4), nn.BatchNorm2d, [[5, 3], [2, 6], [0, 4]], (4, 5, 5),
-         torch.float32, False),
+        (
+            "f32_2d",
+            dict(num_features=4),
+            nn.BatchNorm2d,
+            [[5, 3], [2, 6], [0, 4]],
+            (4, 5, 5),
+            torch.float32,
+            False,
+        ),
     ],
     3: [
-        ("f64_2d", dict(num_features=3), nn.BatchNorm2d, [[2, 0, 3], [1, 4, 2], [0, 0, 3]],
-         (3, 3, 2), torch.float64, False),
-        ("f64_3d_cma", dict(num_features=2, momentum=None), nn.BatchNorm3d,
-         [[1, 2, 1], [2, 0, 2]], (2, 2, 2, 2), torch.float64, False),
-        ("f32_1d", dict(num_features=4), nn.BatchNorm1d, [[5, 3, 4]], (4,), torch.float32,
-         False),
+        (
+            "f64_2d",
+            dict(num_features=3),
+            nn.BatchNorm2d,
+            [[2, 0, 3], [1, 4, 2], [0, 0, 3]],
+            (3, 3, 2),
+            torch.float64,
+            False,
+        ),
+        (
+            "f64_3d_cma",
+            dict(num_features=2, momentum=None),
+            nn.BatchNorm3d,
+            [[1, 2, 1], [2, 0, 2]],
+            (2, 2, 2, 2),
+            torch.float64,
+            False,
+        ),
+        ("f32_1d", dict(num_features=4), nn.BatchNorm1d, [[5, 3, 4]], (4,), torch.float32, False),
     ],
 }
 
@@ -54,10 +102,11 @@ CASES = {
 def batches(case: str, sizes: list[int], feature: tuple, dtype: torch.dtype, step: int):
     """Every rank's input and output gradient of one step (the same on every rank)."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{case}:{step}".encode()))
-    xs = [torch.randn((n, *feature), generator=g, dtype=torch.float64).mul(3).add(2).to(dtype)
-          for n in sizes]
-    dys = [torch.randn((n, *feature), generator=g, dtype=torch.float64).to(dtype)
-           for n in sizes]
+    xs = [
+        torch.randn((n, *feature), generator=g, dtype=torch.float64).mul(3).add(2).to(dtype)
+        for n in sizes
+    ]
+    dys = [torch.randn((n, *feature), generator=g, dtype=torch.float64).to(dtype) for n in sizes]
     return xs, dys
 
 
@@ -70,9 +119,14 @@ def _init_params(layer: nn.Module, case: str) -> None:
 
 
 def _state(layer: nn.Module) -> dict:
-    return {k: (None if v is None else v.detach().clone()) for k, v in
-            [("running_mean", layer.running_mean), ("running_var", layer.running_var),
-             ("num_batches_tracked", layer.num_batches_tracked)]}
+    return {
+        k: (None if v is None else v.detach().clone())
+        for k, v in [
+            ("running_mean", layer.running_mean),
+            ("running_var", layer.running_var),
+            ("num_batches_tracked", layer.num_batches_tracked),
+        ]
+    }
 
 
 def run_case(rank: int, world: int, spec) -> dict:
@@ -96,18 +150,28 @@ def run_case(rank: int, world: int, spec) -> dict:
             p.grad = None
         out = model(x)
         out.backward(dys[rank])
-        records.append(dict(out=out.detach().clone(), grad=x.grad.clone(),
-                            pgrads=[p.grad.clone() for p in params],
-                            cl=out.is_contiguous(memory_format=torch.channels_last),
-                            state=_state(layer)))
+        records.append(
+            dict(
+                out=out.detach().clone(),
+                grad=x.grad.clone(),
+                pgrads=[p.grad.clone() for p in params],
+                cl=out.is_contiguous(memory_format=torch.channels_last),
+                state=_state(layer),
+            )
+        )
     # evaluation: exactly the unsynchronized path, bitwise equal to stock BatchNorm
     model.eval()
     xs, _ = batches(case, [3] * world, feature, dtype, 99)
     evaluated = model(xs[rank]).detach()
     back = bnswap.revert(model)
-    return dict(records=records, eval=evaluated, eval_input=xs[rank],
-                reverted=back[0] is bn and type(bn) is cls and not bnswap.is_swapped(bn),
-                final=_state(bn), final_params=[p.detach().clone() for p in params])
+    return dict(
+        records=records,
+        eval=evaluated,
+        eval_input=xs[rank],
+        reverted=back[0] is bn and type(bn) is cls and not bnswap.is_swapped(bn),
+        final=_state(bn),
+        final_params=[p.detach().clone() for p in params],
+    )
 
 
 #: The cases also run with the CUDA slots (``bnswap.sync.DEVICE_KERNELS["cuda"]``) on the
@@ -129,8 +193,12 @@ def cuda_kernel_references(calls: dict) -> dict:
         calls["backward_reduce"] = calls.get("backward_reduce", 0) + 1
         dims = [0, *range(2, x.dim())]
         sum_dy, sum_dy_xmu = dy.sum(dims), (dy * (x - view(mean, x))).sum(dims)
-        return (sum_dy if input_g else None, sum_dy_xmu if input_g else None,
-                sum_dy_xmu * invstd if weight_g else None, sum_dy if bias_g else None)
+        return (
+            sum_dy if input_g else None,
+            sum_dy_xmu if input_g else None,
+            sum_dy_xmu * invstd if weight_g else None,
+            sum_dy if bias_g else None,
+        )
 
     def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
         calls["backward_elemt"] = calls.get("backward_elemt", 0) + 1
@@ -138,11 +206,16 @@ def cuda_kernel_references(calls: dict) -> dict:
             raise RuntimeError(f"count must be int32, got {count.dtype}")
         n = int(count.sum())
         w = torch.ones_like(mean) if weight is None else weight
-        return ((dy - view(sum_dy / n, x) - (x - view(mean, x))
-                 * view(sum_dy_xmu / n * invstd * invstd, x)) * view(invstd * w, x))
+        return (
+            dy
+            - view(sum_dy / n, x)
+            - (x - view(mean, x)) * view(sum_dy_xmu / n * invstd * invstd, x)
+        ) * view(invstd * w, x)
 
-    return {"batch_norm_backward_reduce": backward_reduce,
-            "batch_norm_backward_elemt": backward_elemt}
+    return {
+        "batch_norm_backward_reduce": backward_reduce,
+        "batch_norm_backward_elemt": backward_elemt,
+    }
 
 
 def cuda_slots_cases(rank: int, world: int) -> dict:
@@ -153,13 +226,20 @@ def cuda_slots_cases(rank: int, world: int) -> dict:
 
     calls: dict = {}
     refs = cuda_kernel_references(calls)
-    with mock.patch.dict(sync.DEVICE_KERNELS, {"cpu": sync.DEVICE_KERNELS["cuda"]}), \
-            mock.patch.object(torch, "batch_norm_backward_reduce",
-                              refs["batch_norm_backward_reduce"], create=True), \
-            mock.patch.object(torch, "batch_norm_backward_elemt",
-                              refs["batch_norm_backward_elemt"], create=True):
-        out = {spec[0]: run_case(rank, world, spec) for spec in CASES[world]
-               if spec[0] in CUDA_SLOT_CASES}
+    with (
+        mock.patch.dict(sync.DEVICE_KERNELS, {"cpu": sync.DEVICE_KERNELS["cuda"]}),
+        mock.patch.object(
+            torch, "batch_norm_backward_reduce", refs["batch_norm_backward_reduce"], create=True
+        ),
+        mock.patch.object(
+            torch, "batch_norm_backward_elemt", refs["batch_norm_backward_elemt"], create=True
+        ),
+    ):
+        out = {
+            spec[0]: run_case(rank, world, spec)
+            for spec in CASES[world]
+            if spec[0] in CUDA_SLOT_CASES
+        }
     return {"cases": out, "calls": calls}
 
 
@@ -169,10 +249,17 @@ def compiled_case(rank: int) -> dict:
     import bnswap
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                        nn.Linear(4 * 4 * 4, 2), nn.BatchNorm1d(2, momentum=None)).double()
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 2),
+        nn.BatchNorm1d(2, momentum=None),
+    ).double()
     eager = bnswap.convert(net, sync_batchnorm=True)
     import copy
+
     twin = copy.deepcopy(eager)
     compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
     out = {}
@@ -185,8 +272,7 @@ def compiled_case(rank: int) -> dict:
         b.sum().backward()
         out[f"out{step}"] = (a.detach(), b.detach())
     out["grads"] = [(p.grad, q.grad) for p, q in zip(eager.parameters(), twin.parameters())]
-    out["state"] = [(s, t) for s, t in zip(eager.state_dict().values(),
-                                           twin.state_dict().values())]
+    out["state"] = [(s, t) for s, t in zip(eager.state_dict().values(), twin.state_dict().values())]
     return out
 
 
@@ -256,9 +342,13 @@ def bad_input_case(rank: int) -> dict:
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     result: dict = {}
     try:
         result["cases"] = {spec[0]: run_case(rank, world, spec) for spec in CASES[world]}

@@ -26,8 +26,9 @@ X = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
 
 def net() -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8)
+    )
     with torch.no_grad():  # statistics and affine parameters that make a fold visible
         for m in model.modules():
             if isinstance(m, nn.BatchNorm2d):
@@ -67,8 +68,9 @@ def _ops(proto) -> collections.Counter:
 
 def _run_onnx(proto, x: torch.Tensor) -> torch.Tensor:
     onnxruntime = _onnxruntime()
-    sess = onnxruntime.InferenceSession(proto.SerializeToString(),
-                                        providers=["CPUExecutionProvider"])
+    sess = onnxruntime.InferenceSession(
+        proto.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
     name = sess.get_inputs()[0].name
     return torch.from_numpy(sess.run(None, {name: x.numpy()})[0])
 
@@ -89,8 +91,10 @@ def test_onnx_torchscript_export_eval_folds_batch_norm_like_stock(opset):
     aten::batch_norm (there is no symbolic for the consolidated ops: the export raised
     UnsupportedOperatorError)."""
     stock, swapped = pair(train=False)
-    ps, pb = _torchscript_onnx(stock, opset_version=opset), _torchscript_onnx(
-        swapped, opset_version=opset)
+    ps, pb = (
+        _torchscript_onnx(stock, opset_version=opset),
+        _torchscript_onnx(swapped, opset_version=opset),
+    )
     assert _ops(pb) == _ops(ps) == collections.Counter({"Conv": 2, "Relu": 1})
     ys, yb = _run_onnx(ps, X), _run_onnx(pb, X)
     assert torch.equal(yb, ys)
@@ -104,11 +108,15 @@ def test_onnx_torchscript_export_training_mode_like_stock():
     ps, pb = _torchscript_onnx(stock, **kw), _torchscript_onnx(swapped, **kw)
     assert _ops(pb) == _ops(ps)
     assert _ops(pb)["BatchNormalization"] == 2
-    modes = [[a.i for a in n.attribute if a.name == "training_mode"]
-             for n in pb.graph.node if n.op_type == "BatchNormalization"]
+    modes = [
+        [a.i for a in n.attribute if a.name == "training_mode"]
+        for n in pb.graph.node
+        if n.op_type == "BatchNormalization"
+    ]
     assert modes == [[1], [1]]
     assert [(n.op_type, [(a.name, a.f, a.i) for a in n.attribute]) for n in pb.graph.node] == [
-        (n.op_type, [(a.name, a.f, a.i) for a in n.attribute]) for n in ps.graph.node]
+        (n.op_type, [(a.name, a.f, a.i) for a in n.attribute]) for n in ps.graph.node
+    ]
     assert torch.equal(_run_onnx(pb, X), _run_onnx(ps, X))
     # the exporter's trace ran on copies of nothing: the statistics did not move
     assert state_diff(stock, swapped) == []
@@ -186,7 +194,8 @@ def test_torchscript_trace_in_training_with_an_empty_batch_like_stock():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         ts, tb = torch.jit.trace(stock, (X,)), torch.jit.trace(swapped, (X,))
     assert [n.kind() for n in tb.inlined_graph.nodes()] == [
-        n.kind() for n in ts.inlined_graph.nodes()]
+        n.kind() for n in ts.inlined_graph.nodes()
+    ]
     for x in _batches(2, 0, 3):
         ys, yb = ts(x), tb(x)
         assert ys.shape == yb.shape == (x.shape[0], 8, 12, 12)
@@ -290,8 +299,9 @@ def test_torchao_pt2e_prepare_gives_stocks_graph(qat):
         quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=qat))
         prepared = (prepare_qat_pt2e if qat else prepare_pt2e)(gm, quantizer)
         assert bnswap.to_stock_ops(prepared) == (2 if qat and m is swapped else 0)
-        ops = collections.Counter(str(n.target) for n in prepared.graph.nodes
-                                  if n.op == "call_function")
+        ops = collections.Counter(
+            str(n.target) for n in prepared.graph.nodes if n.op == "call_function"
+        )
         observers = collections.Counter(type(mm).__name__ for mm in prepared.modules())
         results.append((ops, observers, prepared(X)))
     (os_, obs_s, ys), (ob, obs_b, yb) = results
@@ -304,15 +314,22 @@ def test_torchao_pt2e_prepare_gives_stocks_graph(qat):
         assert not any("batch_norm" in k for k in ob)
 
 
-@pytest.mark.skipif(TORCH < (2, 5), reason="torch 2.4's torch.export.export returns a "
-                    "functional graph (other nodes, another order); to_stock_ops's node-for-"
-                    "node parity with stock's export is tested on torch 2.9 / 2.13 / 2.14 / 2.15")
+@pytest.mark.skipif(
+    TORCH < (2, 5),
+    reason="torch 2.4's torch.export.export returns a "
+    "functional graph (other nodes, another order); to_stock_ops's node-for-"
+    "node parity with stock's export is tested on torch 2.9 / 2.13 / 2.14 / 2.15",
+)
 def test_to_stock_ops_gives_stocks_exported_graph_for_every_flag():
     """bnswap.to_stock_ops (what the torchao patch runs) turns a swapped model's export
     into stock's, node for node: affine=False, track_running_stats=False, eval."""
-    for kwargs, train in (({}, True), ({}, False), ({"affine": False}, True),
-                          ({"track_running_stats": False}, True),
-                          ({"affine": False, "track_running_stats": False}, False)):
+    for kwargs, train in (
+        ({}, True),
+        ({}, False),
+        ({"affine": False}, True),
+        ({"track_running_stats": False}, True),
+        ({"affine": False, "track_running_stats": False}, False),
+    ):
         torch.manual_seed(0)
         stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, **kwargs)).train(train)
         swapped = bnswap.convert(copy.deepcopy(stock))
@@ -323,8 +340,9 @@ def test_to_stock_ops_gives_stocks_exported_graph_for_every_flag():
         assert [(n.op, str(n.target), len(n.args)) for n in gb.graph.nodes] == nodes, kwargs
         for n_s, n_b in zip(gs.graph.nodes, gb.graph.nodes, strict=True):
             if n_s.op == "call_function" and "batch_norm" in str(n_s.target):
-                assert [a if not isinstance(a, torch.fx.Node) else a.name for a in n_s.args] \
-                    == [a if not isinstance(a, torch.fx.Node) else a.name for a in n_b.args]
+                assert [a if not isinstance(a, torch.fx.Node) else a.name for a in n_s.args] == [
+                    a if not isinstance(a, torch.fx.Node) else a.name for a in n_b.args
+                ]
         for x in _batches(4, 4):
             assert torch.equal(gb(x), gs(x))
             assert state_diff(gs, gb) == []
@@ -338,21 +356,26 @@ def test_ptflops_counts_batch_norm_like_stock():
     counted (428,160 instead of 439,040 MACs on the issue's net at 3x32x32)."""
     ptflops = pytest.importorskip("ptflops")
     stock, swapped = pair(train=False)
-    counts = [ptflops.get_model_complexity_info(m, (3, 32, 32), as_strings=False,
-                                                print_per_layer_stat=False,
-                                                backend="pytorch") for m in (stock, swapped)]
+    counts = [
+        ptflops.get_model_complexity_info(
+            m, (3, 32, 32), as_strings=False, print_per_layer_stat=False, backend="pytorch"
+        )
+        for m in (stock, swapped)
+    ]
     assert counts[0] == counts[1]
     convs_only = nn.Sequential(stock[0], stock[2], stock[3])
-    macs_convs, _ = ptflops.get_model_complexity_info(convs_only, (3, 32, 32), as_strings=False,
-                                                      print_per_layer_stat=False,
-                                                      backend="pytorch")
+    macs_convs, _ = ptflops.get_model_complexity_info(
+        convs_only, (3, 32, 32), as_strings=False, print_per_layer_stat=False, backend="pytorch"
+    )
     assert counts[1][0] > macs_convs  # batch norm is counted
 
 
 # ----------------------------------------------------------------------- exported
-@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"),
-                    reason="torch.compiler.is_exporting: torch >= 2.5 (on torch 2.4 the "
-                           "exported program's own shape guard refuses a batch of 0, stock's too)")
+@pytest.mark.skipif(
+    not hasattr(torch.compiler, "is_exporting"),
+    reason="torch.compiler.is_exporting: torch >= 2.5 (on torch 2.4 the "
+    "exported program's own shape guard refuses a batch of 0, stock's too)",
+)
 def test_exported_program_with_an_empty_batch_raises_clearly_or_runs_as_stock():
     """Guards: torch.export's program called with batch 0 failed inside the kernel
     ("input tensor must have at least one element"). Now a runtime assertion says why,
@@ -366,8 +389,9 @@ def test_exported_program_with_an_empty_batch_raises_clearly_or_runs_as_stock():
     b2, b0, b3 = _batches(2, 0, 3)
     assert torch.equal(mb(b2), ms(b2)) and state_diff(ms, mb) == []
     before = {k: v.clone() for k, v in mb.state_dict().items()}
-    with pytest.raises(RuntimeError, match="bnswap: a batch norm of this exported program got "
-                                           "an empty input"):
+    with pytest.raises(
+        RuntimeError, match="bnswap: a batch norm of this exported program got an empty input"
+    ):
         mb(b0)
     assert all(torch.equal(v, mb.state_dict()[k]) for k, v in before.items())
     assert bnswap.to_stock_ops(mb) == 2
@@ -396,15 +420,22 @@ def test_lightning_to_torchscript_and_to_onnx_after_fit_like_stock(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
-        torch.cat(_batches(4, 4, 4))), batch_size=4)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.cat(_batches(4, 4, 4))), batch_size=4
+    )
     fitted = []
     for callbacks in ([], [bnswap.BNSwap()]):
         pl.seed_everything(0)
         module = Module()
-        pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=callbacks, default_root_dir=tmp_path).fit(module, data)
+        pl.Trainer(
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+            default_root_dir=tmp_path,
+        ).fit(module, data)
         fitted.append(module)
     stock, swapped = fitted
     assert all(bnswap.is_swapped(m) for m in swapped.modules() if isinstance(m, _BatchNorm))
@@ -441,8 +472,11 @@ def test_torchao_move_exported_model_to_eval_and_train_like_stock(to_eval):
         assert state_diff(gs, gb) == []
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"affine": False}, {"track_running_stats": False}],
-                         ids=["default", "no-affine", "no-tracking"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"affine": False}, {"track_running_stats": False}],
+    ids=["default", "no-affine", "no-tracking"],
+)
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_onnx_dynamo_export_of_an_exported_program_like_stock(train, kwargs):
     """Guards: torch.onnx.export given a swapped model's ExportedProgram decomposed the
@@ -466,8 +500,10 @@ def test_onnx_dynamo_export_of_an_exported_program_like_stock(train, kwargs):
     assert torch.equal(_run_onnx(pb, X), _run_onnx(ps, X))
 
 
-@pytest.mark.skipif(not hasattr(torch.export.ExportedProgram, "validate"),
-                    reason="ExportedProgram.validate: torch >= 2.5")
+@pytest.mark.skipif(
+    not hasattr(torch.export.ExportedProgram, "validate"),
+    reason="ExportedProgram.validate: torch >= 2.5",
+)
 def test_to_stock_ops_on_an_exported_program_keeps_it_valid_and_saveable(tmp_path):
     """Guards: the rewrite left the program's signature naming an erased node
     (SpecViolationError on validate / torch.export.save)."""
@@ -496,8 +532,9 @@ def test_momentum_none_training_export_saves_and_loads(tmp_path):
     eager = copy.deepcopy(model)
     for x in _batches(4, 4, 4):
         torch.testing.assert_close(loaded(x), eager(x), rtol=0, atol=1e-6)
-    torch.testing.assert_close(dict(loaded.named_buffers())["1.running_var"],
-                               eager[1].running_var, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        dict(loaded.named_buffers())["1.running_var"], eager[1].running_var, rtol=0, atol=1e-6
+    )
 
 
 def test_momentum_none_layer_in_pt2e_qat_is_refused_clearly():
@@ -581,8 +618,9 @@ def _bn_with_stats(affine: bool) -> nn.BatchNorm2d:
     return bn
 
 
-def _stock_with(bn: nn.BatchNorm2d, weight: torch.Tensor | None,
-                bias: torch.Tensor | None) -> torch.Tensor:
+def _stock_with(
+    bn: nn.BatchNorm2d, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
     """Stock eval BatchNorm2d, float64, with ``bn``'s statistics and the given affine
     parameters (ones / zeros for None): what the core must compute with those stand-ins."""
     ref = nn.BatchNorm2d(8).double().eval()
@@ -613,6 +651,7 @@ def test_stand_ins_are_used_only_while_tracing_inside_the_block_and_nested_block
         def stand_ins(layer):
             calls.append((tag, layer))
             return weight, bias
+
         return stand_ins
 
     a, b = provider("a", w_a, None), provider("b", w_b, b_b)
@@ -620,8 +659,9 @@ def test_stand_ins_are_used_only_while_tracing_inside_the_block_and_nested_block
     def traced() -> torch.Tensor:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            fn = torch.jit.trace(lambda x: bnswap.module_batch_norm(bn, x), (X8,),
-                                 check_trace=False)
+            fn = torch.jit.trace(
+                lambda x: bnswap.module_batch_norm(bn, x), (X8,), check_trace=False
+            )
         return fn(X8)
 
     plain = _stock_with(bn, None, None)
@@ -663,8 +703,13 @@ def test_revert_removes_internal_buffers_and_torchscript_leaves_them_out():
     from bnswap._swap import add_internal_buffer, drop_internal_buffers, internal_buffer_names
 
     torch.manual_seed(0)
-    stock = nn.Sequential(nn.Conv2d(3, 8, 3), _bn_with_stats(affine=False), nn.ReLU(),
-                          nn.Conv2d(8, 8, 3), _bn_with_stats(affine=False)).eval()
+    stock = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        _bn_with_stats(affine=False),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3),
+        _bn_with_stats(affine=False),
+    ).eval()
     model = bnswap.convert(copy.deepcopy(stock))
     user = torch.full((8,), 7.0)
     model[1].register_buffer("user_extra", user, persistent=False)  # the user's own
@@ -680,8 +725,12 @@ def test_revert_removes_internal_buffers_and_torchscript_leaves_them_out():
 
     view = stock_view(model)
     assert internal_buffer_names(model[4]) == ["_bnswap_test_ones", "_bnswap_test_zeros"]
-    assert list(view[1]._buffers) == ["running_mean", "running_var", "num_batches_tracked",
-                                      "user_extra"]
+    assert list(view[1]._buffers) == [
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+        "user_extra",
+    ]
     assert view[1]._non_persistent_buffers_set == {"user_extra"}
     assert view[1].running_mean is model[1].running_mean
     with torch.no_grad(), warnings.catch_warnings():

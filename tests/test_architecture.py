@@ -36,8 +36,19 @@ ALLOWED: dict[str, set[str]] = {
     "plan": {"_swap", "_warn", "_rows", "registry", "sync", "backends", "programs"},
     "convert": {"_swap", "_warn", "_log", "plan", "sync", "programs"},
     "lightning": {"backends", "convert", "extras", "layers", "plan", "sync"},
-    "__init__": {"functional", "_swap", "_graph", "layers", "_compat", "registry", "plan",
-                 "convert", "lightning", "ort", "programs"},
+    "__init__": {
+        "functional",
+        "_swap",
+        "_graph",
+        "layers",
+        "_compat",
+        "registry",
+        "plan",
+        "convert",
+        "lightning",
+        "ort",
+        "programs",
+    },
     "app": {"__init__", "lightning", "extras"},
 }
 PACKAGES = {"ort", "app", "adapters"}  # rooms that are folders: their modules may import
@@ -86,7 +97,7 @@ class _Imports(ast.NodeVisitor):
         base = node.module or ""
         if node.level:
             parts = self.package.split(".")
-            parent = ".".join(parts[:len(parts) - node.level + 1])
+            parent = ".".join(parts[: len(parts) - node.level + 1])
             base = f"{parent}.{base}" if base else parent
         for a in node.names:
             sub = f"{base}.{a.name}"
@@ -95,8 +106,12 @@ class _Imports(ast.NodeVisitor):
     def visit_Call(self, node):  # noqa: N802
         fn = node.func
         called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
-        if called in ("import_module", "__import__") and node.args and isinstance(
-                node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        if (
+            called in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             self._add(node.args[0].value, None)
         self.generic_visit(node)
 
@@ -129,13 +144,15 @@ def test_imports_only_what_its_room_may(name):
             continue
         assert other in ALLOWED[room], (
             f"{name} imports {target}: docs/architecture.md lets {room!r} import "
-            f"{sorted(ALLOWED[room])} only")
+            f"{sorted(ALLOWED[room])} only"
+        )
         if other in LAZY_ONLY.get(room, ()):
             assert lazy, f"{name} imports {target} at module level (only on first use)"
         if room in PUBLIC_ONLY and other != room:
             private = [p for p in target.split(".")[1:] if p.startswith("_")]
             assert not private and not (imported or "").startswith("_"), (
-                f"{name} imports a private name: {target} {imported or ''}")
+                f"{name} imports a private name: {target} {imported or ''}"
+            )
 
 
 def test_only_the_synchronized_room_and_the_log_import_torch_distributed():
@@ -145,8 +162,13 @@ def test_only_the_synchronized_room_and_the_log_import_torch_distributed():
     found = []
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
                 found.append(name)
     assert sorted(set(found)) == ["bnswap._log", "bnswap.app.cli", "bnswap.sync"]
@@ -163,8 +185,7 @@ def test_no_import_cycle():
         state[node] = 1
         for nxt in sorted(graph[node]):
             # the package face loads these on first use (its __getattr__): no cycle
-            if not (node == "bnswap" and nxt in ("bnswap.lightning", "bnswap.ort")) \
-                    and nxt != node:
+            if not (node == "bnswap" and nxt in ("bnswap.lightning", "bnswap.ort")) and nxt != node:
                 visit(nxt, path + [node])
         state[node] = 2
 

@@ -70,14 +70,16 @@ class Block(nn.Module):
 def build(parametrized: bool = True, lazy: bool = True) -> nn.Module:
     torch.manual_seed(0)
     shared = nn.BatchNorm2d(4, track_running_stats=False)
-    model = nn.Sequential(OrderedDict(
-        conv=nn.Conv2d(3, 4, 3),
-        lazy=nn.LazyBatchNorm2d() if lazy else nn.Identity(),
-        pbn=nn.BatchNorm2d(4),
-        bn=nn.BatchNorm2d(4),
-        shared_a=shared,
-        block=Block(shared),
-    ))
+    model = nn.Sequential(
+        OrderedDict(
+            conv=nn.Conv2d(3, 4, 3),
+            lazy=nn.LazyBatchNorm2d() if lazy else nn.Identity(),
+            pbn=nn.BatchNorm2d(4),
+            bn=nn.BatchNorm2d(4),
+            shared_a=shared,
+            block=Block(shared),
+        )
+    )
     bn = model.bn
     with torch.no_grad():
         bn.running_mean.uniform_(-1, 1)
@@ -112,8 +114,15 @@ def snapshot(model: nn.Module) -> list[tuple]:
         row = [name, id(m), type(m)]
         for k, v in sorted(vars(m).items()):
             if isinstance(v, torch.Tensor):
-                row.append((k, id(v), _tensor_row(v), v.requires_grad,
-                            dict(getattr(v, "_backward_hooks", None) or {})))
+                row.append(
+                    (
+                        k,
+                        id(v),
+                        _tensor_row(v),
+                        v.requires_grad,
+                        dict(getattr(v, "_backward_hooks", None) or {}),
+                    )
+                )
             elif isinstance(v, dict):
                 items = []
                 for kk, vv in v.items():
@@ -171,8 +180,14 @@ def test_the_model_has_every_kind_of_layer():
     model = build()
     plan = bnswap.plan(model)
     # every kind is undone by some k (the last one's own swap is the failing one)
-    assert [r.name for r in plan.swapped] == ["lazy", "pbn", "bn", "shared_a", "block.bn1",
-                                             "block.bn3"]
+    assert [r.name for r in plan.swapped] == [
+        "lazy",
+        "pbn",
+        "bn",
+        "shared_a",
+        "block.bn1",
+        "block.bn3",
+    ]
     assert n_swaps(model) == 6
 
 
@@ -204,8 +219,10 @@ def test_kth_failure_leaves_the_model_identical(monkeypatch, k):
     # and a later convert succeeds
     bnswap.convert(model)
     assert n_swaps(model) == 6 and all(
-        bnswap.is_swapped(m) for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) or m is model.lazy)
+        bnswap.is_swapped(m)
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) or m is model.lazy
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])

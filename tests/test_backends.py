@@ -64,25 +64,31 @@ def test_plan_wrap_children_places_each_row_where_it_runs():
     assert list(rows) == ["net.1", "side.0", "side.1", "lazy.0", "synced.0"]  # model order
     assert (rows["net.1"].backend, rows["net.1"].kernel) == ("ort", "BatchNormInternal (ORT)")
     assert (rows["side.0"].backend, rows["side.0"].kernel) == ("aten", "Native")
-    assert rows["side.0"].reason.endswith("eager: its top-level module holds a layer that is "
-                                          "not swapped")
+    assert rows["side.0"].reason.endswith(
+        "eager: its top-level module holds a layer that is not swapped"
+    )
     assert rows["side.1"].action == "skip" and rows["side.1"].backend == "-"
     assert rows["lazy.0"].backend == "aten" and "lazy layer" in rows["lazy.0"].reason
     # ONNX Runtime cannot synchronize: the child runs eager, synchronized on aten
     synced = rows["synced.0"]
     assert (synced.action, synced.backend, synced.adapter_name) == (
-        "swap", "aten", "bnswap.sync.sync_batch_norm_forward")
+        "swap",
+        "aten",
+        "bnswap.sync.sync_batch_norm_forward",
+    )
     assert "eager, synchronized on aten" in synced.reason
     # the whole-model plan refuses the SyncBatchNorm instead (convert raises)
     whole = {r.name: r for r in bnswap.plan(model, "ort", exclude="side.1")}
-    assert whole["synced.0"].action == "skip" and "UnsupportedLayerError" in whole["synced.0"].reason
+    assert (
+        whole["synced.0"].action == "skip" and "UnsupportedLayerError" in whole["synced.0"].reason
+    )
     assert all(r.backend in ("ort", "-") for r in whole.values())
     # aten ignores the scope: nothing is wrapped, nothing rewritten
     aten = bnswap.plan(model, exclude="side.1", wrap="children")
     assert aten.to_wrap == () and [r.reason for r in aten] == [
-        r.reason for r in bnswap.plan(model, exclude="side.1")]
-    with pytest.raises(ValueError, match="unknown wrap 'child'; choose one of 'model', "
-                                         "'children'"):
+        r.reason for r in bnswap.plan(model, exclude="side.1")
+    ]
+    with pytest.raises(ValueError, match="unknown wrap 'child'; choose one of 'model', 'children'"):
         bnswap.plan(model, "ort", wrap="child")
 
 
@@ -93,28 +99,39 @@ def test_plan_row_placement_holds_the_eager_note_as_a_field():
     the plan gave); None for a row that runs where the plan's backend puts it, a skipped
     row, a plan without children placement, and a model that is itself a layer."""
     eager = "eager: its top-level module holds a layer that is not swapped"
-    lazy = ("eager until a forward initializes its top-level module's lazy layer (then "
-            "wrapped)")
-    synced = ("eager, synchronized on aten: its top-level module holds a SyncBatchNorm "
-              "(ONNX Runtime cannot synchronize batch statistics across processes)")
-    skip_note = ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
-                 "backend='ort') refuses the model, BNSwap keeps its child eager")
+    lazy = "eager until a forward initializes its top-level module's lazy layer (then wrapped)"
+    synced = (
+        "eager, synchronized on aten: its top-level module holds a SyncBatchNorm "
+        "(ONNX Runtime cannot synchronize batch statistics across processes)"
+    )
+    skip_note = (
+        "; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
+        "backend='ort') refuses the model, BNSwap keeps its child eager"
+    )
     p = bnswap.plan(_Model(), "ort", exclude="side.1", wrap="children")
     assert [(r.name, r.backend, r.placement, r.reason) for r in p] == [
         ("net.1", "ort", None, "-"),
         ("side.0", "aten", eager, eager),
         ("side.1", "-", None, "excluded by 'side.1'" + skip_note),
-        ("lazy.0", "aten", lazy, "uninitialized LazyBatchNorm1d: swapped now, keeps the "
-                                 "swap when it initializes; " + lazy),
-        ("synced.0", "aten", synced, synced)]
+        (
+            "lazy.0",
+            "aten",
+            lazy,
+            "uninitialized LazyBatchNorm1d: swapped now, keeps the "
+            "swap when it initializes; " + lazy,
+        ),
+        ("synced.0", "aten", synced, synced),
+    ]
     # the table and the JSON keep the note in the reason only
     assert [d["reason"] for d in p.to_dicts()] == [r.reason for r in p]
     assert all("placement" not in d for d in p.to_dicts())
     side = str(p).splitlines()[4]  # (after the summary, the header and the rule)
     assert side.startswith("side.0") and side.endswith(eager)
-    for other in (bnswap.plan(_Model(), "ort", exclude="side.1"),  # wraps the whole model
-                  bnswap.plan(_Model(), exclude="side.1", wrap="children"),  # aten
-                  bnswap.plan(nn.BatchNorm2d(2), "ort", wrap="children")):  # a layer itself
+    for other in (
+        bnswap.plan(_Model(), "ort", exclude="side.1"),  # wraps the whole model
+        bnswap.plan(_Model(), exclude="side.1", wrap="children"),  # aten
+        bnswap.plan(nn.BatchNorm2d(2), "ort", wrap="children"),
+    ):  # a layer itself
         assert [r.placement for r in other] == [None] * len(other)
     root = bnswap.plan(nn.BatchNorm2d(2), "ort", wrap="children")[0]
     assert (root.backend, root.reason) == ("aten", "-")
@@ -182,33 +199,47 @@ def test_a_plan_convert_would_refuse_says_so_in_its_summary():
     assert p.refused
     assert p.summary() == (
         "bnswap plan: 1 of 3 BatchNorm layers would be swapped, 2 skipped; convert(backend='ort') "
-        "refuses this model (ONNX Runtime cannot run a skipped layer): nothing would change")
+        "refuses this model (ONNX Runtime cannot run a skipped layer): nothing would change"
+    )
     assert str(p).splitlines()[0] == p.summary()
-    for fine in (bnswap.plan(model, exclude="1"),  # aten runs skipped layers as stock
-                 bnswap.plan(model, "ort", exclude="1", wrap="children"),  # children eager
-                 bnswap.plan(nn.Sequential(nn.BatchNorm2d(2)), "ort")):  # nothing skipped
+    for fine in (
+        bnswap.plan(model, exclude="1"),  # aten runs skipped layers as stock
+        bnswap.plan(model, "ort", exclude="1", wrap="children"),  # children eager
+        bnswap.plan(nn.Sequential(nn.BatchNorm2d(2)), "ort"),
+    ):  # nothing skipped
         assert not fine.refused and "refuses" not in fine.summary()
-    with pytest.raises(bnswap.ort.UnsupportedLayerError,
-                       match=r"'2' is a SyncBatchNorm.*bnswap.ort.wrap only submodules"):
+    with pytest.raises(
+        bnswap.ort.UnsupportedLayerError,
+        match=r"'2' is a SyncBatchNorm.*bnswap.ort.wrap only submodules",
+    ):
         bnswap.convert(model, "ort", exclude="1")
     assert not any(bnswap.is_swapped(m) for m in model)
     # an uninitialized lazy layer: swapped (no skip), but ORT cannot export it yet
     lazy = nn.Sequential(nn.Linear(3, 4), nn.LazyBatchNorm1d())
     p = bnswap.plan(lazy, "ort")
-    assert p.refused and not p.skipped and p.summary().endswith(
-        "refuses this model (ONNX Runtime cannot run an uninitialized lazy layer: run one "
-        "forward first): nothing would change")
+    assert (
+        p.refused
+        and not p.skipped
+        and p.summary().endswith(
+            "refuses this model (ONNX Runtime cannot run an uninitialized lazy layer: run one "
+            "forward first): nothing would change"
+        )
+    )
     assert not bnswap.plan(lazy).refused  # aten: it keeps its swap when it initializes
     # convert names every layer ORT cannot run (it named the first, as bnswap.ort.wrap,
     # with five possible causes), before anything changes
     three = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
-    with pytest.raises(bnswap.ort.UnsupportedLayerError,
-                       match=r"^bnswap.convert: backend='ort' refuses this model: ONNX Runtime "
-                             r"cannot run a BatchNorm layer that is not a bnswap layer: '1' "
-                             r"\(excluded by '1'\), '2' \(excluded by '2'\)\. "):
+    with pytest.raises(
+        bnswap.ort.UnsupportedLayerError,
+        match=r"^bnswap.convert: backend='ort' refuses this model: ONNX Runtime "
+        r"cannot run a BatchNorm layer that is not a bnswap layer: '1' "
+        r"\(excluded by '1'\), '2' \(excluded by '2'\)\. ",
+    ):
         bnswap.convert(three, "ort", exclude=["1", "2"])
-    with pytest.raises(bnswap.ort.UnsupportedLayerError,
-                       match="'1' is an uninitialized LazyBatchNorm1d. To use it, run one "
-                             "forward of the model first"):
+    with pytest.raises(
+        bnswap.ort.UnsupportedLayerError,
+        match="'1' is an uninitialized LazyBatchNorm1d. To use it, run one "
+        "forward of the model first",
+    ):
         bnswap.convert(lazy, "ort")
     assert not any(bnswap.is_swapped(m) for m in [*three, *lazy])

@@ -134,8 +134,10 @@ ROWS = {
         "1d_train": (_bn(nn.BatchNorm1d, 5), _fwd(_x(4, 3))),
         "3d_eval": (_bn(nn.BatchNorm3d), _fwd(_x(2, 1, 2, 2, 2), train=False)),
         # no parameter or statistic to check against: stock normalizes the 4 channels
-        "noaffine_notrack_runs": (_bn(affine=False, track_running_stats=False),
-                                  _fwd(_x(2, 4, 3, 3))),
+        "noaffine_notrack_runs": (
+            _bn(affine=False, track_running_stats=False),
+            _fwd(_x(2, 4, 3, 3)),
+        ),
     },
     "one_value_per_channel": {
         "1d_train": (_bn(nn.BatchNorm1d), _fwd(_x(1, 3))),
@@ -143,8 +145,7 @@ ROWS = {
         "3d_train": (_bn(nn.BatchNorm3d), _fwd(_x(1, 3, 1, 1, 1))),
         "momentum_none_train": (_bn(momentum=None), _fwd(_x(1, 3, 1, 1))),
         "notrack_train": (_bn(track_running_stats=False), _fwd(_x(1, 3, 1, 1))),
-        "channels_last_train": (_bn(), _fwd(_x(1, 3, 1, 1).to(
-            memory_format=torch.channels_last))),
+        "channels_last_train": (_bn(), _fwd(_x(1, 3, 1, 1).to(memory_format=torch.channels_last))),
         "eval_runs": (_bn(), _fwd(_x(1, 3, 1, 1), train=False)),
         "batch_1_spatial_4_runs": (_bn(), _fwd(_x(1, 3, 2, 2))),
     },
@@ -166,11 +167,12 @@ ROWS = {
         "nan_eval": (_bn(), _fwd(_x(2, 3, 4, 4, fill=math.nan), train=False)),
         "inf_train": (_bn(), _fwd(_x(2, 3, 4, 4, fill=math.inf))),
         "neg_inf_eval": (_bn(), _fwd(_x(2, 3, 4, 4, fill=-math.inf), train=False)),
-        "nan_notrack_train": (_bn(track_running_stats=False),
-                              _fwd(_x(2, 3, 4, 4, fill=math.nan))),
+        "nan_notrack_train": (_bn(track_running_stats=False), _fwd(_x(2, 3, 4, 4, fill=math.nan))),
         "nan_momentum_none_train": (_bn(momentum=None), _fwd(_x(2, 3, 4, 4, fill=math.nan))),
-        "inf_channels_last_train": (_bn(), _fwd(_x(2, 3, 4, 4, fill=math.inf).to(
-            memory_format=torch.channels_last))),
+        "inf_channels_last_train": (
+            _bn(),
+            _fwd(_x(2, 3, 4, 4, fill=math.inf).to(memory_format=torch.channels_last)),
+        ),
         "nan_half_train": (_bn(), _fwd(_x(2, 3, 4, 4, dtype=torch.float16, fill=math.nan))),
         "overflow_train": (_bn(), _fwd(_x(2, 3, 4, 4) * 3e38)),
     },
@@ -180,43 +182,59 @@ ROWS = {
         "uint8_eval": (_bn(), _fwd(_x(2, 3, 2, 2, dtype=torch.uint8), train=False)),
         "bool_train": (_bn(), _fwd(_x(2, 3, 2, 2, dtype=torch.bool))),
         "complex_train": (_bn(), _fwd(_x(2, 3, 2, 2, dtype=torch.complex64))),
-        "int64_notrack_train": (_bn(track_running_stats=False),
-                                _fwd(_x(2, 3, 2, 2, dtype=torch.long))),
+        "int64_notrack_train": (
+            _bn(track_running_stats=False),
+            _fwd(_x(2, 3, 2, 2, dtype=torch.long)),
+        ),
     },
     "dtype_mismatch": {
         "float64_input_float32_layer": (_bn(), _fwd(_x(2, 3, 2, 2, dtype=torch.float64))),
-        "float32_input_float64_layer_eval": (_bn(dtype=torch.float64),
-                                             _fwd(_x(2, 3, 2, 2), train=False)),
+        "float32_input_float64_layer_eval": (
+            _bn(dtype=torch.float64),
+            _fwd(_x(2, 3, 2, 2), train=False),
+        ),
     },
     "bad_state_dict": {
         "wrong_shape": (_bn(), _load(_sd_shape)),
         "wrong_shape_assign": (_bn(), _load(_sd_shape, assign=True)),
         "float64_stats_then_train": (_bn(), _load(_sd_f64, then=_fwd(x4))),
         "float64_stats_then_eval": (_bn(), _load(_sd_f64, then=_fwd(x4, train=False))),
-        "float64_stats_assign_then_eval": (_bn(), _load(_sd_f64, assign=True,
-                                                        then=_fwd(x4, train=False))),
-        "float64_stats_assign_then_train": (_bn(), _load(_sd_f64, assign=True,
-                                                         then=_fwd(x4))),
-        "float_counter_then_train": (_bn(momentum=None),
-                                     _load(_sd_nbt_float, then=_fwd(x4))),
+        "float64_stats_assign_then_eval": (
+            _bn(),
+            _load(_sd_f64, assign=True, then=_fwd(x4, train=False)),
+        ),
+        "float64_stats_assign_then_train": (_bn(), _load(_sd_f64, assign=True, then=_fwd(x4))),
+        "float_counter_then_train": (_bn(momentum=None), _load(_sd_nbt_float, then=_fwd(x4))),
         "counter_shape": (_bn(), _load(_sd_nbt_shape)),
     },
     "bad_buffers_set_directly": {
-        "running_mean_wrong_shape_eval": (_bn(), _set("running_mean", lambda: torch.zeros(4),
-                                                      _fwd(x4, train=False))),
-        "running_var_wrong_shape_train": (_bn(), _set("running_var", lambda: torch.ones(5),
-                                                      _fwd(x4))),
-        "running_var_float64_train": (_bn(), _set(
-            "running_var", lambda: torch.ones(3, dtype=torch.float64), _fwd(x4))),
-        "weight_wrong_shape_train": (_bn(), _set(
-            "weight", lambda: nn.Parameter(torch.ones(4)), _fwd(x4))),
-        "bias_wrong_shape_eval": (_bn(), _set(
-            "bias", lambda: nn.Parameter(torch.ones(2)), _fwd(x4, train=False))),
+        "running_mean_wrong_shape_eval": (
+            _bn(),
+            _set("running_mean", lambda: torch.zeros(4), _fwd(x4, train=False)),
+        ),
+        "running_var_wrong_shape_train": (
+            _bn(),
+            _set("running_var", lambda: torch.ones(5), _fwd(x4)),
+        ),
+        "running_var_float64_train": (
+            _bn(),
+            _set("running_var", lambda: torch.ones(3, dtype=torch.float64), _fwd(x4)),
+        ),
+        "weight_wrong_shape_train": (
+            _bn(),
+            _set("weight", lambda: nn.Parameter(torch.ones(4)), _fwd(x4)),
+        ),
+        "bias_wrong_shape_eval": (
+            _bn(),
+            _set("bias", lambda: nn.Parameter(torch.ones(2)), _fwd(x4, train=False)),
+        ),
     },
     "notrack_eval_batch_1": {
         "2d_one_value": (_bn(track_running_stats=False), _fwd(_x(1, 3, 1, 1), train=False)),
-        "1d_one_value": (_bn(nn.BatchNorm1d, track_running_stats=False),
-                         _fwd(_x(1, 3), train=False)),
+        "1d_one_value": (
+            _bn(nn.BatchNorm1d, track_running_stats=False),
+            _fwd(_x(1, 3), train=False),
+        ),
         "2d_spatial_runs": (_bn(track_running_stats=False), _fwd(_x(1, 3, 3, 3), train=False)),
     },
     "odd_hyperparameters": {
@@ -247,18 +265,23 @@ def _nbt(m):
 
 
 def _stats(m):
-    return [None if t is None or isinstance(t, nn.parameter.UninitializedTensorMixin)
-            else t.detach().clone() for t in (m.running_mean, m.running_var)]
+    return [
+        None
+        if t is None or isinstance(t, nn.parameter.UninitializedTensorMixin)
+        else t.detach().clone()
+        for t in (m.running_mean, m.running_var)
+    ]
 
 
 def _run_case(build, act) -> dict:
     stock, swapped = build(), build()  # builders are deterministic (lazy layers cannot
-    bnswap.convert(swapped)            # be deepcopied before they initialize)
+    bnswap.convert(swapped)  # be deepcopied before they initialize)
     assert bnswap.is_swapped(swapped) and state_diff(stock, swapped) == []
     before = [(_nbt(m), _stats(m)) for m in (stock, swapped)]
     # (a lazy layer's first forward initializes its statistics before anything raises)
     pure = getattr(act, "pure_forward", False) and not isinstance(
-        stock, nn.modules.lazy.LazyModuleMixin)
+        stock, nn.modules.lazy.LazyModuleMixin
+    )
     res = [outcome(lambda m=m: act(m)) for m in (stock, swapped)]
     out = {"stock": _describe(res[0]), "bnswap": _describe(res[1]), "pure_forward": pure}
     ys, yb = res[0][1], res[1][1]
@@ -279,7 +302,8 @@ def _run_case(build, act) -> dict:
         s1 = _stats(m)
         out[f"{tag}_stats_changed"] = any(
             (a is None) != (b is None) or (a is not None and not same_tensor(a, b))
-            for a, b in zip(stats0, s1))
+            for a, b in zip(stats0, s1)
+        )
         out[f"{tag}_nan_stats"] = stats_have_nan(m)
     return out
 
@@ -452,12 +476,16 @@ def test_every_layer_row_ran_in_the_subprocess(results):
 # --- conversion-level rows, in process -------------------------------------------------
 
 
-@pytest.mark.parametrize("obj", [None, 3, "model", torch.randn(2), [nn.BatchNorm2d(3)],
-                                 nn.BatchNorm2d])
+@pytest.mark.parametrize(
+    "obj", [None, 3, "model", torch.randn(2), [nn.BatchNorm2d(3)], nn.BatchNorm2d]
+)
 @pytest.mark.parametrize("fn", ["convert", "plan", "revert"])
 def test_non_module_is_a_type_error(fn, obj):
-    with pytest.raises(TypeError, match=fr"^bnswap\.{fn}\(\) expects a torch\.nn\.Module, "
-                                        f"got {type(obj).__name__}$"):
+    with pytest.raises(
+        TypeError,
+        match=rf"^bnswap\.{fn}\(\) expects a torch\.nn\.Module, "
+        f"got {type(obj).__name__}$",
+    ):
         getattr(bnswap, fn)(obj)
 
 
@@ -473,8 +501,13 @@ def test_unknown_backend_is_a_value_error_naming_the_choices(backend):
 
 
 def _model():
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
-                         nn.Linear(4 * 3 * 3, 5), nn.BatchNorm1d(5))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 5),
+        nn.BatchNorm1d(5),
+    )
 
 
 @pytest.mark.parametrize(
@@ -482,8 +515,11 @@ def _model():
     [
         ({"include": "nothing*"}, 0, ["include pattern 'nothing*'"]),
         ({"include": ["1", "zz"]}, 1, ["include pattern 'zz'"]),
-        ({"exclude": ["zz", nn.BatchNorm3d]}, 2,
-         ["exclude pattern 'zz'", "exclude pattern BatchNorm3d"]),
+        (
+            {"exclude": ["zz", nn.BatchNorm3d]},
+            2,
+            ["exclude pattern 'zz'", "exclude pattern BatchNorm3d"],
+        ),
         ({"include": "0"}, 0, ["include pattern '0'"]),  # matches a conv, not a BatchNorm
         ({"exclude": "*"}, 0, []),
         ({"include": nn.BatchNorm1d}, 1, []),
@@ -564,8 +600,7 @@ def test_subclass_with_its_own_forward_is_left_as_is():
     """A subclass overriding forward is skipped (its behaviour would be lost); one that
     keeps torch's forward runs torch's adapter."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormReLU(4), PlainSubclass(4),
-                          nn.BatchNorm2d(4))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormReLU(4), PlainSubclass(4), nn.BatchNorm2d(4))
     ref = copy.deepcopy(model)
     plan = bnswap.plan(model)
     assert [r.action for r in plan] == ["skip", "swap", "swap"]
@@ -598,6 +633,7 @@ def test_sync_batchnorm_without_a_process_group_runs_as_stock():
 
 # --- direct tests of individual core fixes ----------------------------------------------
 
+
 @pytest.mark.parametrize(
     "eps,train,track",
     [(0.0, True, True), (-1e-5, True, True), (-1.0, False, True), (0.0, False, False)],
@@ -616,8 +652,11 @@ def test_non_positive_eps_raises_as_stock(eps, train, track):
 
 
 def test_the_eps_probe_matches_this_torch():
-    a = outcome(lambda: torch.nn.functional.batch_norm(
-        torch.randn(4, 2), None, None, training=True, eps=0.0))
+    a = outcome(
+        lambda: torch.nn.functional.batch_norm(
+            torch.randn(4, 2), None, None, training=True, eps=0.0
+        )
+    )
     assert bnswap.functional._CHECK_EPS == (a[0] == "err")
     # the probe itself, called again (the constant was computed once, at import)
     assert bnswap.functional._stock_checks_eps() is (a[0] == "err")
@@ -648,7 +687,7 @@ def test_statistics_set_to_none_behave_as_stock(train, missing, track, n):
     layer = nn.BatchNorm2d(3, track_running_stats=track)
     if not track:
         layer.running_mean, layer.running_var = torch.rand(3), torch.rand(3) + 0.5
-    for name in (["running_mean", "running_var"] if missing == "both" else [missing]):
+    for name in ["running_mean", "running_var"] if missing == "both" else [missing]:
         setattr(layer, name, None)
     stock, swapped = pair(layer.train(train))
     x = torch.randn(n, 3, 4, 4)
@@ -660,8 +699,10 @@ def test_statistics_set_to_none_behave_as_stock(train, missing, track, n):
         # consolidated ops cannot: bnswap raises the newer release's error (README,
         # "torch releases"), before any kernel or counter update.
         assert missing != "both" and train and a[0] == "ok", (a, b)
-        assert b[1] == (ValueError, "running_mean and running_var must either both be "
-                                    "None or neither be None")
+        assert b[1] == (
+            ValueError,
+            "running_mean and running_var must either both be None or neither be None",
+        )
         assert all(torch.equal(v, saved[k]) for k, v in swapped.state_dict().items())
         return
     assert a[0] == b[0], (a, b)
@@ -674,8 +715,19 @@ def test_statistics_set_to_none_behave_as_stock(train, missing, track, n):
         assert state_diff(stock, swapped) == []
 
 
-NON_FLOATING = [torch.long, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-                torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128]
+NON_FLOATING = [
+    torch.long,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 @pytest.mark.parametrize("train, track", [(True, True), (False, True), (True, False)])
@@ -715,7 +767,9 @@ def test_a_wrong_sized_tensor_is_named_as_stock_names_it(which, train):
     x = torch.randn(2, 3, 2, 2)
     a, b = outcome(lambda: stock(x)), outcome(lambda: swapped(x))
     assert a[0] == b[0] == "err" and b[1] == a[1] == (
-        RuntimeError, f"{which} should contain 3 elements not 4"), (a, b)
+        RuntimeError,
+        f"{which} should contain 3 elements not 4",
+    ), (a, b)
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -731,9 +785,14 @@ def test_a_momentum_that_is_no_number_raises_stocks_type_error(training, momentu
         ref(x)
     with pytest.raises(TypeError) as ours:
         layer(x)
-    assert str(ours.value) == str(stock_error.value) == (
-        f"batch_norm(): argument 'momentum' (position 7) must be float, not "
-        f"{type(momentum).__name__}")
+    assert (
+        str(ours.value)
+        == str(stock_error.value)
+        == (
+            f"batch_norm(): argument 'momentum' (position 7) must be float, not "
+            f"{type(momentum).__name__}"
+        )
+    )
     assert int(layer.num_batches_tracked) == 0
     assert torch.equal(layer.running_mean, torch.zeros(3))
 

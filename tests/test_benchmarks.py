@@ -23,9 +23,14 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def gpu_dry(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu") / "gpu.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry",
-                        "--json", str(out)], capture_output=True, text=True, env=_env(),
-                       cwd=ROOT, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "DRY ALL OK" in p.stdout
     report = json.loads(out.read_text())
@@ -48,16 +53,23 @@ def test_gpu_check_dry_graph_ops(gpu_dry):
     bn, st = g["bnswap"], g["stock"]
     assert "aten._batch_norm_with_update.default" in bn["export"]
     assert bn["export_decomposed"] == ["aten._batch_norm_with_update_functional.default"]
-    assert bn["joint"] == ["aten._batch_norm_with_update_functional.default",
-                           "aten.batch_norm_backward.default"]
+    assert bn["joint"] == [
+        "aten._batch_norm_with_update_functional.default",
+        "aten.batch_norm_backward.default",
+    ]
     # training IR: stock keeps the legacy composite (aten.batch_norm in torch 2.13)
     assert st["export"] and not any("_batch_norm_with_update" in o for o in st["export"])
     assert st["export_decomposed"] == ["aten._native_batch_norm_legit_functional.default"]
     # the default (core ATen) table: bnswap's program reaches stock's core ATen ops
-    assert bn["export_core_aten"] == st["export_core_aten"] == [
-        "aten._native_batch_norm_legit_functional.default"]
-    assert st["joint"] == ["aten._native_batch_norm_legit_functional.default",
-                           "aten.native_batch_norm_backward.default"]
+    assert (
+        bn["export_core_aten"]
+        == st["export_core_aten"]
+        == ["aten._native_batch_norm_legit_functional.default"]
+    )
+    assert st["joint"] == [
+        "aten._native_batch_norm_legit_functional.default",
+        "aten.native_batch_norm_backward.default",
+    ]
 
 
 def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
@@ -67,8 +79,12 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     # eager / compiled: the aten ops that ran (kernel names need CUDA)
     assert "aten::batch_norm_backward" in s["eager"]["bnswap"]["aten_ops"]
     assert "aten::native_batch_norm_backward" in s["eager"]["stock"]["aten_ops"]
-    assert "aten::_batch_norm_with_update_functional" in s["compile_aot_eager"]["bnswap"]["aten_ops"]
-    assert "aten::_native_batch_norm_legit_functional" in s["compile_aot_eager"]["stock"]["aten_ops"]
+    assert (
+        "aten::_batch_norm_with_update_functional" in s["compile_aot_eager"]["bnswap"]["aten_ops"]
+    )
+    assert (
+        "aten::_native_batch_norm_legit_functional" in s["compile_aot_eager"]["stock"]["aten_ops"]
+    )
     assert s["eager"]["ok"] is None and "need CUDA" in s["eager"]["note"]
     # graphs captured on the CPU, moved as users move them (ep.module().to(device),
     # graph_module.to(device)), run on another device (meta) without CPU leftovers
@@ -76,7 +92,9 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     assert e["moved_to"] == "meta" and e["ok"] is True
     for part in ("forward_decomposed", "joint"):
         assert {k: e[part][k]["ran_on"] for k in ("bnswap", "stock")} == {
-            "bnswap": "meta", "stock": "meta"}
+            "bnswap": "meta",
+            "stock": "meta",
+        }
     assert "aten::batch_norm_backward" in e["joint"]["bnswap"]["aten_ops"]
     # a stock program converted by bnswap.convert: the consolidated ops, bitwise on the
     # CPU, and moved with move_to_device_pass
@@ -93,9 +111,11 @@ def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     # ATen's CPU kernels in its slots (what the plan's kernel column says) and without
     sy = s["sync"]
     assert sy["backend"] == "gloo" and sy["ok"] is True and sy["kernel_column"] == "Sync (Native)"
-    assert sy["bnswap"]["aten_ops"] == ["aten::_batch_norm_no_update",
-                                        "aten::batch_norm_update_stats",
-                                        "aten::native_batch_norm_backward"]
+    assert sy["bnswap"]["aten_ops"] == [
+        "aten::_batch_norm_no_update",
+        "aten::batch_norm_update_stats",
+        "aten::native_batch_norm_backward",
+    ]
     assert sy["bnswap_portable"]["aten_ops"] == ["aten::_batch_norm_no_update"]
     assert max(sy["max_abs_diff_vs_batchnorm"], sy["max_abs_diff_vs_batchnorm_portable"]) < 1e-5
     assert gpu_dry["all_ok"] is True
@@ -114,13 +134,17 @@ def test_gpu_check_dry_moves_every_kind_of_layer_as_users_do(gpu_dry):
     for key, case in m["cases"].items():
         moves = ("module_to", "move_to_device_pass") + (("joint",) if "train" in key else ())
         for move in moves:
-            progs = ("bnswap_exported", "stock") if move == "joint" else (
-                "bnswap_exported", "bnswap_converted", "stock")
+            progs = (
+                ("bnswap_exported", "stock")
+                if move == "joint"
+                else ("bnswap_exported", "bnswap_converted", "stock")
+            )
             for prog in progs:
                 assert case[move][prog]["ran_on"] == "meta", (key, move, prog)
             bn_ops = case[move]["bnswap_exported"]["aten_ops"]
-            assert any("_batch_norm_with_update" in o or "_batch_norm_no_update" in o
-                       for o in bn_ops), (key, move, bn_ops)
+            assert any(
+                "_batch_norm_with_update" in o or "_batch_norm_no_update" in o for o in bn_ops
+            ), (key, move, bn_ops)
         assert set(case["vs_stock"].values()) == {"same shape, dtype, device"}, key
 
 
@@ -141,8 +165,10 @@ def test_gpu_check_dry_qat_pt2e_prepared_graphs(gpu_dry):
     if "torchao is not installed" in q.get("note", ""):
         pytest.skip(q["note"])
     assert q["status"] == "ok" and q["ok"] is True, q
-    assert q["graph_ops"] == {"bnswap": ["aten._batch_norm_with_update.default"],
-                              "stock": ["aten.batch_norm.default"]}
+    assert q["graph_ops"] == {
+        "bnswap": ["aten._batch_norm_with_update.default"],
+        "stock": ["aten.batch_norm.default"],
+    }
     assert q["losses"]["bnswap"] == q["losses"]["stock"] and len(q["losses"]["stock"]) == 4
     assert "aten::batch_norm_backward" in q["bnswap"]["aten_ops"]
     assert "aten::native_batch_norm_backward" in q["stock"]["aten_ops"]
@@ -169,23 +195,36 @@ def test_bench_sync_quick_reports_the_floor_and_the_breakdown(tmp_path):
     stem = tmp_path / "sync"
     from tests._helpers import run_processes  # (spawned ranks: the whole session is killed)
 
-    p = run_processes([sys.executable, "-m", "benchmarks.bench_sync", "--quick", "--out",
-                       str(stem)], 300, env=_env(), cwd=ROOT)
+    p = run_processes(
+        [sys.executable, "-m", "benchmarks.bench_sync", "--quick", "--out", str(stem)],
+        300,
+        env=_env(),
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(stem.with_suffix(".json").read_text())
     assert doc["backward_collective"] in ("all_gather", "all_reduce")
     r = doc["results"]["2"]["tiny"]
     assert r["bn_layers"] == 3 and r["rounds"] == 3
-    assert all(_finite_pos(r["ms"][k]) and _finite_pos(r["cpu_ms"][k])
-               for k in ("unsync", "floor", "sync", "collectives"))
-    for key in ("extra_over_floor_extra", "cpu_extra_over_floor_extra", "cpu_sync_over_floor",
-                "sync_over_unsync", "floor_over_unsync"):
+    assert all(
+        _finite_pos(r["ms"][k]) and _finite_pos(r["cpu_ms"][k])
+        for k in ("unsync", "floor", "sync", "collectives")
+    )
+    for key in (
+        "extra_over_floor_extra",
+        "cpu_extra_over_floor_extra",
+        "cpu_sync_over_floor",
+        "sync_over_unsync",
+        "floor_over_unsync",
+    ):
         lo, hi = r[key]["ci95"]
         assert lo <= r[key]["median"] <= hi, key
-    assert r["goal_met"] == (r["extra_over_floor_extra"]["median"] <= 1.1
-                             and r["cpu_sync_over_floor"]["median"] <= 1.1)
+    assert r["goal_met"] == (
+        r["extra_over_floor_extra"]["median"] <= 1.1 and r["cpu_sync_over_floor"]["median"] <= 1.1
+    )
     assert r["extra_ratio_of_medians"] == pytest.approx(
-        (r["ms"]["sync"] - r["ms"]["unsync"]) / (r["ms"]["floor"] - r["ms"]["unsync"]))
+        (r["ms"]["sync"] - r["ms"]["unsync"]) / (r["ms"]["floor"] - r["ms"]["unsync"])
+    )
     # the floor is the synchronized step's collectives: the same gloo events, one
     # all_gather forward and one backward collective a layer
     counts = r["collectives_per_step"]
@@ -193,8 +232,11 @@ def test_bench_sync_quick_reports_the_floor_and_the_breakdown(tmp_path):
     assert sum(counts["collectives"].values()) == 2 * r["bn_layers"]
     # what bnswap.sync did not keep, timed in the same rounds, each over the sync step
     other = "all_reduce" if doc["backward_collective"] == "all_gather" else "all_gather"
-    assert set(r["alternatives"]) == {"own process group", f"backward {other}",
-                                      "functional collectives"}
+    assert set(r["alternatives"]) == {
+        "own process group",
+        f"backward {other}",
+        "functional collectives",
+    }
     for alt, v in r["alternatives"].items():
         for part in ("wall", "cpu"):
             lo, hi = v[part]["ci95"]
@@ -216,12 +258,33 @@ def test_kernel_name_classification():
         from gpu_check import classify_kernel
     finally:
         sys.path.pop(0)
-    assert classify_kernel("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1, true>(...)") == "cudnn"
-    assert classify_kernel("void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 512, true, 1>(...)") == "cudnn"
-    assert classify_kernel("void cudnn::batchnorm_fwtr_nhwc_semiPersist<float, float, 512>(...)") == "cudnn"
-    assert classify_kernel("void at::native::batch_norm_collect_statistics_kernel<...>(...)") == "native"
-    assert classify_kernel("void at::native::batch_norm_backward_kernel<float, float>(...)") == "native"
-    assert classify_kernel("void at::native::batch_norm_transform_input_kernel<...>(...)") == "native"
+    assert (
+        classify_kernel(
+            "void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1, true>(...)"
+        )
+        == "cudnn"
+    )
+    assert (
+        classify_kernel(
+            "void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 512, true, 1>(...)"
+        )
+        == "cudnn"
+    )
+    assert (
+        classify_kernel("void cudnn::batchnorm_fwtr_nhwc_semiPersist<float, float, 512>(...)")
+        == "cudnn"
+    )
+    assert (
+        classify_kernel("void at::native::batch_norm_collect_statistics_kernel<...>(...)")
+        == "native"
+    )
+    assert (
+        classify_kernel("void at::native::batch_norm_backward_kernel<float, float>(...)")
+        == "native"
+    )
+    assert (
+        classify_kernel("void at::native::batch_norm_transform_input_kernel<...>(...)") == "native"
+    )
     assert classify_kernel("triton_red_fused__native_batch_norm_legit_functional_0") == "triton"
     assert classify_kernel("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nchw") is None
     assert classify_kernel("void cudnn::ops::nchwToNhwcKernel<float, float>(...)") is None
@@ -232,9 +295,25 @@ def _finite_pos(x) -> bool:
 
 
 def test_suite_quick_writes_json_md_png_with_sane_numbers(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--cases", "P3,P5,P6",
-                        "--pairs", "3", "--out", str(tmp_path)], capture_output=True, text=True,
-                       env=_env(), cwd=ROOT, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--quick",
+            "--cases",
+            "P3,P5,P6",
+            "--pairs",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     # progress: which case runs (of how many) and an estimate of the time left
     assert "P3 (1 of 3: layer over the raw op) ... (about" in p.stdout
@@ -252,7 +331,8 @@ def test_suite_quick_writes_json_md_png_with_sane_numbers(tmp_path):
     p3 = cases["P3"]
     assert p3["status"] == "ok"
     assert {(r["size"], r["mode"]) for r in p3["rows"]} == {
-        (s, m) for s in ("tiny", "resnet") for m in ("forward", "forward+backward")}
+        (s, m) for s in ("tiny", "resnet") for m in ("forward", "forward+backward")
+    }
     for r in p3["rows"]:
         assert _finite_pos(r["ratio_median"]) and _finite_pos(r["a_median_ms"])
         lo, hi = r["ratio_ci95"]
@@ -265,8 +345,9 @@ def test_suite_quick_writes_json_md_png_with_sane_numbers(tmp_path):
     for r in p5["rows"]:
         assert _finite_pos(r["convert_ms"]) and _finite_pos(r["revert_ms"])
     last = p5["rows"][-1]  # the verdict follows from the figures (goal: < 20 ms)
-    assert last["verdict"] == ("met" if max(last["convert_ms"], last["revert_ms"]) < 20.0
-                               else "missed")
+    assert last["verdict"] == (
+        "met" if max(last["convert_ms"], last["revert_ms"]) < 20.0 else "missed"
+    )
     # P6: memory measured in subprocesses: identical peaks (same kernels, same buffers)
     p6 = cases["P6"]["rows"][0]
     assert _finite_pos(p6["bnswap_peak_mib"]) and _finite_pos(p6["stock_peak_mib"])
@@ -322,11 +403,30 @@ def test_p4_breakdown_splits_both_steps_by_kernel_family(monkeypatch):
     for fam in ("conv", "conv backward", "batch norm", "activation", "activation backward"):
         assert fams[fam]["ort_ms"] > 0 and fams[fam]["aten_ms"] > 0, fam
     assert _finite_pos(m["ort_relugrad_ms"]) and _finite_pos(m["aten_threshold_backward_ms"])
-    machine = {k: "x" for k in ("cpu", "logical_cpus", "memory_gib", "os", "python", "torch",
-                                 "torch_threads", "load_average_start", "git_commit")}
-    res = {"schema": 1, "created": "now", "command": "test", "machine": machine,
-           "config": {"quick": False}, "cases": {"P4": {
-        "status": "ok", "goal": "<= 1.00", "rows": [], "breakdown": [b], "relu_grad": m}}}
+    machine = {
+        k: "x"
+        for k in (
+            "cpu",
+            "logical_cpus",
+            "memory_gib",
+            "os",
+            "python",
+            "torch",
+            "torch_threads",
+            "load_average_start",
+            "git_commit",
+        )
+    }
+    res = {
+        "schema": 1,
+        "created": "now",
+        "command": "test",
+        "machine": machine,
+        "config": {"quick": False},
+        "cases": {
+            "P4": {"status": "ok", "goal": "<= 1.00", "rows": [], "breakdown": [b], "relu_grad": m}
+        },
+    }
     md = to_markdown(res)
     assert "| batch norm |" in md and "ReluGrad" in md
 
@@ -335,10 +435,23 @@ def test_startup_benchmark_reports_each_command_and_what_it_imported(tmp_path):
     """benchmarks/startup.py (issue 21, item 1): one round, its report read back; the
     figures themselves are the benchmark's, not a test's."""
     stem = tmp_path / "startup"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--rounds", "1",
-                        "--commands", "import torch,bnswap --help,bnswap nope", "--out",
-                        str(stem)], capture_output=True, text=True, env=_env(), cwd=ROOT,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "startup.py"),
+            "--rounds",
+            "1",
+            "--commands",
+            "import torch,bnswap --help,bnswap nope",
+            "--out",
+            str(stem),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(stem.with_suffix(".json").read_text())
     rows = report["commands"]

@@ -21,16 +21,19 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 
 import bnswap
-from tests._helpers import (outcome, run_where_bnswap_cannot_be_imported, state_diff,
-                            train_then_eval)
-
+from tests._helpers import outcome, run_where_bnswap_cannot_be_imported, state_diff, train_then_eval
 
 
 def build() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=None),
-        nn.Flatten(), nn.Linear(4 * 3 * 3, 5), nn.BatchNorm1d(5, affine=False),
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 1),
+        nn.BatchNorm2d(4, momentum=None),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 5),
+        nn.BatchNorm1d(5, affine=False),
     )
 
 
@@ -160,12 +163,12 @@ def test_meta_device_model_loaded_with_assign(old):
             m = build()
         if convert_it:
             bnswap.convert(m)
-            assert all(bnswap.is_swapped(x) for x in m.modules()
-                       if isinstance(x, _BatchNorm))
+            assert all(bnswap.is_swapped(x) for x in m.modules() if isinstance(x, _BatchNorm))
         m.load_state_dict(copy.deepcopy(sd), strict=True, assign=True)
         assert all(t.device.type == "cpu" for t in m.state_dict().values())
-        assert all(bnswap.is_swapped(x) == convert_it for x in m.modules()
-                   if isinstance(x, _BatchNorm))
+        assert all(
+            bnswap.is_swapped(x) == convert_it for x in m.modules() if isinstance(x, _BatchNorm)
+        )
         models.append(m)
     stock, swapped = models
     assert state_diff(stock, swapped) == []
@@ -205,8 +208,9 @@ def test_pickling_a_whole_converted_model(how):
     swapped = converted(trained())
     data = pickle.dumps(swapped) if how == "pickle" else _bytes(swapped).getvalue()
     assert b"bnswap" not in data
-    clone = pickle.loads(data) if how == "pickle" else torch.load(io.BytesIO(data),
-                                                                  weights_only=False)
+    clone = (
+        pickle.loads(data) if how == "pickle" else torch.load(io.BytesIO(data), weights_only=False)
+    )
     assert [type(m) for m in clone.modules()] == [type(m) for m in swapped.modules()]
     assert not any(bnswap.is_swapped(m) or "forward" in vars(m) for m in clone.modules())
     assert state_diff(clone, swapped) == []
@@ -214,7 +218,7 @@ def test_pickling_a_whole_converted_model(how):
     assert_run_alike(ref, clone)
     assert bnswap.convert(clone) is clone and isinstance(clone[1], bnswap.BatchNorm2d)
     assert_run_alike(ref, clone)
-    assert bnswap.is_swapped(swapped[1])   # pickling left the original as it was
+    assert bnswap.is_swapped(swapped[1])  # pickling left the original as it was
 
 
 def test_copy_copy_of_a_converted_layer_is_a_stock_copy():
@@ -235,8 +239,10 @@ def test_weights_only_load_of_a_whole_model_fails_as_stock():
     assert a[0] == b[0] == "err" and a[1][0] is b[1][0]
 
 
-@pytest.mark.skipif(not hasattr(torch.serialization, "safe_globals"),
-                    reason="torch.serialization.safe_globals: torch >= 2.5")
+@pytest.mark.skipif(
+    not hasattr(torch.serialization, "safe_globals"),
+    reason="torch.serialization.safe_globals: torch >= 2.5",
+)
 def test_weights_only_load_of_a_whole_model_needs_stocks_allowlist_only():
     """A whole converted model loads with weights_only=True once its classes are
     allowlisted as stock's must be (issue 21); nothing of bnswap's is needed since issue
@@ -251,16 +257,19 @@ def test_weights_only_load_of_a_whole_model_needs_stocks_allowlist_only():
         assert_run_alike(trained(), clone)
 
 
-@pytest.mark.skipif(not hasattr(torch.serialization, "safe_globals"),
-                    reason="torch.serialization.safe_globals: torch >= 2.5")
+@pytest.mark.skipif(
+    not hasattr(torch.serialization, "safe_globals"),
+    reason="torch.serialization.safe_globals: torch >= 2.5",
+)
 def test_a_synchronized_model_pickles_as_stocks_synchronized_model():
     """Guards (a newcomer's try): a convert(..., sync_batchnorm=True) SyncBatchNorm kept
     its original BatchNorm layer (for revert) in the pickle: b"bnswap" in the file, stock's
     allowlist refused it, and revert after loading gave the BatchNorm back. It pickles as
     torch's convert_sync_batchnorm model does; deepcopy keeps the original."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 5),
-                          nn.BatchNorm1d(5))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(144, 5), nn.BatchNorm1d(5)
+    )
     stock = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
     ours = bnswap.convert(model, sync_batchnorm=True)
     data = _bytes(ours).getvalue()
@@ -333,7 +342,8 @@ def test_whole_model_checkpoint_loads_where_bnswap_cannot_be_imported(tmp_path):
 
 
 def test_a_subclass_with_its_own_getstate_loads_where_bnswap_cannot_be_imported(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """A BatchNorm subclass that defines ``__getstate__`` skips the checkpoints patch's
     (``_BatchNorm.__getstate__``), so its pickle held the swap's mark, which named
     bnswap; the mark now pickles as None outside a copy for this job. The checkpoint
@@ -345,7 +355,8 @@ def test_a_subclass_with_its_own_getstate_loads_where_bnswap_cannot_be_imported(
         "from torch import nn\n\n\n"
         "class OwnGetstateBN(nn.BatchNorm2d):\n"
         "    def __getstate__(self):\n"
-        "        return self.__dict__.copy()\n")
+        "        return self.__dict__.copy()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     from own_getstate import OwnGetstateBN
@@ -375,13 +386,14 @@ def test_a_pickle_for_another_process_keeps_the_swap():
     from multiprocessing import reduction
 
     for how in ("dumps", "dump"):
-        swapped = converted(trained())   # (the copy shares its tensors' memory: torch's
-        buf = io.BytesIO()               # reductions for multiprocessing)
+        swapped = converted(trained())  # (the copy shares its tensors' memory: torch's
+        buf = io.BytesIO()  # reductions for multiprocessing)
         if how == "dump":
             reduction.dump(swapped, buf)
-        clone = pickle.loads(bytes(reduction.ForkingPickler.dumps(swapped))
-                             if how == "dumps" else buf.getvalue())
+        clone = pickle.loads(
+            bytes(reduction.ForkingPickler.dumps(swapped)) if how == "dumps" else buf.getvalue()
+        )
         assert isinstance(clone[1], bnswap.BatchNorm2d)
         assert state_diff(clone, swapped) == []
         assert_run_alike(trained(), clone)
-    assert b"bnswap" not in pickle.dumps(swapped)   # a plain pickle still names nothing
+    assert b"bnswap" not in pickle.dumps(swapped)  # a plain pickle still names nothing

@@ -26,14 +26,17 @@ CONFIG = ROOT / "configs" / "digits_mobilenetv2.yaml"
 STOCK = ROOT / "configs" / "digits_mobilenetv2_stock.yaml"
 
 
-
 def tiny(tmp: Path) -> list[str]:
     """Overrides that shrink the main job to a smoke run."""
-    return ["--trainer.max_epochs=2", "--trainer.limit_train_batches=3",
-            "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false",
-            "--model.init_args.model_kwargs={width_mult: 0.25}",
-            f"--trainer.default_root_dir={tmp}"]
+    return [
+        "--trainer.max_epochs=2",
+        "--trainer.limit_train_batches=3",
+        "--trainer.limit_val_batches=2",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--model.init_args.model_kwargs={width_mult: 0.25}",
+        f"--trainer.default_root_dir={tmp}",
+    ]
 
 
 def test_console_script_is_installed():
@@ -53,12 +56,22 @@ def test_bnswap_train_on_two_ddp_devices_finishes_and_reports_once(tmp_path):
 
     from tests._helpers import COLLECTIVE_TIMEOUT_S
 
-    proc = run_bnswap(["train", "--config", str(CONFIG), *tiny(tmp_path),
-                       "--trainer.max_epochs=1", "--trainer.devices=2",
-                       "--trainer.strategy=lightning.pytorch.strategies.DDPStrategy",
-                       f"--trainer.strategy.timeout={timedelta(seconds=COLLECTIVE_TIMEOUT_S)}",
-                       "--trainer.accelerator=cpu"],
-                      cwd=tmp_path, timeout=300, processes=True)
+    proc = run_bnswap(
+        [
+            "train",
+            "--config",
+            str(CONFIG),
+            *tiny(tmp_path),
+            "--trainer.max_epochs=1",
+            "--trainer.devices=2",
+            "--trainer.strategy=lightning.pytorch.strategies.DDPStrategy",
+            f"--trainer.strategy.timeout={timedelta(seconds=COLLECTIVE_TIMEOUT_S)}",
+            "--trainer.accelerator=cpu",
+        ],
+        cwd=tmp_path,
+        timeout=300,
+        processes=True,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("final validation accuracy:") == 1
@@ -77,14 +90,16 @@ def test_a_lightning_subcommand_without_scikit_learn_says_so_in_one_line(monkeyp
     from bnswap.extras import install_hint
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "sklearn" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a)
+    )
     with pytest.raises(SystemExit) as done:
         _bnswap_command.main(["train", "--config", str(CONFIG)])
     assert done.value.code == 2
     assert capsys.readouterr().err == (
         "bnswap train: error: needs scikit-learn (the main job's digits data), which is not "
-        f"installed: {install_hint('lightning')}\n")
+        f"installed: {install_hint('lightning')}\n"
+    )
 
 
 def test_configs_differ_only_by_the_callback():
@@ -103,8 +118,14 @@ def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "_bnswap_command"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, "train", "--config", str(CONFIG), *tiny(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [*cmd, "train", "--config", str(CONFIG), *tiny(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     # the callback's line (once, on rank zero; issue 26: not the 52-row table), the
@@ -121,15 +142,20 @@ def test_bnswap_train_prints_the_plan_and_the_final_accuracy(tmp_path):
     assert line.endswith("bnswap BatchNorm, backend aten)")
     assert acc == pytest.approx(hist["history"][-1]["val_acc"], abs=5e-5)
     # the same smoke run with stock BatchNorm reaches the same figures, bit for bit
-    stock = subprocess.run([*cmd, "train", "--config", str(STOCK), *tiny(tmp_path / "stock")],
-                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    stock = subprocess.run(
+        [*cmd, "train", "--config", str(STOCK), *tiny(tmp_path / "stock")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     assert stock.returncode == 0, stock.stdout[-2000:] + stock.stderr[-2000:]
     stock_hist = json.loads(next((tmp_path / "stock").rglob("history.json")).read_text())
     assert hist["history"] == stock_hist["history"] and stock_hist["batchnorm"] == "stock"
 
 
-def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys,
-                                                                 monkeypatch):
+def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys, monkeypatch):
     """From a folder with no configs/ (the shipped ones are used), without LightningCLI's
     "args parameter" warning; the legend names the backend; seconds per epoch printed."""
     from _bnswap_command import main
@@ -142,8 +168,15 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # train options given directly go to every run (as --overrides would)
-        main(["compare", "--trainer.max_epochs", "2",
-              "--overrides", json.dumps(tiny(tmp_path / "runs")[1:])])
+        main(
+            [
+                "compare",
+                "--trainer.max_epochs",
+                "2",
+                "--overrides",
+                json.dumps(tiny(tmp_path / "runs")[1:]),
+            ]
+        )
     assert not [w for w in caught if "args parameter" in str(w.message)]
     out = capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -162,6 +195,7 @@ def test_bnswap_compare_runs_anywhere_and_plots_stock_vs_bnswap(tmp_path, capsys
     assert "(run 1: " in lines[-3] and lines[-3].lstrip().startswith("stock:")
     assert "(run 2: " in lines[-2] and lines[-2].lstrip().startswith("bnswap (aten):")
     from bnswap.app.cli import TIMES_NOTE
+
     assert lines[-1] == TIMES_NOTE and "not a speed comparison" in lines[-1]
     assert f"wrote {png} and {png.with_suffix('.json')}" in out
     # the right value is stock's: on CPU both run the same native kernels
@@ -184,22 +218,36 @@ def test_csv_logs_follow_default_root_dir(tmp_path):
     from bnswap.app.cli import run_train
 
     root = tmp_path / "elsewhere"
-    cli = run_train(["--config", "digits_mobilenetv2.yaml", *tiny(root),
-                     "--trainer.max_epochs=1"])
+    cli = run_train(["--config", "digits_mobilenetv2.yaml", *tiny(root), "--trainer.max_epochs=1"])
     assert Path(cli.trainer.log_dir).is_relative_to(root)
     assert list(root.rglob("metrics.csv"))
     # ... unless a save_dir is given
     other = tmp_path / "logs_here"
-    cli = run_train(["--config", "digits_mobilenetv2.yaml", *tiny(root),
-                     "--trainer.max_epochs=1", f"--trainer.logger.init_args.save_dir={other}"])
+    cli = run_train(
+        [
+            "--config",
+            "digits_mobilenetv2.yaml",
+            *tiny(root),
+            "--trainer.max_epochs=1",
+            f"--trainer.logger.init_args.save_dir={other}",
+        ]
+    )
     assert Path(cli.trainer.log_dir).is_relative_to(other)
 
 
 def test_a_wrong_backend_fails_while_parsing_in_two_lines(tmp_path):
     """Guards: `--trainer.callbacks.init_args.backend cuda` printed 83 lines of traceback
     after `Seed set to 0`."""
-    proc = run_bnswap(["train", "--config", "digits_mobilenetv2.yaml",
-                       "--trainer.callbacks.init_args.backend", "cuda"], cwd=tmp_path)
+    proc = run_bnswap(
+        [
+            "train",
+            "--config",
+            "digits_mobilenetv2.yaml",
+            "--trainer.callbacks.init_args.backend",
+            "cuda",
+        ],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(lines) <= 2, lines
@@ -207,18 +255,34 @@ def test_a_wrong_backend_fails_while_parsing_in_two_lines(tmp_path):
     assert "Seed set" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("config, args, message", [
-    ("digits_mobilenetv2.yaml", ["--trainer.max_epochs", "abc"],
-     "trainer.max_epochs: expected int or None, got 'abc'"),
-    ("digits_mobilenetv2.yaml", ["--model.init_args.arch", "foo"],
-     "model.arch: expected one of 'mobilenetv2', 'convnet4', 'resnet18', got 'foo'"),
-    ("digits_mobilenetv2.yaml", ["--model.init_args.optimizer", "adam"],
-     "model.optimizer: expected one of 'sgd', 'adamw', got 'adam'"),
-    ("digits_mobilenetv2_stock.yaml", ["--trainer.callbacks.backend", "ort"],
-     "trainer.callbacks: Option 'backend' is not accepted"),
-])
-def test_wrong_values_fail_while_parsing_in_two_lines(capsys, monkeypatch, tmp_path, config,
-                                                       args, message):
+@pytest.mark.parametrize(
+    "config, args, message",
+    [
+        (
+            "digits_mobilenetv2.yaml",
+            ["--trainer.max_epochs", "abc"],
+            "trainer.max_epochs: expected int or None, got 'abc'",
+        ),
+        (
+            "digits_mobilenetv2.yaml",
+            ["--model.init_args.arch", "foo"],
+            "model.arch: expected one of 'mobilenetv2', 'convnet4', 'resnet18', got 'foo'",
+        ),
+        (
+            "digits_mobilenetv2.yaml",
+            ["--model.init_args.optimizer", "adam"],
+            "model.optimizer: expected one of 'sgd', 'adamw', got 'adam'",
+        ),
+        (
+            "digits_mobilenetv2_stock.yaml",
+            ["--trainer.callbacks.backend", "ort"],
+            "trainer.callbacks: Option 'backend' is not accepted",
+        ),
+    ],
+)
+def test_wrong_values_fail_while_parsing_in_two_lines(
+    capsys, monkeypatch, tmp_path, config, args, message
+):
     """Guards: a wrong max_epochs or a stock config given a backend printed 9-12 lines of
     jsonargparse's Union report; an unknown arch failed after `Seed set to 0` with a
     74-line traceback (exit 1)."""
@@ -230,18 +294,23 @@ def test_wrong_values_fail_while_parsing_in_two_lines(capsys, monkeypatch, tmp_p
     assert exit_.value.code == 2
     err = capsys.readouterr()
     lines = (err.out + err.err).strip().splitlines()
-    assert lines == [f"bnswap train: error: {message}",
-                     "(bnswap train --help lists every option)"]
+    assert lines == [f"bnswap train: error: {message}", "(bnswap train --help lists every option)"]
 
 
-@pytest.mark.parametrize("args, want", [
-    (["--trainer.callbacks.exclude", "head.*"], "head.*"),
-    (["--trainer.callbacks.init_args.exclude", '["head.*", "features.0.*"]'],
-     ["head.*", "features.0.*"]),
-    (["--trainer.callbacks.include", "features.*"], "features.*"),
-])
-def test_the_callbacks_patterns_take_a_bare_pattern_or_a_list(capsys, monkeypatch, tmp_path,
-                                                                args, want):
+@pytest.mark.parametrize(
+    "args, want",
+    [
+        (["--trainer.callbacks.exclude", "head.*"], "head.*"),
+        (
+            ["--trainer.callbacks.init_args.exclude", '["head.*", "features.0.*"]'],
+            ["head.*", "features.0.*"],
+        ),
+        (["--trainer.callbacks.include", "features.*"], "features.*"),
+    ],
+)
+def test_the_callbacks_patterns_take_a_bare_pattern_or_a_list(
+    capsys, monkeypatch, tmp_path, args, want
+):
     """BNSwap(include=..., exclude=...) take one pattern or a list (``Patterns``); the
     train CLI gives the callback either form as typed (``bnswap plan`` refused a bare one
     until its options took the same forms: tests/test_plan_cli.py)."""
@@ -274,11 +343,13 @@ def test_the_front_door_imports_no_torch(args, code):
     plan`` does import both (the check can see them: benchmarks/startup.py times it)."""
     cmd = [sys.executable, "-X", "importtime", "-m", "_bnswap_command"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for argv, rc, must in ((args, code, False),
-                           (["plan", "--model", "torch.nn.BatchNorm1d", "--model.num_features",
-                             "3"], 0, True)):
-        p = subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120, env=env,
-                           cwd=ROOT)
+    for argv, rc, must in (
+        (args, code, False),
+        (["plan", "--model", "torch.nn.BatchNorm1d", "--model.num_features", "3"], 0, True),
+    ):
+        p = subprocess.run(
+            [*cmd, *argv], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+        )
         assert p.returncode == rc, p.stderr[-2000:]
         imported = imported_modules(p.stderr)
         assert ("torch" in imported and "bnswap" in imported) is must, sorted(imported)[:20]
@@ -289,17 +360,23 @@ def test_the_front_door_imports_no_torch(args, code):
 def test_version_is_the_package_version_without_importing_torch(flag):
     import bnswap
 
-    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "_bnswap_command", flag],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "_bnswap_command", flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert (p.returncode, p.stdout) == (0, f"bnswap {bnswap.__version__}\n")
     assert importlib.metadata.version("bnswap") == bnswap.__version__
     assert "| torch" not in p.stderr
 
 
 def test_plain_pytorch_example_matches_stock():
-    spec = importlib.util.spec_from_file_location("plain_pytorch",
-                                                  ROOT / "examples" / "plain_pytorch.py")
+    spec = importlib.util.spec_from_file_location(
+        "plain_pytorch", ROOT / "examples" / "plain_pytorch.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     res = mod.main(epochs=1, width_mult=0.25, max_batches=3, num_threads=None)
@@ -321,10 +398,14 @@ def test_each_examples_help_gives_its_whole_description(name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     want = getattr(mod, "DESCRIPTION", None) or inspect.getdoc(mod.main).split("\n\n")[0]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]), "COLUMNS": "80"}
-    proc = subprocess.run([sys.executable, str(path), "--help"], capture_output=True,
-                          text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "COLUMNS": "80",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     described = proc.stdout.split("\n\n")[1]  # usage, description, options
     assert " ".join(described.split()) == " ".join(want.split())
@@ -344,7 +425,8 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
     ort_cfg = ROOT / "configs" / "digits_mobilenetv2_ort.yaml"
     a, b = yaml.safe_load(CONFIG.read_text()), yaml.safe_load(ort_cfg.read_text())
     assert b["trainer"]["callbacks"] == [
-        {"class_path": "bnswap.lightning.BNSwap", "init_args": {"backend": "ort"}}]
+        {"class_path": "bnswap.lightning.BNSwap", "init_args": {"backend": "ort"}}
+    ]
     for cfg in (a, b):
         cfg["trainer"].pop("callbacks")
         cfg["trainer"].pop("default_root_dir")
@@ -367,35 +449,63 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
         assert g["val_loss"] == pytest.approx(w["val_loss"], rel=5e-2)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["train", "--config", "digits_mobilenetv2.yaml", "--trainer.max_epochs", "-3"],
-     "bnswap train: error: `max_epochs` must be a non-negative integer or -1. You passed in -3."),
-    (["train", "--config", "digits_mobilenetv2.yaml", "--data.batch_size", "0"],
-     "bnswap train: error: batch_size should be a positive integer value, got 0"),
-    (["validate", "--config", "digits_mobilenetv2.yaml", "--ckpt_path", "missing.ckpt"],
-     "bnswap validate: error: ckpt_path: no such file: 'missing.ckpt'"),
-    (["train", "--config", "digits_mobilenetv2.yaml", "--model.init_args.lr", "-1"],
-     "bnswap train: error: lr must be > 0, got -1.0"),
-    (["train", "--config", "digits_mobilenetv2.yaml", "--model.init_args.num_classes", "0"],
-     "bnswap train: error: num_classes must be >= 1, got 0"),
-    (["train", "--config", "digits_mobilenetv2.yaml", "--num_threads", "0"],
-     "bnswap train: error: num_threads: expected a positive integer or null, got 0"),
-    (["compare", "--labels", "a", "b", "c"], "bnswap compare: error: labels: 3 given for 2 configs"),
-    # a train option's typo is compare's error (it said "bnswap train: error")
-    (["compare", "--trainer.max_epochz", "2"],
-     "bnswap compare: error: unrecognized arguments: --trainer.max_epochz=2"),
-    (["train"], "bnswap train: error: missing --data, --model (a config gives them: "
-                "--config digits_mobilenetv2.yaml)"),
-    (["train", "--config", "notes.txt"],
-     "bnswap train: error: config: not a config file (a YAML mapping of options: trainer:, "
-     "model:, data: ...); it begins 'root:x:0:0:root:/root:/bin/bash'"),
-    (["compare", "--configs", "digits_mobilenetv2.yaml", "nothere.yaml"],
-     "bnswap compare: error: configs: no config 'nothere.yaml': not a file here, and not one "
-     "of bnswap's (digits_mobilenetv2.yaml, digits_mobilenetv2_stock.yaml, "
-     "digits_mobilenetv2_ort.yaml)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["train", "--config", "digits_mobilenetv2.yaml", "--trainer.max_epochs", "-3"],
+            "bnswap train: error: `max_epochs` must be a non-negative integer or -1. You passed in -3.",
+        ),
+        (
+            ["train", "--config", "digits_mobilenetv2.yaml", "--data.batch_size", "0"],
+            "bnswap train: error: batch_size should be a positive integer value, got 0",
+        ),
+        (
+            ["validate", "--config", "digits_mobilenetv2.yaml", "--ckpt_path", "missing.ckpt"],
+            "bnswap validate: error: ckpt_path: no such file: 'missing.ckpt'",
+        ),
+        (
+            ["train", "--config", "digits_mobilenetv2.yaml", "--model.init_args.lr", "-1"],
+            "bnswap train: error: lr must be > 0, got -1.0",
+        ),
+        (
+            ["train", "--config", "digits_mobilenetv2.yaml", "--model.init_args.num_classes", "0"],
+            "bnswap train: error: num_classes must be >= 1, got 0",
+        ),
+        (
+            ["train", "--config", "digits_mobilenetv2.yaml", "--num_threads", "0"],
+            "bnswap train: error: num_threads: expected a positive integer or null, got 0",
+        ),
+        (
+            ["compare", "--labels", "a", "b", "c"],
+            "bnswap compare: error: labels: 3 given for 2 configs",
+        ),
+        # a train option's typo is compare's error (it said "bnswap train: error")
+        (
+            ["compare", "--trainer.max_epochz", "2"],
+            "bnswap compare: error: unrecognized arguments: --trainer.max_epochz=2",
+        ),
+        (
+            ["train"],
+            "bnswap train: error: missing --data, --model (a config gives them: "
+            "--config digits_mobilenetv2.yaml)",
+        ),
+        (
+            ["train", "--config", "notes.txt"],
+            "bnswap train: error: config: not a config file (a YAML mapping of options: trainer:, "
+            "model:, data: ...); it begins 'root:x:0:0:root:/root:/bin/bash'",
+        ),
+        (
+            ["compare", "--configs", "digits_mobilenetv2.yaml", "nothere.yaml"],
+            "bnswap compare: error: configs: no config 'nothere.yaml': not a file here, and not one "
+            "of bnswap's (digits_mobilenetv2.yaml, digits_mobilenetv2_stock.yaml, "
+            "digits_mobilenetv2_ort.yaml)",
+        ),
+    ],
+)
 def test_values_refused_after_parsing_fail_before_training_in_two_lines(
-        capsys, monkeypatch, tmp_path, args, message):
+    capsys, monkeypatch, tmp_path, args, message
+):
     """Guards (a fresh user's report): a negative max_epochs, batch_size 0 and a missing
     checkpoint passed parsing and ended in 29-70-line tracebacks (exit 1); no config said
     "bnswap: error: ... required: train.data, train.model"; a file that is not a config was
@@ -418,8 +528,10 @@ def test_compare_takes_configs_one_by_one_or_as_a_list(capsys):
     """Guards the README's ``--configs A.yaml B.yaml``: only a JSON list parsed."""
     from _bnswap_command import main
 
-    for configs in (["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"],
-                    ['["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"]']):
+    for configs in (
+        ["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"],
+        ['["digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml"]'],
+    ):
         with pytest.raises(SystemExit) as exit_:
             main(["compare", "--configs", *configs, "--labels", "a", "b", "--print_config"])
         assert exit_.value.code == 0
@@ -453,7 +565,8 @@ def test_the_compare_plot_counts_whole_epochs_from_1(epochs):
         lo, hi = ax.get_xlim()
         assert [t for t in ax.get_xticks() if lo <= t <= hi] == list(range(1, epochs + 1))
         assert [line.get_xdata().tolist() for line in ax.get_lines()] == [
-            list(range(1, epochs + 1))] * 2
+            list(range(1, epochs + 1))
+        ] * 2
         assert [t.get_text() for t in ax.get_legend().get_texts()] == ["stock", "bnswap (aten)"]
     assert "the curves coincide" in fig._suptitle.get_text()
 
@@ -465,12 +578,20 @@ def test_predict_writes_its_predictions_and_says_where(tmp_path, capsys, monkeyp
     from bnswap.app.cli import BNSwapCLI
 
     monkeypatch.setattr(sys, "argv", ["bnswap"])
-    cli = BNSwapCLI(args=["predict", "--config", str(CONFIG), *tiny(tmp_path)[2:],
-                          "--trainer.limit_predict_batches=2"])
+    cli = BNSwapCLI(
+        args=[
+            "predict",
+            "--config",
+            str(CONFIG),
+            *tiny(tmp_path)[2:],
+            "--trainer.limit_predict_batches=2",
+        ]
+    )
     path = tmp_path / "predictions.pt"
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"wrote {path}: 359 predictions in 2 batches (torch.load it: a list of tensors, "
-        "one per batch)")
+        "one per batch)"
+    )
     got = torch.load(path)
     model = cli.model.eval()
     want = []
@@ -499,7 +620,9 @@ def test_ort_config_without_onnx_runtime_is_a_usage_error(capsys, monkeypatch, t
     lines = [ln for ln in (err.out + err.err).strip().splitlines() if ln != "Seed set to 0"]
     assert lines == [
         "bnswap train: error: trainer.callbacks: BNSwap(backend='ort') needs ONNX Runtime "
-        f"training and torch-ort: {ort.INSTALL}", "(bnswap train --help lists every option)"]
+        f"training and torch-ort: {ort.INSTALL}",
+        "(bnswap train --help lists every option)",
+    ]
     assert not list(tmp_path.rglob("*.csv"))  # nothing trained
 
 
@@ -511,13 +634,19 @@ def test_a_mistyped_subcommand_gets_a_did_you_mean_not_the_whole_help():
 
     usage = _bnswap_command.usage_line()
     assert _bnswap_command.help_text().splitlines()[0] == usage
-    for typed, error in (("plann", "unknown subcommand 'plann'; did you mean 'plan'?"),
-                         ("trian", "unknown subcommand 'trian'; did you mean 'train'?"),
-                         # issue 33: an option was "an unknown subcommand", with no hint
-                         ("--verison", "unknown option '--verison'; did you mean '--version'?"),
-                         ("--hlep", "unknown option '--hlep'; did you mean '--help'?"),
-                         ("nope", "unknown subcommand 'nope' (choose from "
-                                  + ", ".join(_bnswap_command.SUBCOMMANDS) + ")")):
+    for typed, error in (
+        ("plann", "unknown subcommand 'plann'; did you mean 'plan'?"),
+        ("trian", "unknown subcommand 'trian'; did you mean 'train'?"),
+        # issue 33: an option was "an unknown subcommand", with no hint
+        ("--verison", "unknown option '--verison'; did you mean '--version'?"),
+        ("--hlep", "unknown option '--hlep'; did you mean '--help'?"),
+        (
+            "nope",
+            "unknown subcommand 'nope' (choose from "
+            + ", ".join(_bnswap_command.SUBCOMMANDS)
+            + ")",
+        ),
+    ):
         p = run_bnswap([typed], timeout=120)
         assert (p.returncode, p.stdout, p.stderr) == (2, "", f"{usage}\nbnswap: error: {error}\n")
 
@@ -535,9 +664,15 @@ def test_the_front_door_alone_holds_the_subcommand_table():
     importers = []
     for path in sorted((ROOT / "bnswap").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) else
-                     [node.value] if isinstance(node, ast.Constant) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom)
+                else [node.value]
+                if isinstance(node, ast.Constant)
+                else []
+            )
             if "_bnswap_command" in names:  # (a static import, or import_module's string)
                 importers.append(str(path.relative_to(ROOT)))
     assert importers == []

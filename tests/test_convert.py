@@ -23,9 +23,13 @@ from bnswap._swap import SWAP
 
 def net() -> nn.Sequential:
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
         nn.Sequential(nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8, momentum=None)),
-        nn.Flatten(), nn.LazyLinear(4), nn.BatchNorm1d(4, affine=False),
+        nn.Flatten(),
+        nn.LazyLinear(4),
+        nn.BatchNorm1d(4, affine=False),
     )
 
 
@@ -34,8 +38,10 @@ def bns(model):
 
 
 def test_import_does_not_import_lightning_or_onnxruntime():
-    code = ("import sys, bnswap; bad=[m for m in sys.modules if m.split('.')[0] in "
-            "('lightning','pytorch_lightning','onnxruntime','torch_ort','timm')]; print(bad)")
+    code = (
+        "import sys, bnswap; bad=[m for m in sys.modules if m.split('.')[0] in "
+        "('lightning','pytorch_lightning','onnxruntime','torch_ort','timm')]; print(bad)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -44,17 +50,32 @@ def test_import_does_not_import_lightning_or_onnxruntime():
 def test_convert_swaps_in_place_sharing_parameters_and_buffers():
     model = net()
     model(torch.randn(2, 3, 6, 6))
-    before = [(id(m), [id(t) for t in m.parameters(recurse=False)],
-               [id(t) for t in m.buffers(recurse=False)]) for m in bns(model)]
+    before = [
+        (
+            id(m),
+            [id(t) for t in m.parameters(recurse=False)],
+            [id(t) for t in m.buffers(recurse=False)],
+        )
+        for m in bns(model)
+    ]
     out = bnswap.convert(model)
     assert out is model
-    after = [(id(m), [id(t) for t in m.parameters(recurse=False)],
-              [id(t) for t in m.buffers(recurse=False)]) for m in bns(model)]
+    after = [
+        (
+            id(m),
+            [id(t) for t in m.parameters(recurse=False)],
+            [id(t) for t in m.buffers(recurse=False)],
+        )
+        for m in bns(model)
+    ]
     assert before == after
     # the classes stay torch's: only each layer's forward is bnswap's
     assert [type(m) for m in bns(model)] == [nn.BatchNorm2d, nn.BatchNorm2d, nn.BatchNorm1d]
     assert [isinstance(m, (bnswap.BatchNorm2d, bnswap.BatchNorm1d)) for m in bns(model)] == [
-        True, True, True]
+        True,
+        True,
+        True,
+    ]
     for m in bns(model):  # isinstance checks of Lightning, timm, swa_utils keep working
         assert isinstance(m, _BatchNorm) and bnswap.is_swapped(m)
 
@@ -134,8 +155,10 @@ def test_convert_is_idempotent():
     rows = bnswap.plan(model)
     assert all(r.action == "keep" for r in rows)  # (issue 26: was "swap")
     assert {r.reason for r in rows} >= {"already swapped"}
-    assert rows.summary() == ("bnswap plan: 3 of 3 BatchNorm layers would be swapped, 0 skipped; 3 "
-                              "already swapped (keep): nothing would change")
+    assert rows.summary() == (
+        "bnswap plan: 3 of 3 BatchNorm layers would be swapped, 0 skipped; 3 "
+        "already swapped (keep): nothing would change"
+    )
     assert repr(rows) == "Plan(0 swap, 3 keep, 0 skip)"
 
 
@@ -149,11 +172,13 @@ def test_plan_of_a_converted_model_says_keep_and_apply_changes_only_what_is_new(
     model.add_module("extra", nn.BatchNorm1d(4))
     p = bnswap.plan(model)
     assert [(r.action, r.reason, r.already) for r in p] == [
-        ("keep", "already swapped", True)] * 3 + [("swap", "-", False)]
+        ("keep", "already swapped", True)
+    ] * 3 + [("swap", "-", False)]
     assert [d["action"] for d in p.to_dicts()] == ["keep", "keep", "keep", "swap"]
     assert [r.backend for r in p] == ["aten"] * 4 and len(p.swapped) == 4 and len(p.kept) == 3
-    assert p.summary() == ("bnswap plan: 4 of 4 BatchNorm layers would be swapped, 0 skipped; 3 "
-                           "already swapped (keep)")
+    assert p.summary() == (
+        "bnswap plan: 4 of 4 BatchNorm layers would be swapped, 0 skipped; 3 already swapped (keep)"
+    )
     assert str(p).splitlines()[3].split()[2] == "keep"
     assert p.apply() is model
     assert [vars(m)[SWAP] for m in bns(model)][:3] == forwards
@@ -180,14 +205,17 @@ def test_revert_is_the_exact_inverse():
     assert [id(t) for t in model.state_dict(keep_vars=True).values()] == ids
 
 
-@pytest.mark.parametrize("include,exclude,expect", [
-    (None, None, ["1", "3.1", "6"]),
-    ("3.*", None, ["3.1"]),
-    (None, "3.*", ["1", "6"]),
-    (nn.BatchNorm1d, None, ["6"]),
-    (None, [nn.BatchNorm1d, "1"], ["3.1"]),
-    (["1", "6"], "6", ["1"]),
-])
+@pytest.mark.parametrize(
+    "include,exclude,expect",
+    [
+        (None, None, ["1", "3.1", "6"]),
+        ("3.*", None, ["3.1"]),
+        (None, "3.*", ["1", "6"]),
+        (nn.BatchNorm1d, None, ["6"]),
+        (None, [nn.BatchNorm1d, "1"], ["3.1"]),
+        (["1", "6"], "6", ["1"]),
+    ],
+)
 def test_include_exclude(include, exclude, expect):
     model = net()
     bnswap.convert(model, include=include, exclude=exclude)
@@ -253,7 +281,7 @@ def test_plan_table_and_logging(caplog):
     starts = [header.index(c) for c in ("class", "action", "backend", "kernel")]
     for line in (row1, row2):
         for s in starts:
-            assert line[s - 2:s] == "  " and line[s] != " "
+            assert line[s - 2 : s] == "  " and line[s] != " "
     assert row1.split()[:5] == ["1", "BatchNorm2d", "swap", "aten", "Native"]
     assert p[0].adapter_name == "bnswap.layers.batch_norm_forward" and p[0].kernel == "Native"
     # (the kernel for another device: tests/test_kernel_selection.py)
@@ -266,10 +294,12 @@ def test_plan_table_and_logging(caplog):
         "1      BatchNorm2d    swap    aten     Native  bnswap.layers.batch_norm_forward     "
         "-                                                      -\n"
         "2      SyncBatchNorm  swap    aten     Native  bnswap.sync.sync_batch_norm_forward  "
-        "WORLD after init_process_group; unsynchronized before  -")
+        "WORLD after init_process_group; unsynchronized before  -"
+    )
     assert str(bnswap.plan(nn.Sequential(nn.Linear(2, 2)))) == (
         "bnswap plan: 0 of 0 BatchNorm layers would be swapped, 0 skipped "
-        "(the model has no BatchNorm layers)")
+        "(the model has no BatchNorm layers)"
+    )
     caplog.set_level(logging.INFO, logger="bnswap")
     bnswap.convert(model)
     # convert logs the applied plan: what was done, not what would be
@@ -290,18 +320,22 @@ def test_a_dry_plan_says_would_be_swapped_and_the_applied_one_swapped():
     assert p.summary() == "bnswap: 1 of 1 BatchNorm layers swapped, 0 skipped"
     assert str(p).splitlines()[0] == p.summary()
     again = bnswap.plan(model)  # planned after the swap: the layer is kept, nothing to do
-    assert again.summary() == ("bnswap plan: 1 of 1 BatchNorm layers would be swapped, 0 "
-                               "skipped; 1 already swapped (keep): nothing would change")
+    assert again.summary() == (
+        "bnswap plan: 1 of 1 BatchNorm layers would be swapped, 0 "
+        "skipped; 1 already swapped (keep): nothing would change"
+    )
     again.apply()
-    assert again.summary() == ("bnswap: 1 of 1 BatchNorm layers swapped, 0 skipped; 1 "
-                               "already swapped (keep): nothing changed")
+    assert again.summary() == (
+        "bnswap: 1 of 1 BatchNorm layers swapped, 0 skipped; 1 "
+        "already swapped (keep): nothing changed"
+    )
     # an apply that fails (ORT refuses a skipped layer) leaves the plan dry
-    refused = bnswap.plan(nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2)), "ort",
-                          exclude="1")
+    refused = bnswap.plan(nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2)), "ort", exclude="1")
     with pytest.raises(TypeError):
         refused.apply()
     assert not refused.applied and refused.summary().startswith(
-        "bnswap plan: 1 of 2 BatchNorm layers would be swapped, 1 skipped; ")
+        "bnswap plan: 1 of 2 BatchNorm layers would be swapped, 1 skipped; "
+    )
     # a program's plan too
     ep = torch.export.export(nn.Sequential(nn.BatchNorm1d(4)), (torch.randn(2, 4),))
     pp = bnswap.plan(ep)
@@ -310,13 +344,16 @@ def test_a_dry_plan_says_would_be_swapped_and_the_applied_one_swapped():
     assert pp.summary() == "bnswap: 1 of 1 batch-norm nodes swapped, 0 skipped"
 
 
-@pytest.mark.parametrize("env, level", [
-    ({}, logging.INFO),  # one process
-    ({"RANK": "0"}, logging.INFO),  # torchrun's rank zero
-    ({"RANK": "1"}, logging.DEBUG),
-    ({"LOCAL_RANK": "1"}, logging.DEBUG),  # what Lightning's ddp launcher sets in rank 1
-    ({"RANK": "0", "LOCAL_RANK": "1"}, logging.INFO),  # RANK first: the global rank
-])
+@pytest.mark.parametrize(
+    "env, level",
+    [
+        ({}, logging.INFO),  # one process
+        ({"RANK": "0"}, logging.INFO),  # torchrun's rank zero
+        ({"RANK": "1"}, logging.DEBUG),
+        ({"LOCAL_RANK": "1"}, logging.DEBUG),  # what Lightning's ddp launcher sets in rank 1
+        ({"RANK": "0", "LOCAL_RANK": "1"}, logging.INFO),  # RANK first: the global rank
+    ],
+)
 def test_the_plan_is_logged_at_info_on_rank_zero_only(caplog, monkeypatch, env, level):
     """Issue 26: a torchrun job logged the plan once per rank. Rank zero (or a single
     process) logs it at INFO, the other ranks at DEBUG (the process group's rank when one
@@ -333,7 +370,8 @@ def test_the_plan_is_logged_at_info_on_rank_zero_only(caplog, monkeypatch, env, 
     bnswap.revert(model)
     bnswap.convert(model)
     assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bnswap"] == [
-        (level, text)]
+        (level, text)
+    ]
 
 
 def test_a_layer_without_tensors_is_planned_for_the_cpu():
@@ -342,12 +380,19 @@ def test_a_layer_without_tensors_is_planned_for_the_cpu():
     assert p[0].action == "swap" and p[0].kernel == "Native"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(include=[3]), "include takes glob patterns (str) on qualified module names and/or "
-                        "classes, got 3"),
-    (dict(exclude=[nn.BatchNorm2d, None]), "exclude takes glob patterns (str) on qualified "
-                                           "module names and/or classes, got None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(include=[3]),
+            "include takes glob patterns (str) on qualified module names and/or classes, got 3",
+        ),
+        (
+            dict(exclude=[nn.BatchNorm2d, None]),
+            "exclude takes glob patterns (str) on qualified module names and/or classes, got None",
+        ),
+    ],
+)
 def test_bad_patterns_name_the_argument_and_the_item(kwargs, message):
     with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
         bnswap.check_patterns(**kwargs)
@@ -368,19 +413,21 @@ def test_revert_keeps_training_flags_and_hooks_of_a_mixed_mode_model():
     comparing, so a revert that reset ``training`` went unseen."""
     model = net()
     model(torch.randn(2, 3, 6, 6))
-    model[1].eval()                 # a frozen layer inside a training model
-    model[3].eval()                 # a frozen block (its BatchNorm too)
+    model[1].eval()  # a frozen layer inside a training model
+    model[3].eval()  # a frozen block (its BatchNorm too)
     model[6].train()
     calls = []
     model[1].register_forward_hook(lambda m, i, o: calls.append("hook"))
     flags = [(n, m.training) for n, m in model.named_modules()]
-    hooks = [(n, dict(m._forward_hooks), dict(m._forward_pre_hooks))
-             for n, m in model.named_modules()]
+    hooks = [
+        (n, dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()
+    ]
     ref = copy.deepcopy(model)
     bnswap.revert(bnswap.convert(model))
     assert [(n, m.training) for n, m in model.named_modules()] == flags
-    assert [(n, dict(m._forward_hooks), dict(m._forward_pre_hooks))
-            for n, m in model.named_modules()] == hooks
+    assert [
+        (n, dict(m._forward_hooks), dict(m._forward_pre_hooks)) for n, m in model.named_modules()
+    ] == hooks
     x = torch.randn(4, 3, 6, 6)
     assert torch.equal(model(x), ref(x)) and calls == ["hook", "hook"]
     for (k, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
@@ -397,16 +444,36 @@ def test_plan_rows_as_dicts_and_the_swapped_forwards_repr():
     log carry) and what a swapped layer's forward shows when printed."""
     model = nn.Sequential(nn.BatchNorm2d(2), nn.SyncBatchNorm(2), nn.BatchNorm2d(2))
     swapped, sync, skipped = bnswap.plan(model, exclude="2").to_dicts()
-    assert swapped == {"name": "0", "cls": "BatchNorm2d", "action": "swap", "reason": "-",
-                       "backend": "aten", "kernel": "Native",
-                       "adapter": "bnswap.layers.batch_norm_forward", "sync": "-"}
-    assert sync == {"name": "1", "cls": "SyncBatchNorm", "action": "swap", "reason": "-",
-                    "backend": "aten", "kernel": "Native",
-                    "adapter": "bnswap.sync.sync_batch_norm_forward",
-                    "sync": "WORLD after init_process_group; unsynchronized before"}
-    assert skipped == {"name": "2", "cls": "BatchNorm2d", "action": "skip",
-                       "reason": "excluded by '2'", "backend": "-", "kernel": "-",
-                       "adapter": "-", "sync": "-"}
+    assert swapped == {
+        "name": "0",
+        "cls": "BatchNorm2d",
+        "action": "swap",
+        "reason": "-",
+        "backend": "aten",
+        "kernel": "Native",
+        "adapter": "bnswap.layers.batch_norm_forward",
+        "sync": "-",
+    }
+    assert sync == {
+        "name": "1",
+        "cls": "SyncBatchNorm",
+        "action": "swap",
+        "reason": "-",
+        "backend": "aten",
+        "kernel": "Native",
+        "adapter": "bnswap.sync.sync_batch_norm_forward",
+        "sync": "WORLD after init_process_group; unsynchronized before",
+    }
+    assert skipped == {
+        "name": "2",
+        "cls": "BatchNorm2d",
+        "action": "skip",
+        "reason": "excluded by '2'",
+        "backend": "-",
+        "kernel": "-",
+        "adapter": "-",
+        "sync": "-",
+    }
     bnswap.convert(model)
     assert repr(vars(model[0])[SWAP]) == "<bnswap swap: _BatchNorm.forward -> batch_norm_forward>"
 
@@ -436,42 +503,60 @@ def _warnings_of(fn, *args, **kwargs) -> list[tuple[type, str, bool]]:
         line = inspect.currentframe().f_lineno + 1
         fn(*args, **kwargs)
     trampoline = "MUTANT_UNDER_TEST" in os.environ and os.path.join(
-        "mutmut", "mutation", "trampoline.py")
-    return [(w.category, str(w.message), (w.filename, w.lineno) == (__file__, line)
-             or bool(trampoline and w.filename.endswith(trampoline)))
-            for w in caught]
+        "mutmut", "mutation", "trampoline.py"
+    )
+    return [
+        (
+            w.category,
+            str(w.message),
+            (w.filename, w.lineno) == (__file__, line)
+            or bool(trampoline and w.filename.endswith(trampoline)),
+        )
+        for w in caught
+    ]
 
 
 def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
     """Guards convert's and plan's warnings: their exact text and class, and the user's
     line as their place (it was bnswap/convert.py's for a pattern warning from convert)."""
     assert _warnings_of(bnswap.convert, nn.Sequential(nn.Linear(2, 2))) == [
-        (UserWarning, "bnswap.convert: the model has no BatchNorm layer; nothing was swapped",
-         True)]
+        (UserWarning, "bnswap.convert: the model has no BatchNorm layer; nothing was swapped", True)
+    ]
     from tests.plan_models import BatchNormTimesTwo
 
     only_sync = nn.Sequential(*[BatchNormTimesTwo(3) for _ in range(2)])  # (no adapter)
-    none = ("bnswap.convert: none of the model's 2 BatchNorm layers can be swapped: "
-            "BatchNormTimesTwo overrides forward: '0', '1'; a subclass that overrides forward "
-            "needs an adapter (bnswap.register, docs/adapters.md); bnswap.plan(model) shows "
-            "each layer and why")
+    none = (
+        "bnswap.convert: none of the model's 2 BatchNorm layers can be swapped: "
+        "BatchNormTimesTwo overrides forward: '0', '1'; a subclass that overrides forward "
+        "needs an adapter (bnswap.register, docs/adapters.md); bnswap.plan(model) shows "
+        "each layer and why"
+    )
     assert _warnings_of(bnswap.convert, only_sync) == [(UserWarning, none, True)]
     # what include / exclude leave out is what the user asked for: not warned about; the
     # layer they selected and bnswap cannot swap is (issue 26: it was not, with a pattern)
     assert _warnings_of(bnswap.convert, only_sync, exclude=["0", "1"]) == []
     assert _warnings_of(bnswap.convert, only_sync, include="1") == [
-        (UserWarning, "bnswap.convert: 1 of the model's 2 BatchNorm layers was not swapped "
-         "(kept its own forward): BatchNormTimesTwo overrides forward: '1'; a subclass that "
-         "overrides forward needs an adapter (bnswap.register, docs/adapters.md); "
-         "bnswap.plan(model) shows each layer and why", True)]
+        (
+            UserWarning,
+            "bnswap.convert: 1 of the model's 2 BatchNorm layers was not swapped "
+            "(kept its own forward): BatchNormTimesTwo overrides forward: '1'; a subclass that "
+            "overrides forward needs an adapter (bnswap.register, docs/adapters.md); "
+            "bnswap.plan(model) shows each layer and why",
+            True,
+        )
+    ]
     assert _warnings_of(bnswap.convert, only_sync, include="*") == [(UserWarning, none, True)]
     # a pattern that matches nothing, from convert (two calls deep) and from plan
     from bnswap.plan import UnmatchedPatternWarning
 
     for fn in (bnswap.convert, bnswap.plan):
         assert _warnings_of(fn, only_sync, include="x*") == [
-            (UnmatchedPatternWarning,
-             "bnswap: include pattern 'x*' matches no BatchNorm layer", True)]
+            (
+                UnmatchedPatternWarning,
+                "bnswap: include pattern 'x*' matches no BatchNorm layer",
+                True,
+            )
+        ]
 
 
 def test_convert_warns_once_per_call_about_layers_it_left_that_were_not_excluded():
@@ -486,21 +571,28 @@ def test_convert_warns_once_per_call_about_layers_it_left_that_were_not_excluded
     x = torch.randn(4, 3, 6, 6)
     stock(x)  # (its LazyLinear initialized before the copies)
     model = copy.deepcopy(stock)
-    both = ("bnswap.convert: 2 of the model's 4 BatchNorm layers were not swapped (kept their "
-            "own forward): its forward is set on the instance (by a library's hook, e.g. "
-            "accelerate's, or by hand): '2'; BatchNormTimesTwo overrides forward: '3'; a "
-            "subclass that overrides forward needs an adapter (bnswap.register, "
-            "docs/adapters.md); bnswap.plan(model) shows each layer and why")
+    both = (
+        "bnswap.convert: 2 of the model's 4 BatchNorm layers were not swapped (kept their "
+        "own forward): its forward is set on the instance (by a library's hook, e.g. "
+        "accelerate's, or by hand): '2'; BatchNormTimesTwo overrides forward: '3'; a "
+        "subclass that overrides forward needs an adapter (bnswap.register, "
+        "docs/adapters.md); bnswap.plan(model) shows each layer and why"
+    )
     for _ in range(2):  # once per call, again on the next (convert is idempotent)
         assert _warnings_of(bnswap.convert, model) == [(UserWarning, both, True)]
     assert [bnswap.is_swapped(m) for m in bns(model)] == [True, False, False, True]
     assert torch.equal(model(x), stock(x))
     one = copy.deepcopy(stock)
     assert _warnings_of(bnswap.convert, one, exclude="3") == [
-        (UserWarning, "bnswap.convert: 1 of the model's 4 BatchNorm layers was not swapped "
-         "(kept its own forward): its forward is set on the instance (by a library's hook, "
-         "e.g. accelerate's, or by hand): '2'; bnswap.plan(model) shows each layer and "
-         "why", True)]
+        (
+            UserWarning,
+            "bnswap.convert: 1 of the model's 4 BatchNorm layers was not swapped "
+            "(kept its own forward): its forward is set on the instance (by a library's hook, "
+            "e.g. accelerate's, or by hand): '2'; bnswap.plan(model) shows each layer and "
+            "why",
+            True,
+        )
+    ]
     assert _warnings_of(bnswap.convert, copy.deepcopy(stock), exclude=["2", "3"]) == []
     assert _warnings_of(bnswap.convert, net()) == []  # every layer swapped: nothing to say
 
@@ -510,18 +602,23 @@ def test_convert_with_sync_batchnorm_warns_about_swapped_layers_left_unsynchroni
     subclass (it keeps torch's forward, so it is swapped) unsynchronized in silence, so
     under DDP it normalized with each rank's batch. It warns, naming the layer and why;
     the exact classes are synchronized and say nothing."""
+
     class KeepBN(nn.BatchNorm2d):
         pass
 
     model = nn.Sequential(KeepBN(3), nn.BatchNorm2d(3))
     assert _warnings_of(bnswap.convert, model, sync_batchnorm=True) == [
-        (UserWarning, "bnswap.convert: 1 swapped layer stays unsynchronized with "
-         "sync_batchnorm=True: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact class, "
-         "not parametrized) and timm's BatchNormAct2d: '0'; bnswap.plan(model) shows each "
-         "layer and why", True)]
+        (
+            UserWarning,
+            "bnswap.convert: 1 swapped layer stays unsynchronized with "
+            "sync_batchnorm=True: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact class, "
+            "not parametrized) and timm's BatchNormAct2d: '0'; bnswap.plan(model) shows each "
+            "layer and why",
+            True,
+        )
+    ]
     assert isinstance(model[1], nn.SyncBatchNorm) and type(model[0]) is KeepBN
-    assert _warnings_of(bnswap.convert, nn.Sequential(nn.BatchNorm2d(3)),
-                        sync_batchnorm=True) == []
+    assert _warnings_of(bnswap.convert, nn.Sequential(nn.BatchNorm2d(3)), sync_batchnorm=True) == []
 
 
 def test_plan_apply_and_convert_of_a_model_warn_once_for_a_pattern_that_matches_nothing():
@@ -535,20 +632,22 @@ def test_plan_apply_and_convert_of_a_model_warn_once_for_a_pattern_that_matches_
 
     def net() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
-                             nn.BatchNorm2d(4))
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4))
 
     x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
-    calls = [lambda m: bnswap.plan(m, exclude=["nomatch*"]),
-             lambda m: bnswap.plan(m, exclude=["nomatch*"]).apply(),
-             lambda m: bnswap.convert(m, exclude=["nomatch*"])]
+    calls = [
+        lambda m: bnswap.plan(m, exclude=["nomatch*"]),
+        lambda m: bnswap.plan(m, exclude=["nomatch*"]).apply(),
+        lambda m: bnswap.convert(m, exclude=["nomatch*"]),
+    ]
     for i, call in enumerate(calls):
         model, stock = net(), net()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = call(model)
-        assert [str(w.message) for w in caught
-                if issubclass(w.category, UnmatchedPatternWarning)] == [text], i
+        assert [
+            str(w.message) for w in caught if issubclass(w.category, UnmatchedPatternWarning)
+        ] == [text], i
         if isinstance(out, bnswap.Plan):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -575,6 +674,7 @@ def test_a_layer_whose_forward_is_set_on_the_instance_is_left_as_is():
     """Guards: a forward assigned to the instance (accelerate's ``add_hook_to_module``
     does ``module.forward = ...``) was silently replaced by the swap, so the hook stopped
     running. plan skips the layer and says why; convert and revert leave it alone."""
+
     def hooked(layer):
         calls = []
         plain = layer.forward
@@ -592,9 +692,14 @@ def test_a_layer_whose_forward_is_set_on_the_instance_is_left_as_is():
     own = vars(model[1])["forward"]
     rows = bnswap.plan(model).rows
     assert [(r.name, r.action, r.reason) for r in rows] == [
-        ("1", "skip", "its forward is set on the instance (by a library's hook, e.g. "
-                      "accelerate's, or by hand); swapping would drop it"),
-        ("2", "swap", "-")]
+        (
+            "1",
+            "skip",
+            "its forward is set on the instance (by a library's hook, e.g. "
+            "accelerate's, or by hand); swapping would drop it",
+        ),
+        ("2", "swap", "-"),
+    ]
     with pytest.warns(UserWarning, match="1 of the model's 2 BatchNorm layers was not swapped"):
         assert bnswap.convert(model) is model
     assert vars(model[1])["forward"] is own and bnswap.is_swapped(model[2])
@@ -614,12 +719,23 @@ def test_apply_of_a_plan_without_a_model_says_how_to_get_one():
 def test_a_layer_skipped_under_ort_says_what_that_means():
     """Guards the ORT part of a skipped row's reason (plan needs no ONNX Runtime)."""
     rows = bnswap.plan(nn.Sequential(nn.BatchNorm2d(3)), backend="ort", exclude="0").rows
-    assert [(r.action, r.backend, r.reason) for r in rows] == [(
-        "skip", "-", "excluded by '0'; ORT cannot "
-        "run an unswapped BatchNorm: bnswap.convert(..., backend='ort') refuses the model, "
-        "BNSwap keeps its child eager")]
+    assert [(r.action, r.backend, r.reason) for r in rows] == [
+        (
+            "skip",
+            "-",
+            "excluded by '0'; ORT cannot "
+            "run an unswapped BatchNorm: bnswap.convert(..., backend='ort') refuses the model, "
+            "BNSwap keeps its child eager",
+        )
+    ]
     rows = bnswap.plan(nn.Sequential(nn.SyncBatchNorm(3)), backend="ort").rows
-    assert [(r.action, r.backend, r.reason) for r in rows] == [("skip", "-", "ONNX Runtime cannot synchronize batch statistics across processes (convert refuses the model: UnsupportedLayerError)")]
+    assert [(r.action, r.backend, r.reason) for r in rows] == [
+        (
+            "skip",
+            "-",
+            "ONNX Runtime cannot synchronize batch statistics across processes (convert refuses the model: UnsupportedLayerError)",
+        )
+    ]
 
 
 def test_objects_without_a_dict_are_not_swapped_and_not_wrappers():
@@ -651,20 +767,32 @@ def test_plan_rows_of_already_swapped_and_excluded_layers_hold_everything():
     model = nn.Sequential(nn.BatchNorm2d(2), nn.LazyBatchNorm2d(), nn.BatchNorm2d(2))
     bnswap.convert(model, exclude="2")
     rows = bnswap.plan(model, device="cuda", exclude="2").rows
-    got = [(r.name, r.action, r.backend, r.reason, r.adapter, r.lazy, r.already, r.kernel,
-            r.device) for r in rows]
+    got = [
+        (r.name, r.action, r.backend, r.reason, r.adapter, r.lazy, r.already, r.kernel, r.device)
+        for r in rows
+    ]
     cudnn = "Cudnn (predicted)" if not torch.cuda.is_available() else "Cudnn"
     assert got == [
-        ("0", "keep", "aten", "already swapped", batch_norm_forward, False, True, cudnn,
-         "cuda"),
-        ("1", "keep", "aten", "already swapped; uninitialized LazyBatchNorm2d: keeps the swap "
-         "when it initializes", batch_norm_forward, True, True, cudnn, "cuda"),
-        ("2", "skip", "-", "excluded by '2'", None, False, False, "-", "cuda")]
+        ("0", "keep", "aten", "already swapped", batch_norm_forward, False, True, cudnn, "cuda"),
+        (
+            "1",
+            "keep",
+            "aten",
+            "already swapped; uninitialized LazyBatchNorm2d: keeps the swap when it initializes",
+            batch_norm_forward,
+            True,
+            True,
+            cudnn,
+            "cuda",
+        ),
+        ("2", "skip", "-", "excluded by '2'", None, False, False, "-", "cuda"),
+    ]
     assert [r.module for r in rows] == list(model)
     rows = bnswap.plan(model, backend="ort", exclude="2").rows
     assert rows[2].reason == (
         "excluded by '2'; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., "
-        "backend='ort') refuses the model, BNSwap keeps its child eager")
+        "backend='ort') refuses the model, BNSwap keeps its child eager"
+    )
     assert [r.backend for r in rows] == ["ort", "ort", "-"]
 
 
@@ -679,34 +807,54 @@ def test_plan_rows_of_every_kind_hold_every_field():
 
     hooked = nn.BatchNorm2d(2)
     hooked.forward = hooked.forward  # set on the instance
-    model = nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2), hooked,
-                          nn.LazyBatchNorm2d(), BatchNormTimesTwo(2))
+    model = nn.Sequential(
+        nn.BatchNorm2d(2),
+        nn.BatchNorm2d(2),
+        nn.SyncBatchNorm(2),
+        hooked,
+        nn.LazyBatchNorm2d(),
+        BatchNormTimesTwo(2),
+    )
     include = ["0", "2", "3", "4", "5", "nothing"]
-    subclass = ("BatchNormTimesTwo overrides forward; swapping would drop it (pytorch issue "
-                "187298); register an adapter: bnswap.register(BatchNormTimesTwo, "
-                "<function>), see docs/adapters.md")
-    reasons = ["-", "not matched by include", "-",
-               "its forward is set on the instance (by a library's hook, e.g. accelerate's, "
-               "or by hand); swapping would drop it",
-               "uninitialized LazyBatchNorm2d: swapped now, keeps the swap when it initializes",
-               subclass]
-    ort = ("; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., backend='ort') "
-           "refuses the model, BNSwap keeps its child eager")
+    subclass = (
+        "BatchNormTimesTwo overrides forward; swapping would drop it (pytorch issue "
+        "187298); register an adapter: bnswap.register(BatchNormTimesTwo, "
+        "<function>), see docs/adapters.md"
+    )
+    reasons = [
+        "-",
+        "not matched by include",
+        "-",
+        "its forward is set on the instance (by a library's hook, e.g. accelerate's, "
+        "or by hand); swapping would drop it",
+        "uninitialized LazyBatchNorm2d: swapped now, keeps the swap when it initializes",
+        subclass,
+    ]
+    ort = (
+        "; ORT cannot run an unswapped BatchNorm: bnswap.convert(..., backend='ort') "
+        "refuses the model, BNSwap keeps its child eager"
+    )
     for backend in ("aten", "ort"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             rows = bnswap.plan(model, backend, include=include, device="cuda").rows
         assert [(w.category, str(w.message)) for w in caught] == [
-            (UnmatchedPatternWarning,
-             "bnswap: include pattern 'nothing' matches no BatchNorm layer")]
+            (
+                UnmatchedPatternWarning,
+                "bnswap: include pattern 'nothing' matches no BatchNorm layer",
+            )
+        ]
         swap = [True, False, backend == "aten", False, True, False]
         assert [r.name for r in rows] == [str(i) for i in range(6)]
         assert [r.action for r in rows] == ["swap" if s else "skip" for s in swap]
         if backend == "ort":
-            reasons[2] = "ONNX Runtime cannot synchronize batch statistics across processes (convert refuses the model: UnsupportedLayerError)"
+            reasons[2] = (
+                "ONNX Runtime cannot synchronize batch statistics across processes (convert refuses the model: UnsupportedLayerError)"
+            )
         assert [r.reason for r in rows] == [
             reason + (ort if backend == "ort" and not s and i != 2 else "")
-            for i, (reason, s) in enumerate(zip(reasons, swap))]
+            for i, (reason, s) in enumerate(zip(reasons, swap))
+        ]
         assert [r.backend for r in rows] == [backend if s else "-" for s in swap]
         assert [r.lazy for r in rows] == [False, False, False, False, True, False]
         assert all(r.module is m for r, m in zip(rows, model))
@@ -737,7 +885,7 @@ def test_a_shallow_copy_is_swapped_and_runs_its_own_state():
     c = _dict_copy(orig)
     c.eps, c.momentum = 1e-2, 0.5
     c._buffers = dict(c._buffers)  # the copied __dict__ shares the dict; replicas get their own
-    c.running_mean = torch.full((3,), 0.25)   # own buffers
+    c.running_mean = torch.full((3,), 0.25)  # own buffers
     c.running_var = torch.full((3,), 2.0)
     c.num_batches_tracked = torch.tensor(7)
     row = bnswap.plan(c)[0]

@@ -24,9 +24,15 @@ import bnswap
 
 def build() -> nn.Module:
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
-                      nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 1))
-    m(torch.randn(8, 5))   # statistics of its own, not the initial ones
+    m = nn.Sequential(
+        nn.Linear(5, 6),
+        nn.BatchNorm1d(6),
+        nn.ReLU(),
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6, momentum=None),
+        nn.Linear(6, 1),
+    )
+    m(torch.randn(8, 5))  # statistics of its own, not the initial ones
     return m
 
 
@@ -106,10 +112,9 @@ def test_clone_of_a_swapped_layer_runs_bnswaps_kernel_on_its_own_state(monkeypat
     _, swapped = pair()
     learner = clone_module(swapped)
     seen = []
-    mark = vars(swapped[1])[bnswap._swap.SWAP]   # shared with the clone: it names no layer
+    mark = vars(swapped[1])[bnswap._swap.SWAP]  # shared with the clone: it names no layer
     adapter = mark.adapter
-    monkeypatch.setattr(mark, "adapter",
-                        lambda m, *a, **k: seen.append(m) or adapter(m, *a, **k))
+    monkeypatch.setattr(mark, "adapter", lambda m, *a, **k: seen.append(m) or adapter(m, *a, **k))
     learner(data(1))
     assert seen == [learner[1]]
 
@@ -167,7 +172,7 @@ def replica(model: nn.Module) -> nn.Module:
         for key, child in m._modules.items():
             r._modules[key] = copies[child]
         for key, p in m._parameters.items():
-            setattr(r, key, p * 1)   # non-leaf, differentiable to the original
+            setattr(r, key, p * 1)  # non-leaf, differentiable to the original
         for key, b in m._buffers.items():
             if b is not None:
                 setattr(r, key, b.clone())
@@ -179,8 +184,8 @@ def test_dataparallel_replica_equals_stock():
     ra, rb = replica(stock), replica(swapped)
     for r in (ra, rb):
         r(data(3)).square().mean().backward()
-    assert_same_state(ra, rb)                  # the replicas' own statistics moved
-    assert_same_state(stock, swapped)          # the originals' did not (alike)
+    assert_same_state(ra, rb)  # the replicas' own statistics moved
+    assert_same_state(stock, swapped)  # the originals' did not (alike)
     for a, b in zip(stock.parameters(), swapped.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     ra.eval(), rb.eval()
@@ -243,7 +248,7 @@ def test_compiled_clone_equals_compiled_stock_clone():
     ya = torch.compile(ca, backend="aot_eager")(data(1))
     yb = torch.compile(cb, backend="aot_eager")(data(1))
     assert torch.equal(ya, yb)
-    assert_same_state(stock, swapped)   # shared buffers: the clones' statistics
+    assert_same_state(stock, swapped)  # shared buffers: the clones' statistics
 
 
 def test_compiled_clone_after_compiled_original_equals_stock():
@@ -262,9 +267,12 @@ def test_compiled_clone_after_compiled_original_equals_stock():
     assert_same_state(stock, swapped, graph=True)
     ca.eval(), cb.eval()
     # eval normalizes with those statistics: as close as they are, not bitwise
-    torch.testing.assert_close(torch.compile(ca, backend="aot_eager")(data(2)),
-                               torch.compile(cb, backend="aot_eager")(data(2)),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        torch.compile(ca, backend="aot_eager")(data(2)),
+        torch.compile(cb, backend="aot_eager")(data(2)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def first_order_maml_step(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -316,13 +324,15 @@ def test_original_and_copy_in_two_threads_equal_stock(way):
         run(layers["stock"][k], inputs[k], expected[k])
     got: list[list[torch.Tensor]] = [[], []]
     barrier = threading.Barrier(2)
-    threads = [threading.Thread(target=run, args=(layers["swapped"][k], inputs[k], got[k],
-                                                  barrier)) for k in (0, 1)]
+    threads = [
+        threading.Thread(target=run, args=(layers["swapped"][k], inputs[k], got[k], barrier))
+        for k in (0, 1)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for k in (0, 1):   # k = 0: the original's outputs, 1: the copy's
+    for k in (0, 1):  # k = 0: the original's outputs, 1: the copy's
         assert len(got[k]) == n
         for i, (a, b) in enumerate(zip(expected[k], got[k], strict=True)):
             assert torch.equal(a, b), ("output", k, i)
@@ -365,7 +375,7 @@ def test_revert_of_a_clone_of_a_synchronized_model_keeps_the_clones_state():
     into the clone. The clone gets a layer of the original's class on its own state."""
     torch.manual_seed(0)
     stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-    model = bnswap.convert(copy.deepcopy(stock), sync_batchnorm=True)   # one process: local
+    model = bnswap.convert(copy.deepcopy(stock), sync_batchnorm=True)  # one process: local
     cs, cb = (diverge(clone_module(m)) for m in (stock, model))
     x = torch.randn(4, 3, 6, 6)
     assert torch.equal(cs(x), cb(x))

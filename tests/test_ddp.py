@@ -23,11 +23,12 @@ def _run(variant: str, out: Path) -> tuple[list[dict], str]:
     ranks', Lightning's launcher starting rank 1 with this process's streams)."""
     env = rank_env()
     env.pop("BNSWAP_ORT_LOG_LEVEL", None)
-    proc = run_processes([sys.executable, str(SCRIPT), variant, str(out)], timeout=600,
-                         env=env)
+    proc = run_processes([sys.executable, str(SCRIPT), variant, str(out)], timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
-    return ([torch.load(out / f"{variant}_rank{r}.pt", weights_only=False) for r in (0, 1)],
-            proc.stdout + proc.stderr)
+    return (
+        [torch.load(out / f"{variant}_rank{r}.pt", weights_only=False) for r in (0, 1)],
+        proc.stdout + proc.stderr,
+    )
 
 
 @pytest.mark.slow
@@ -40,7 +41,8 @@ def test_ddp_two_processes_fit_with_bnswap_like_stock(tmp_path):
     for r in swapped:
         # swapped before configure_optimizers and the DDP wrap (configure_model net)
         assert r["classes_at_configure_optimizers"] == [
-            "torch.nn.modules.batchnorm.BatchNorm2d (swapped)"]
+            "torch.nn.modules.batchnorm.BatchNorm2d (swapped)"
+        ]
         assert r["classes"] == ["torch.nn.modules.batchnorm.BatchNorm2d (swapped)"]
     assert swapped[0]["plan"] == [(f"net.features.{i}", "swap") for i in (1, 4, 8, 11)]
     assert swapped[1]["plan"] == swapped[0]["plan"]
@@ -66,8 +68,9 @@ def test_ddp_two_processes_fit_with_ort_backend_like_stock(tmp_path):
     ort, printed = _run("ort", tmp_path)
     # at the default BNSWAP_ORT_LOG_LEVEL ORT prints nothing under DDP either (it logs to
     # orttraining.rank-<r> there; its feature banners and fast-path notice showed)
-    assert "orttraining" not in printed and "accelerating your model" not in printed, \
-        printed[-3000:]
+    assert "orttraining" not in printed and "accelerating your model" not in printed, printed[
+        -3000:
+    ]
     stock, _ = _run("stock", tmp_path)
     for r in ort:
         assert r["world_size"] == 2 and r["global_step"] == 8
@@ -81,8 +84,11 @@ def test_ddp_two_processes_fit_with_ort_backend_like_stock(tmp_path):
     assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
     # ... and equal stock DDP within float32 rounding (ORT's kernels are not bitwise
     # aten's; measured max |diff| 1.5e-7 after 8 steps; the README says "within 1e-6")
-    diffs = {k: float((s0[k].double() - want.double()).abs().max())
-             for k, want in stock[0]["state"].items() if want.is_floating_point()}
+    diffs = {
+        k: float((s0[k].double() - want.double()).abs().max())
+        for k, want in stock[0]["state"].items()
+        if want.is_floating_point()
+    }
     assert max(diffs.values()) <= 1e-6, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
     for k, want in stock[0]["state"].items():
         if not want.is_floating_point():

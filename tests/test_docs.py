@@ -14,10 +14,21 @@ import pytest
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
-MODULES = ["bnswap._swap", "bnswap.functional", "bnswap.layers", "bnswap.registry",
-           "bnswap.plan", "bnswap.convert", "bnswap._graph", "bnswap.programs", "bnswap.ort.errors",
-           "bnswap.sync", "bnswap.app.messages", "bnswap._log",
-           "_bnswap_command"]
+MODULES = [
+    "bnswap._swap",
+    "bnswap.functional",
+    "bnswap.layers",
+    "bnswap.registry",
+    "bnswap.plan",
+    "bnswap.convert",
+    "bnswap._graph",
+    "bnswap.programs",
+    "bnswap.ort.errors",
+    "bnswap.sync",
+    "bnswap.app.messages",
+    "bnswap._log",
+    "_bnswap_command",
+]
 
 REQUIRED = {
     "bnswap.convert": ["convert", "revert"],
@@ -40,8 +51,10 @@ def _run(module_name: str) -> dict[str, int]:
         if not test.examples:
             continue
         result = runner.run(test, out=lambda s: None)
-        assert result.failed == 0, f"{test.name}: a doctest example failed; run python -m " \
+        assert result.failed == 0, (
+            f"{test.name}: a doctest example failed; run python -m "
             f"doctest -v on {module.__file__} to see it"
+        )
         attempted[test.name.removeprefix(module_name + ".")] = result.attempted
     for name in REQUIRED.get(module_name, []):
         assert attempted.get(name, 0) > 0, f"{module_name}.{name} has no Examples:: doctest"

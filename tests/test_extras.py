@@ -25,13 +25,21 @@ def test_each_kind_of_installation_gets_a_command_that_works_from_it(tmp_path):
     cases = [
         ({"url": url, "dir_info": {}}, f"pip install '{checkout}[lightning]'"),
         ({"url": url, "dir_info": {"editable": True}}, f"pip install -e '{checkout}[lightning]'"),
-        ({"url": wheel.as_uri(), "archive_info": {"hashes": {"sha256": "0" * 64}}},
-         f"pip install '{wheel}[lightning]'"),
-        ({"url": "https://github.com/someone/bnswap.git",
-          "vcs_info": {"vcs": "git", "requested_revision": "main", "commit_id": "7f3e1a2"}},
-         "pip install 'bnswap[lightning] @ git+https://github.com/someone/bnswap.git@7f3e1a2'"),
-        ({"url": "https://example.org/bnswap-0.1.0.tar.gz", "archive_info": {}},
-         "pip install 'bnswap[lightning] @ https://example.org/bnswap-0.1.0.tar.gz'"),
+        (
+            {"url": wheel.as_uri(), "archive_info": {"hashes": {"sha256": "0" * 64}}},
+            f"pip install '{wheel}[lightning]'",
+        ),
+        (
+            {
+                "url": "https://github.com/someone/bnswap.git",
+                "vcs_info": {"vcs": "git", "requested_revision": "main", "commit_id": "7f3e1a2"},
+            },
+            "pip install 'bnswap[lightning] @ git+https://github.com/someone/bnswap.git@7f3e1a2'",
+        ),
+        (
+            {"url": "https://example.org/bnswap-0.1.0.tar.gz", "archive_info": {}},
+            "pip install 'bnswap[lightning] @ https://example.org/bnswap-0.1.0.tar.gz'",
+        ),
         (None, "pip install 'bnswap[lightning]'"),  # an index that has it: no direct_url
         ({"url": (tmp_path / "gone").as_uri(), "dir_info": {}}, None),  # moved or deleted
     ]
@@ -40,16 +48,22 @@ def test_each_kind_of_installation_gets_a_command_that_works_from_it(tmp_path):
     assert extras.command_for("lightning", None, installed=False) is None
     # code run from a checkout (on sys.path): that folder, -e when installed editable there
     assert extras.command_for("onnx", None, installed=False, checkout=str(checkout)) == (
-        f"pip install '{checkout}[onnx]'")
-    assert extras.command_for("onnx", {"url": url, "dir_info": {"editable": True}},
-                              checkout=str(checkout)) == f"pip install -e '{checkout}[onnx]'"
+        f"pip install '{checkout}[onnx]'"
+    )
+    assert (
+        extras.command_for(
+            "onnx", {"url": url, "dir_info": {"editable": True}}, checkout=str(checkout)
+        )
+        == f"pip install -e '{checkout}[onnx]'"
+    )
 
 
 def test_the_hint_of_this_checkout():
     """From this checkout: its folder (the suite runs the checkout's code). (Nothing known,
     the extra by name and the README's Install section: tests/test_install.py.)"""
     assert extras.install_hint("lightning") == (
-        f"pip install '{ROOT}[lightning]' (bnswap's 'lightning' extra)")
+        f"pip install '{ROOT}[lightning]' (bnswap's 'lightning' extra)"
+    )
     with pytest.raises(ValueError, match="unknown extra 'cuda'; bnswap's extras are lightning"):
         extras.install_hint("cuda")
 

@@ -54,10 +54,15 @@ def _reference(bn: nn.Module) -> nn.Module:
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize("cls,shape", [(nn.BatchNorm1d, (5, 3)), (nn.BatchNorm2d, (4, 3, 3, 3)),
-                                       (nn.BatchNorm3d, (2, 3, 2, 2, 2))], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "cls,shape",
+    [(nn.BatchNorm1d, (5, 3)), (nn.BatchNorm2d, (4, 3, 3, 3)), (nn.BatchNorm3d, (2, 3, 2, 2, 2))],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_half_parameters_float_statistics_equal_stock_on_float_parameters(dtype, cls, shape, momentum):
+def test_half_parameters_float_statistics_equal_stock_on_float_parameters(
+    dtype, cls, shape, momentum
+):
     """Two training steps then eval: output (the input's dtype), input gradient, running
     statistics (float32), counter bitwise the reference's; weight and bias gradients are
     the reference's cast to the Parameters' dtype. Stock refuses the layer."""
@@ -87,8 +92,9 @@ def test_half_parameters_float_statistics_equal_stock_on_float_parameters(dtype,
         assert bn.running_mean.dtype == bn.running_var.dtype == torch.float32
 
 
-@pytest.mark.parametrize("case", ["float64_statistics", "float16_params_bfloat16_input",
-                                  "float32_input"])
+@pytest.mark.parametrize(
+    "case", ["float64_statistics", "float16_params_bfloat16_input", "float32_input"]
+)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_other_dtype_mismatches_keep_stocks_error(case, train):
     """Only half input + Parameters in its dtype + float32 statistics is run upcast; any
@@ -121,8 +127,9 @@ def _free_port() -> int:
 
 def _run(mode: str, out: Path) -> list[dict]:
     env = rank_env()
-    proc = run_processes([sys.executable, str(SCRIPT), mode, str(out), str(_free_port())],
-                         timeout=600, env=env)
+    proc = run_processes(
+        [sys.executable, str(SCRIPT), mode, str(out), str(_free_port())], timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     return [torch.load(out / f"{mode}_rank{r}.pt", weights_only=False) for r in (0, 1)]
 
@@ -183,7 +190,9 @@ def test_lightning_model_parallel_strategy_fsdp2_bfloat16_on_cpu(tmp_path, plain
     _check_steps(ranks)
     for r in (0, 1):
         mine = ranks[r]["state"]
-        assert [k for k, v in plain_ranks[r]["state"].items() if not torch.equal(mine["net." + k], v)] == []
+        assert [
+            k for k, v in plain_ranks[r]["state"].items() if not torch.equal(mine["net." + k], v)
+        ] == []
 
 
 def test_lightning_fsdp_strategy_refuses_cpu():

@@ -43,11 +43,21 @@ from tests._helpers import same_tensor, state_diff
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 PROFILES = {
-    "ci": settings(max_examples=400, derandomize=True, deadline=None, database=None,
-                   suppress_health_check=_HEALTH, print_blob=True),
-    "thorough": settings(max_examples=int(os.environ.get("BNSWAP_HYPOTHESIS_EXAMPLES", 2000)),
-                         deadline=None, database=None,
-                         suppress_health_check=_HEALTH, print_blob=True),
+    "ci": settings(
+        max_examples=400,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=_HEALTH,
+        print_blob=True,
+    ),
+    "thorough": settings(
+        max_examples=int(os.environ.get("BNSWAP_HYPOTHESIS_EXAMPLES", 2000)),
+        deadline=None,
+        database=None,
+        suppress_health_check=_HEALTH,
+        print_blob=True,
+    ),
 }
 PROFILE = os.environ.get("BNSWAP_HYPOTHESIS_PROFILE", "ci")
 if PROFILE not in PROFILES:
@@ -91,24 +101,25 @@ class Case:
 def cases(draw) -> Case:
     rank = draw(st.integers(2, 5))
     c = draw(st.integers(1, 5))
-    in_dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16,
-                                     torch.float16]))
-    param_dtype = (draw(st.sampled_from([torch.float32, in_dtype])) if in_dtype in _HALF
-                   else in_dtype)
+    in_dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]))
+    param_dtype = (
+        draw(st.sampled_from([torch.float32, in_dtype])) if in_dtype in _HALF else in_dtype
+    )
     affine = draw(st.booleans())
     bias = draw(st.booleans()) if affine and _HAS_BIAS_KW else affine
     track = draw(st.booleans())
-    momentum = draw(st.one_of(st.none(), st.sampled_from([0.0, 1.0, 0.1]),
-                              st.floats(0.0, 1.0, allow_nan=False)))
-    eps = draw(st.one_of(st.sampled_from([1e-5, 1e-3, 0.1, 1.0]),
-                         st.floats(1e-8, 2.0, allow_nan=False)))
+    momentum = draw(
+        st.one_of(st.none(), st.sampled_from([0.0, 1.0, 0.1]), st.floats(0.0, 1.0, allow_nan=False))
+    )
+    eps = draw(
+        st.one_of(st.sampled_from([1e-5, 1e-3, 0.1, 1.0]), st.floats(1e-8, 2.0, allow_nan=False))
+    )
     steps = []
     layouts = ["contiguous", "strided"] + (["channels_last"] if rank >= 4 else [])
     for _ in range(draw(st.integers(1, 5))):
         train = draw(st.booleans())
         n = draw(st.sampled_from([0, 1, 2, 2, 3, 5]))
-        spatial = tuple(draw(st.lists(st.integers(1, 4), min_size=rank - 2,
-                                      max_size=rank - 2)))
+        spatial = tuple(draw(st.lists(st.integers(1, 4), min_size=rank - 2, max_size=rank - 2)))
         values = n
         for s in spatial:
             values *= s
@@ -116,22 +127,34 @@ def cases(draw) -> Case:
             n = 2  # one value per channel: the ValueError row of test_bad_inputs.py
         grad_mode = draw(st.sampled_from(["grad", "grad", "no_grad", "inference_mode"]))
         backward = grad_mode == "grad" and draw(st.booleans())
-        steps.append(Step(
-            train=train, n=n, spatial=spatial, layout=draw(st.sampled_from(layouts)),
-            grad_mode=grad_mode, backward=backward,
-            update=backward and affine and draw(st.booleans()),
-            scale=draw(st.sampled_from([1.0, 1.0, 1e-3, 100.0])),
-            offset=draw(st.sampled_from([0.0, 0.0, 3.0, -50.0])),
-            seed=draw(st.integers(0, 2**31 - 1)),
-        ))
+        steps.append(
+            Step(
+                train=train,
+                n=n,
+                spatial=spatial,
+                layout=draw(st.sampled_from(layouts)),
+                grad_mode=grad_mode,
+                backward=backward,
+                update=backward and affine and draw(st.booleans()),
+                scale=draw(st.sampled_from([1.0, 1.0, 1e-3, 100.0])),
+                offset=draw(st.sampled_from([0.0, 0.0, 3.0, -50.0])),
+                seed=draw(st.integers(0, 2**31 - 1)),
+            )
+        )
     return Case(rank, c, in_dtype, param_dtype, affine, bias, track, momentum, eps, steps)
 
 
 def _build(case: Case) -> nn.Module:
     kw = {"bias": case.bias} if _HAS_BIAS_KW and case.affine else {}
-    bn = _CLASSES[case.rank](case.c, eps=case.eps, momentum=case.momentum,
-                             affine=case.affine, track_running_stats=case.track,
-                             dtype=case.param_dtype, **kw)
+    bn = _CLASSES[case.rank](
+        case.c,
+        eps=case.eps,
+        momentum=case.momentum,
+        affine=case.affine,
+        track_running_stats=case.track,
+        dtype=case.param_dtype,
+        **kw,
+    )
     g = torch.Generator().manual_seed(case.c * 7919 + case.rank)
     with torch.no_grad():  # not the identity parameters / statistics of a fresh layer
         for t in list(bn.parameters()) + [bn.running_mean, bn.running_var]:
@@ -226,7 +249,16 @@ def test_half_input_without_parameters_or_statistics_is_bitwise_stock(dtype, ran
     # constants, selecting the kernel's mixed-dtype path (different rounding).
     shape = (4, 3) if rank == 2 else (4, 3, 5, 5)
     step = Step(True, shape[0], shape[2:], "contiguous", "grad", True, False, 1.0, 0.0, 3)
-    case = Case(rank, 3, dtype, torch.float32, False, False, False, 0.1, 1e-5,
-                [step, Step(False, 2, shape[2:], "contiguous", "grad", True, False, 2.0,
-                            1.0, 4)])
+    case = Case(
+        rank,
+        3,
+        dtype,
+        torch.float32,
+        False,
+        False,
+        False,
+        0.1,
+        1e-5,
+        [step, Step(False, 2, shape[2:], "contiguous", "grad", True, False, 2.0, 1.0, 4)],
+    )
     check_case(case)

@@ -19,8 +19,12 @@ from torch.func import functional_call
 import bnswap
 
 
-SHAPES = {"1d_rank2": (nn.BatchNorm1d, (5, 3)), "1d_rank3": (nn.BatchNorm1d, (3, 3, 2)),
-          "2d": (nn.BatchNorm2d, (3, 3, 2, 2)), "3d": (nn.BatchNorm3d, (2, 3, 2, 2, 1))}
+SHAPES = {
+    "1d_rank2": (nn.BatchNorm1d, (5, 3)),
+    "1d_rank3": (nn.BatchNorm1d, (3, 3, 2)),
+    "2d": (nn.BatchNorm2d, (3, 3, 2, 2)),
+    "3d": (nn.BatchNorm3d, (2, 3, 2, 2, 1)),
+}
 
 
 def _layer(cls, affine, track, train):
@@ -49,8 +53,11 @@ def _inputs(shape, layer):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1).requires_grad_()
     if layer.affine:
-        return (x, layer.weight.detach().clone().requires_grad_(),
-                layer.bias.detach().clone().requires_grad_())
+        return (
+            x,
+            layer.weight.detach().clone().requires_grad_(),
+            layer.bias.detach().clone().requires_grad_(),
+        )
     return (x,)
 
 
@@ -67,8 +74,9 @@ def test_gradcheck_and_gradgradcheck_float64(kind, train, affine, track):
     # the graph really is on the consolidated ops
     op = f(*inputs).grad_fn.name()
     uses_batch_stats = train or not track
-    assert op == ("BatchNormWithUpdateBackward0" if uses_batch_stats
-                  else "BatchNormNoUpdateBackward0"), op
+    assert op == (
+        "BatchNormWithUpdateBackward0" if uses_batch_stats else "BatchNormNoUpdateBackward0"
+    ), op
     assert gradcheck(f, inputs, check_forward_ad=True, check_batched_grad=True)
     assert gradgradcheck(f, inputs)
     # analytic gradients bitwise equal to stock's

@@ -15,9 +15,15 @@ import bnswap
 
 def model(momentum=0.1):
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
-        nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU(),
-        nn.Flatten(), nn.Linear(64, 6), nn.BatchNorm1d(6, momentum=momentum),
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4, momentum=momentum),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3),
+        nn.BatchNorm2d(4, affine=False),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64, 6),
+        nn.BatchNorm1d(6, momentum=momentum),
     )
 
 
@@ -25,9 +31,14 @@ def ops(gm) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
 
-LEGACY = ("aten.batch_norm.default", "aten._native_batch_norm_legit_functional.default",
-          "aten._native_batch_norm_legit.default", "aten.native_batch_norm.default",
-          "aten.native_batch_norm_backward.default", "aten.cudnn_batch_norm.default")
+LEGACY = (
+    "aten.batch_norm.default",
+    "aten._native_batch_norm_legit_functional.default",
+    "aten._native_batch_norm_legit.default",
+    "aten.native_batch_norm.default",
+    "aten.native_batch_norm_backward.default",
+    "aten.cudnn_batch_norm.default",
+)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -39,7 +50,8 @@ def test_export_training_graph(momentum):
     # torch.export.export gives the training IR (mutating ops) on newer releases and an
     # already functional graph on older ones (2.4): the same form as stock's export.
     functional = "aten._native_batch_norm_legit_functional.default" in ops(
-        torch.export.export(model(), (x,)).graph_module)  # stock refuses momentum=None
+        torch.export.export(model(), (x,)).graph_module
+    )  # stock refuses momentum=None
     first = "aten._batch_norm_with_update" + ("_functional" if functional else "")
     assert names.count(f"{first}.default") == 3
     assert not set(names) & set(LEGACY)
@@ -48,8 +60,11 @@ def test_export_training_graph(momentum):
     assert names.count("aten._batch_norm_with_update_functional.default") == 3
     assert not set(names) & set(LEGACY)
     mutated = sorted(dec.graph_signature.buffers_to_mutate.values())
-    expect = sorted(f"{i}.{b}" for i in ("1", "4", "8")
-                    for b in ("running_mean", "running_var", "num_batches_tracked"))
+    expect = sorted(
+        f"{i}.{b}"
+        for i in ("1", "4", "8")
+        for b in ("running_mean", "running_var", "num_batches_tracked")
+    )
     assert mutated == expect
 
 

@@ -37,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(torch.version.cuda is not None,
-                       reason="runs once, in the environment with torch's CPU build"),
+    pytest.mark.skipif(
+        torch.version.cuda is not None,
+        reason="runs once, in the environment with torch's CPU build",
+    ),
 ]
 
 MYMODELS = textwrap.dedent("""
@@ -60,9 +62,14 @@ def _clean_env() -> dict[str, str]:
 
 
 def _pip(py: Path, *args: str) -> None:
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    *args], check=True, capture_output=True, text=True, timeout=900,
-                   env=_clean_env())
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_clean_env(),
+    )
 
 
 def _torch_alone(site: Path) -> None:
@@ -77,8 +84,11 @@ def _torch_alone(site: Path) -> None:
         if name in seen:
             continue
         seen.add(name)
-        todo += [r.name for r in map(Requirement, dist.requires or [])
-                 if r.marker is None or r.marker.evaluate({"extra": ""})]
+        todo += [
+            r.name
+            for r in map(Requirement, dist.requires or [])
+            if r.marker is None or r.marker.evaluate({"extra": ""})
+        ]
         for top in {f.parts[0] for f in dist.files or []}:
             target = Path(dist.locate_file(top))
             if top in ("..", "__pycache__") or top.endswith(".pth") or (site / top).exists():
@@ -91,14 +101,24 @@ def venv(tmp_path_factory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("install")
     wheels = tmp / "dist"
     # --no-isolation: the build backend (setuptools) of this environment, no download
-    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(wheels),
-                    str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(wheels), str(ROOT)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     (wheel,) = wheels.glob("bnswap-*.whl")
     env = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)
     py = env / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
     _torch_alone(Path(site))
     (tmp / "constraints.txt").write_text(f"torch=={torch.__version__}\n")
     _pip(py, "-c", str(tmp / "constraints.txt"), str(wheel))
@@ -106,8 +126,9 @@ def venv(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _run(env: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env=_clean_env())
+    return subprocess.run(
+        list(args), capture_output=True, text=True, timeout=300, cwd=cwd, env=_clean_env()
+    )
 
 
 def test_wheel_with_torch_alone(venv, tmp_path):
@@ -122,7 +143,11 @@ def test_wheel_with_torch_alone(venv, tmp_path):
     # the installed package, not this checkout
     r = _run(venv, py, "-c", "import bnswap, lightning", cwd=proj)
     assert "No module named 'lightning'" in r.stderr
-    r = _run(venv, py, "-c", textwrap.dedent("""
+    r = _run(
+        venv,
+        py,
+        "-c",
+        textwrap.dedent("""
         import copy, torch, bnswap
         from torch import nn
         print(bnswap.__file__)
@@ -135,7 +160,9 @@ def test_wheel_with_torch_alone(venv, tmp_path):
         assert torch.equal(m[1].running_var, ref[1].running_var)
         bnswap.revert(m)
         print(p.summary(), bnswap.is_swapped(m[1]))
-    """), cwd=proj)
+    """),
+        cwd=proj,
+    )
     assert r.returncode == 0, r.stderr
     file, summary = r.stdout.splitlines()
     assert str(venv) in file
@@ -148,25 +175,30 @@ def test_wheel_with_torch_alone(venv, tmp_path):
     r = _run(venv, exe, "plan", "--model", "mymodels.net", "--model.width", "5", cwd=proj)
     assert r.returncode == 0, r.stderr
     # torch warns "Failed to initialize NumPy" where NumPy is absent: not on bnswap's runs
-    assert "NumPy" not in r.stderr and "NumPy" in _run(venv, py, "-c", "import torch",
-                                                       cwd=proj).stderr
-    assert r.stdout.splitlines()[0] == ("bnswap plan: 1 of 1 BatchNorm layers would be "
-                                        "swapped, 0 skipped")
+    assert (
+        "NumPy" not in r.stderr and "NumPy" in _run(venv, py, "-c", "import torch", cwd=proj).stderr
+    )
+    assert r.stdout.splitlines()[0] == (
+        "bnswap plan: 1 of 1 BatchNorm layers would be swapped, 0 skipped"
+    )
     r = _run(venv, exe, "plan", "--model", "mymodels.Net", "--format", "json", cwd=proj)
     assert r.returncode == 0 and '"class": "BatchNorm1d"' in r.stdout, r.stderr
     for sub in ("train", "compare"):
         r = _run(venv, exe, sub, "--config", "digits_mobilenetv2.yaml", cwd=proj)
         assert (r.returncode, r.stdout) == (2, "")
         assert r.stderr.splitlines()[-1] == (
-            f"bnswap {sub}: error: needs Lightning, which is not installed: {hint}")
+            f"bnswap {sub}: error: needs Lightning, which is not installed: {hint}"
+        )
         assert "Traceback" not in r.stderr
     r = _run(venv, exe, "plan", "--config", "digits_mobilenetv2.yaml", cwd=proj)
     assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
         f"bnswap plan: error: digits_mobilenetv2.yaml needs lightning, which is not "
-        f"installed: {hint}")
+        f"installed: {hint}"
+    )
     r = _run(venv, py, "-c", "from bnswap import BNSwap", cwd=proj)
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
-        f"ModuleNotFoundError: bnswap.BNSwap needs Lightning, which is not installed: {hint}")
+        f"ModuleNotFoundError: bnswap.BNSwap needs Lightning, which is not installed: {hint}"
+    )
     # the wheel gone: the extra by name and the README's Install section
     moved = wheel.with_suffix(".moved")
     wheel.rename(moved)
@@ -177,7 +209,8 @@ def test_wheel_with_torch_alone(venv, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (
         "ModuleNotFoundError: bnswap.BNSwap needs Lightning, which is not installed: bnswap's "
         "'lightning' extra: pip install '.[lightning]' in a checkout of bnswap (README, "
-        "Install; bnswap is not on PyPI)")
+        "Install; bnswap is not on PyPI)"
+    )
 
 
 def _pyproject() -> dict:
@@ -189,8 +222,12 @@ def _pyproject() -> dict:
 def test_sdist_and_wheel_pass_twine_and_hold_what_they_should(venv):
     _, wheel = venv
     (sdist,) = wheel.parent.glob("bnswap-*.tar.gz")
-    r = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(sdist),
-                        str(wheel)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", str(sdist), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.count("PASSED") == 2, r.stdout + r.stderr
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -200,11 +237,21 @@ def test_sdist_and_wheel_pass_twine_and_hold_what_they_should(venv):
     assert f"pip install dist/{wheel.name}" in (ROOT / "README.md").read_text()  # as it says
     assert "bnswap/py.typed" in names and "_bnswap_command.py" in names
     configs = {n for n in names if n.startswith("bnswap/app/configs/") and n.endswith(".yaml")}
-    assert configs == {f"bnswap/app/configs/{p.name}"
-                       for p in (ROOT / "bnswap" / "app" / "configs").glob("*.yaml")} != set()
+    assert (
+        configs
+        == {
+            f"bnswap/app/configs/{p.name}"
+            for p in (ROOT / "bnswap" / "app" / "configs").glob("*.yaml")
+        }
+        != set()
+    )
     assert f"bnswap-{version}.dist-info/licenses/LICENSE" in names
-    assert not [n for n in names if n.split("/")[0] in ("tests", "benchmarks", "docs", "examples")
-                or n.startswith("bnswap/tests")], names
+    assert not [
+        n
+        for n in names
+        if n.split("/")[0] in ("tests", "benchmarks", "docs", "examples")
+        or n.startswith("bnswap/tests")
+    ], names
     fields = [line.split(": ", 1) for line in meta.split("\n\n", 1)[0].splitlines() if ": " in line]
     assert ["Version", version] in fields and ["License-Expression", "Apache-2.0"] in fields
     assert ["Requires-Python", ">=3.10"] in fields
@@ -228,18 +275,24 @@ def test_one_version_source(venv):
     version = _pyproject()["version"]
     r = _run(env, str(env / "bin" / "bnswap"), "--version", cwd=env)
     assert (r.returncode, r.stdout.strip()) == (0, f"bnswap {version}"), r.stderr
-    r = _run(env, str(env / "bin" / "python"), "-c", "import bnswap; print(bnswap.__version__)",
-             cwd=env)
+    r = _run(
+        env, str(env / "bin" / "python"), "-c", "import bnswap; print(bnswap.__version__)", cwd=env
+    )
     assert r.stdout.strip() == version, r.stderr
     assert "__version__ = " not in (ROOT / "bnswap" / "__init__.py").read_text().replace(
-        "__version__ = _version()", "")
+        "__version__ = _version()", ""
+    )
 
 
 def test_a_training_step_from_the_wheel_is_stock_s(venv, tmp_path):
     """One SGD step of a converted model, in the fresh venv, against stock on an identical
     copy: the same loss, weights and running statistics, bit for bit (the CPU kernels)."""
     env, _ = venv
-    r = _run(env, str(env / "bin" / "python"), "-c", textwrap.dedent("""
+    r = _run(
+        env,
+        str(env / "bin" / "python"),
+        "-c",
+        textwrap.dedent("""
         import copy, torch, bnswap
         from torch import nn
         torch.manual_seed(0)
@@ -257,7 +310,9 @@ def test_a_training_step_from_the_wheel_is_stock_s(venv, tmp_path):
         for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
             assert torch.equal(a, b), k
         print("same")
-    """), cwd=tmp_path)
+    """),
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     first, second, same = r.stdout.split()
     assert first == second and same == "same"

@@ -23,7 +23,6 @@ from tests._helpers import (
 )
 
 
-
 def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
     """Non-trivial BatchNorm parameters and statistics (a fresh layer is the identity)."""
     g = torch.Generator().manual_seed(seed)
@@ -40,11 +39,18 @@ def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return _randomize(nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, momentum=None),
-        nn.Flatten(), nn.Linear(4 * 3 * 3, 5), nn.BatchNorm1d(5),
-    ))
+    return _randomize(
+        nn.Sequential(
+            nn.Conv2d(3, 4, 3),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.Conv2d(4, 4, 1),
+            nn.BatchNorm2d(4, momentum=None),
+            nn.Flatten(),
+            nn.Linear(4 * 3 * 3, 5),
+            nn.BatchNorm1d(5),
+        )
+    )
 
 
 def _bn_classes(model: nn.Module) -> list[type]:
@@ -201,7 +207,8 @@ def test_convert_sync_batchnorm_gives_stock_sync_layers():
     assert state_diff(ss, sb) == []
     plan = bnswap.plan(sb)  # bnswap swaps them onto its synchronized forward
     assert [(r.action, r.adapter_name) for r in plan] == [
-        ("swap", "bnswap.sync.sync_batch_norm_forward")] * 3
+        ("swap", "bnswap.sync.sync_batch_norm_forward")
+    ] * 3
 
 
 # --- conv-BN fusion --------------------------------------------------------------------
@@ -236,13 +243,22 @@ def test_fuse_conv_bn_eval_matches_stock(conv, bn, shape):
 
 def _fusable() -> nn.Module:
     torch.manual_seed(0)
-    return _randomize(nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),          # 0, 1, 2
-        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4),                     # 3, 4
-        nn.BatchNorm2d(4), nn.ReLU(),                              # 5, 6
-        nn.ConvTranspose2d(4, 4, 1), nn.BatchNorm2d(4),            # 7, 8
-        nn.Flatten(), nn.Linear(4 * 5 * 5, 6), nn.BatchNorm1d(6),  # 9, 10, 11
-    ))
+    return _randomize(
+        nn.Sequential(
+            nn.Conv2d(3, 4, 3),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),  # 0, 1, 2
+            nn.Conv2d(4, 4, 1),
+            nn.BatchNorm2d(4),  # 3, 4
+            nn.BatchNorm2d(4),
+            nn.ReLU(),  # 5, 6
+            nn.ConvTranspose2d(4, 4, 1),
+            nn.BatchNorm2d(4),  # 7, 8
+            nn.Flatten(),
+            nn.Linear(4 * 5 * 5, 6),
+            nn.BatchNorm1d(6),  # 9, 10, 11
+        )
+    )
 
 
 _GROUPS = [["0", "1", "2"], ["3", "4"], ["5", "6"], ["7", "8"], ["10", "11"]]
@@ -334,9 +350,18 @@ class _BNReLU(nn.BatchNorm2d):
     def forward(self, x):
         if self.training:
             self.num_batches_tracked.add_(1)
-        return torch.relu(nn.functional.batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
-            self.momentum, self.eps))
+        return torch.relu(
+            nn.functional.batch_norm(
+                x,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                self.training,
+                self.momentum,
+                self.eps,
+            )
+        )
 
 
 def bn_relu(layer, x):
@@ -362,7 +387,8 @@ def test_fx_symbolic_trace_through_an_adapter_like_stock():
             gs = torch.fx.symbolic_trace(copy.deepcopy(stock))
             gb = torch.fx.symbolic_trace(copy.deepcopy(swapped))
             assert [(n.op, n.target) for n in gs.graph.nodes] == [
-                (n.op, n.target) for n in gb.graph.nodes]
+                (n.op, n.target) for n in gb.graph.nodes
+            ]
             for _ in range(2):
                 x = torch.randn(4, 3, 6, 6)
                 assert torch.equal(gs(x), gb(x))
@@ -394,7 +420,8 @@ def test_fx_symbolic_trace_through_an_adapter_called_with_a_keyword_input():
         swapped = bnswap.convert(copy.deepcopy(stock))
         gs, gb = torch.fx.symbolic_trace(stock), torch.fx.symbolic_trace(swapped)
         assert [(n.op, n.target) for n in gs.graph.nodes] == [
-            (n.op, n.target) for n in gb.graph.nodes]
+            (n.op, n.target) for n in gb.graph.nodes
+        ]
         x = torch.randn(4, 3, 6, 6)
         assert torch.equal(gs(x), gb(x))
     finally:
@@ -414,6 +441,7 @@ def test_running_stats_under_torch_func_grad_follow_stock(momentum):
     x = torch.randn(4, 3, 2, 2)
     grads = []
     for m in (stock, swapped):
+
         def loss(params, buffers, m=m):  # buffers as inputs: updated in place
             return functional_call(m, {**params, **buffers}, (x,)).square().sum()
 

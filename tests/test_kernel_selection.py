@@ -46,8 +46,9 @@ def test_the_core_hands_the_ops_what_cudnn_needs(affine, track, training, moment
     """Guards: an affine=False layer passing None for its bias (or weight) still runs on
     the CPU, bitwise as stock, but can never select cuDNN (and batch_norm_backward needs
     a weight): the eager parity tests cannot see it."""
-    bn = bnswap.convert(nn.BatchNorm2d(5, affine=affine, track_running_stats=track,
-                                       momentum=momentum)).train(training)
+    bn = bnswap.convert(
+        nn.BatchNorm2d(5, affine=affine, track_running_stats=track, momentum=momentum)
+    ).train(training)
     x = torch.randn(4, 5, 3, 3)
     with Recorder() as rec:
         bn(x)
@@ -90,13 +91,14 @@ def test_swapped_layers_select_cudnn_on_a_gpu(affine):
     x = torch.randn(4, 5, 3, 3, device="cuda")
     with Recorder() as rec:
         bn(x)
-    (_, args), = rec.calls
+    ((_, args),) = rec.calls
     choice = torch._C._select_batch_norm_backend(*args[:5], True, args[6])
     assert str(choice).rsplit(".", 1)[-1] == "Cudnn"
 
 
-@pytest.mark.parametrize("cls, rank", [(nn.BatchNorm1d, 3), (nn.BatchNorm2d, 4),
-                                       (nn.BatchNorm3d, 5)])
+@pytest.mark.parametrize(
+    "cls, rank", [(nn.BatchNorm1d, 3), (nn.BatchNorm2d, 4), (nn.BatchNorm3d, 5)]
+)
 @pytest.mark.parametrize("affine", [True, False])
 def test_the_kernel_probe_passes_what_the_core_passes(cls, rank, affine):
     """Guards: the selector's probe (shape, dtype, device, flags, eps) drifting from what
@@ -108,8 +110,11 @@ def test_the_kernel_probe_passes_what_the_core_passes(cls, rank, affine):
     dtype = torch.float64 if affine else torch.float32
     assert x.shape == (2, 3) + (1,) * (rank - 2) and x.dtype == dtype and x.device.type == "cpu"
     for t, fill in ((weight, 1.0), (bias, 0.0), (mean, 0.0), (var, 1.0)):
-        assert t.shape == (3,) and t.dtype == dtype and torch.equal(t, torch.full((3,), fill,
-                                                                                 dtype=dtype))
+        assert (
+            t.shape == (3,)
+            and t.dtype == dtype
+            and torch.equal(t, torch.full((3,), fill, dtype=dtype))
+        )
     assert training is True and eps == 1e-3
     on_meta = plan_module._probe_args(bn, torch.device("meta"))[:5]
     assert [t.device.type for t in on_meta] == ["meta"] * 5
@@ -117,7 +122,7 @@ def test_the_kernel_probe_passes_what_the_core_passes(cls, rank, affine):
     layer = bnswap.convert(copy.deepcopy(bn))
     with Recorder() as rec:
         layer(torch.randn((2, 3) + (4,) * (rank - 2), dtype=dtype))
-    (_, args), = rec.calls
+    ((_, args),) = rec.calls
     assert args[0].dim() == x.dim() and [a.dtype for a in args[1:5]] == [dtype] * 4
     assert args[6] == eps
     assert plan_module.select_kernel(layer) == "Native"
@@ -153,10 +158,11 @@ def test_cuda_prediction_follows_torchs_rule_at_its_edges():
     # the core's stand-ins are made like the layer's running_mean (float16 here), so a
     # float16 layer without affine parameters runs native too (it said Cudnn), and a
     # float32 one fed half input (autocast) keeps cuDNN
-    assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False).half(), "cuda") == \
-        "Native (predicted)"
-    assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda") == \
-        "Cudnn (predicted)"
+    assert (
+        plan_module.select_kernel(nn.BatchNorm2d(4, affine=False).half(), "cuda")
+        == "Native (predicted)"
+    )
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda") == "Cudnn (predicted)"
     assert plan_module.select_kernel(nn.BatchNorm2d(4).bfloat16(), "cuda") == "Native (predicted)"
     with torch.backends.cudnn.flags(enabled=False):
         assert plan_module.select_kernel(nn.BatchNorm2d(4), "cuda") == "Native (predicted)"
@@ -174,7 +180,7 @@ def test_constants_of_a_layer_without_tensors_follow_the_input(dtype, device):
     bn = bnswap.convert(nn.BatchNorm2d(3, affine=False, track_running_stats=False))
     with Recorder() as rec:
         out = bn(torch.randn(4, 3, 2, 2, device=device).to(dtype))
-    (_, args), = rec.calls
+    ((_, args),) = rec.calls
     assert [(a.dtype, a.device.type) for a in args[1:5]] == [(dtype, device)] * 4
     assert out.dtype == dtype and out.device.type == device
 
@@ -187,7 +193,7 @@ def test_constants_of_a_layer_with_statistics_follow_them(dtype):
     bn = bnswap.convert(nn.BatchNorm2d(3, affine=False).to("meta"))
     with Recorder() as rec:
         bn(torch.randn(4, 3, 2, 2, device="meta").to(dtype))
-    (_, args), = rec.calls
+    ((_, args),) = rec.calls
     assert [(a.dtype, a.device.type) for a in args[1:3]] == [(torch.float32, "meta")] * 2
 
 
@@ -200,7 +206,7 @@ def test_a_layer_missing_one_affine_tensor_still_hands_both(missing):
     bn = bnswap.convert(bn)
     with Recorder() as rec:
         bn(torch.randn(4, 3, 2, 2))
-    (_, args), = rec.calls
+    ((_, args),) = rec.calls
     weight, bias = args[1:3]
     assert isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)
     kept = bias if missing == "weight" else weight
@@ -213,11 +219,12 @@ def test_batchnorm1d_kernel_names_the_input_ranks_cudnn_takes():
     """Guards: plan --device cuda said Cudnn for a BatchNorm1d, which torch runs on the
     native kernel for (N, C) input (_select_batch_norm_backend needs input.dim() >= 3)."""
     cudnn = "Cudnn (predicted)" if not torch.cuda.is_available() else "Cudnn"
-    model = nn.Sequential(nn.BatchNorm1d(3), nn.LazyBatchNorm1d(), nn.BatchNorm2d(3),
-                          nn.BatchNorm1d(3).bfloat16())
+    model = nn.Sequential(
+        nn.BatchNorm1d(3), nn.LazyBatchNorm1d(), nn.BatchNorm2d(3), nn.BatchNorm1d(3).bfloat16()
+    )
     assert [r.kernel for r in bnswap.plan(model, device="cuda")] == [
-        f"{cudnn} for (N, C, L); Native for (N, C)"] * 2 + [
-        cudnn, "Native (predicted)" if not torch.cuda.is_available() else "Native"]
+        f"{cudnn} for (N, C, L); Native for (N, C)"
+    ] * 2 + [cudnn, "Native (predicted)" if not torch.cuda.is_available() else "Native"]
     if torch.cuda.is_available():  # torch's own rule, by rank
         w = torch.ones(3, device="cuda")
         z = torch.zeros(3, device="cuda")

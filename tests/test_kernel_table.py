@@ -60,8 +60,11 @@ def _bn(names) -> list[str]:
 
 
 def _graph_ops(gm: torch.fx.GraphModule) -> list[str]:
-    return [str(n.target).split(".")[1] if str(n.target).startswith("aten.") else str(n.target)
-            for n in gm.graph.nodes if n.op == "call_function"]
+    return [
+        str(n.target).split(".")[1] if str(n.target).startswith("aten.") else str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    ]
 
 
 class _Dispatched(TorchDispatchMode):
@@ -91,8 +94,7 @@ def _aot(m: nn.Module, decompositions=None) -> list[str]:  # noqa: ANN001
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=record, bw_compiler=record,
-                           decompositions=decompositions)
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=decompositions)
     torch.compile(m, backend=backend)(X).sum().backward()
     torch._dynamo.reset()
     return _bn(ops)
@@ -170,8 +172,22 @@ def torchscript(m: nn.Module) -> list[str]:
     return _bn(n.kind() for n in torch.jit.script(m).inlined_graph.nodes())
 
 
-FLOWS = {f.__name__: f for f in (eager, inductor, aot_eager, export, core_aten, training_ir,
-                                 pt2e_qat, ao_eager_qat, aoti, onnx, torchscript)}
+FLOWS = {
+    f.__name__: f
+    for f in (
+        eager,
+        inductor,
+        aot_eager,
+        export,
+        core_aten,
+        training_ir,
+        pt2e_qat,
+        ao_eager_qat,
+        aoti,
+        onnx,
+        torchscript,
+    )
+}
 
 
 def test_the_table_has_one_row_per_flow():

@@ -24,6 +24,7 @@ CASES = [(cls, shape) for cls, shapes in SHAPES.items() for shape in shapes]
 
 # --- given cases -----------------------------------------------------------------------
 
+
 def test_case1_blocks_of_constants_one_step():
     x = torch.cat([torch.full((4, 2, 3, 3), float(v)) for v in (1, 2, 3, 4)])
     bn = bnswap.convert(nn.BatchNorm2d(2, momentum=0.1))
@@ -112,13 +113,15 @@ def test_case5_half_channels_last_with_float_params():
 
 # --- the matrix: bitwise equal to stock on CPU ------------------------------------------
 
+
 @pytest.mark.parametrize("cls,shape", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
 @pytest.mark.parametrize("affine,track", list(itertools.product([True, False], repeat=2)))
 @pytest.mark.parametrize("momentum", [0.1, None, 0.0, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_matrix_bitwise(cls, shape, affine, track, momentum, dtype):
-    stock, swapped = pair(cls(shape[1], affine=affine, track_running_stats=track,
-                              momentum=momentum, dtype=dtype))
+    stock, swapped = pair(
+        cls(shape[1], affine=affine, track_running_stats=track, momentum=momentum, dtype=dtype)
+    )
     g = torch.Generator().manual_seed(3)
     for training in (True, True, False, True, False):
         stock.train(training), swapped.train(training)
@@ -171,7 +174,13 @@ def test_autocast_bf16_matches_stock():
 def test_track_running_stats_flipped_at_run_time():
     stock, swapped = pair(nn.BatchNorm2d(3))
     g = torch.Generator().manual_seed(5)
-    for track, training in [(True, True), (False, True), (False, False), (True, False), (True, True)]:
+    for track, training in [
+        (True, True),
+        (False, True),
+        (False, False),
+        (True, False),
+        (True, True),
+    ]:
         for m in (stock, swapped):
             m.track_running_stats = track
             m.train(training)
@@ -194,6 +203,7 @@ def test_eval_uses_running_stats_and_does_not_update():
 
 
 # --- errors: stock's types and messages, raised before any state changes ------------------
+
 
 def _errors(fn):
     try:

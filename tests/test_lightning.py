@@ -35,7 +35,6 @@ CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where rank_zero_info logs
 
 
-
 def bn_layers(module: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in module.named_modules() if isinstance(m, _BatchNorm)}
 
@@ -57,10 +56,19 @@ def data(**kw) -> DigitsDataModule:
 
 
 def trainer(callbacks=(), **kw) -> pl.Trainer:
-    args = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                num_sanity_val_steps=0, max_epochs=1, limit_train_batches=4,
-                limit_val_batches=2)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        num_sanity_val_steps=0,
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+    )
     args.update(kw)
     return pl.Trainer(callbacks=list(callbacks), **args)
 
@@ -84,35 +92,41 @@ class Classifier(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.seen.setdefault("train_swapped", []).append(
-            [bnswap.is_swapped(m) for m in bn_layers(self).values()])
+            [bnswap.is_swapped(m) for m in bn_layers(self).values()]
+        )
         return nn.functional.cross_entropy(self(x), y)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.seen.setdefault("val_swapped", []).append(
-            [bnswap.is_swapped(m) for m in bn_layers(self).values()])
+            [bnswap.is_swapped(m) for m in bn_layers(self).values()]
+        )
         self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
     def test_step(self, batch, batch_idx):
         x, y = batch
         self.seen.setdefault("test_swapped", []).append(
-            [bnswap.is_swapped(m) for m in bn_layers(self).values()])
+            [bnswap.is_swapped(m) for m in bn_layers(self).values()]
+        )
         self.log("test_loss", nn.functional.cross_entropy(self(x), y))
 
     def predict_step(self, batch, batch_idx):
         self.seen.setdefault("predict_swapped", []).append(
-            [bnswap.is_swapped(m) for m in bn_layers(self).values()])
+            [bnswap.is_swapped(m) for m in bn_layers(self).values()]
+        )
         return self(batch[0])
 
     def configure_optimizers(self):
         self.seen["bn_swapped_at_configure_optimizers"] = {
-            n: bnswap.is_swapped(m) for n, m in bn_layers(self).items()}
+            n: bnswap.is_swapped(m) for n, m in bn_layers(self).items()
+        }
         params = [p for p in self.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         if not self.sched:
             return opt
         sched = torch.optim.lr_scheduler.OneCycleLR(
-            opt, max_lr=self.lr, total_steps=int(self.trainer.estimated_stepping_batches))
+            opt, max_lr=self.lr, total_steps=int(self.trainer.estimated_stepping_batches)
+        )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -121,8 +135,9 @@ class Recorder(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         self.bn_at_fit_start = bn_layers(pl_module)
-        self.opt_param_ids = {id(p) for g in trainer.optimizers[0].param_groups
-                              for p in g["params"]}
+        self.opt_param_ids = {
+            id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]
+        }
 
 
 def global_registration_hooks() -> int:
@@ -154,8 +169,7 @@ def test_configure_model_layers_are_swapped_before_the_optimizer_exists():
     classes = model.seen["bn_swapped_at_configure_optimizers"]
     assert len(classes) == 4 and all(classes.values())
     rec = next(c for c in t.callbacks if isinstance(c, Recorder))
-    assert rec.bn_at_fit_start and all(bnswap.is_swapped(m)
-                                       for m in rec.bn_at_fit_start.values())
+    assert rec.bn_at_fit_start and all(bnswap.is_swapped(m) for m in rec.bn_at_fit_start.values())
     # the optimizer holds exactly the model's parameters, the bnswap layers' included
     assert rec.opt_param_ids == {id(p) for p in model.parameters()}
     for m in rec.bn_at_fit_start.values():
@@ -194,8 +208,9 @@ def test_layers_built_in_init_are_swapped_at_setup_and_plan_logged_once():
     assert [r.name for r in cb.plan.rows] == [f"net.features.{i}" for i in (1, 4, 8, 11)]
     assert {r.reason for r in cb.plan.rows} == {"swapped at setup"}
     assert {r.kernel for r in cb.plan.rows} == {"Native"}
-    assert all(type(m) is nn.BatchNorm2d and bnswap.is_swapped(m)
-               for m in bn_layers(model).values())
+    assert all(
+        type(m) is nn.BatchNorm2d and bnswap.is_swapped(m) for m in bn_layers(model).values()
+    )
 
 
 def test_plan_logged_again_only_when_it_changes(caplog):
@@ -204,30 +219,35 @@ def test_plan_logged_again_only_when_it_changes(caplog):
     caplog.set_level(logging.INFO, logger=RANK_ZERO_LOGGER)
     cb = BNSwap(exclude="net.features.11")
     model = Classifier()
-    t = trainer([cb], max_epochs=1, limit_train_batches=2, limit_val_batches=1,
-                limit_test_batches=1)
+    t = trainer(
+        [cb], max_epochs=1, limit_train_batches=2, limit_val_batches=1, limit_test_batches=1
+    )
     t.fit(model, data())
     t.validate(model, data())
     t.test(model, data())
     model.extra = nn.BatchNorm1d(3)  # the table changes (a new row): logged again
     t.validate(model, data())
     msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("BNSwap (")]
-    skipped = ("net.features.11  BatchNorm2d  skip    -        -       -        excluded by "
-               "'net.features.11'")
-    header = ("layer            class        action  backend  kernel  adapter  reason\n"
-              "---------------  -----------  ------  -------  ------  -------  ------\n")
+    skipped = (
+        "net.features.11  BatchNorm2d  skip    -        -       -        excluded by "
+        "'net.features.11'"
+    )
+    header = (
+        "layer            class        action  backend  kernel  adapter  reason\n"
+        "---------------  -----------  ------  -------  ------  -------  ------\n"
+    )
     assert msgs == [
         f"BNSwap (fit): 3 of 4 BatchNorm layers swapped, 1 skipped\n{header}{skipped}",
         "BNSwap (validate): 3 of 4 BatchNorm layers swapped, 1 skipped (unchanged since the "
         "last stage)",
         "BNSwap (test): 3 of 4 BatchNorm layers swapped, 1 skipped (unchanged since the last "
         "stage)",
-        f"BNSwap (validate): 4 of 5 BatchNorm layers swapped, 1 skipped\n{header}{skipped}"]
+        f"BNSwap (validate): 4 of 5 BatchNorm layers swapped, 1 skipped\n{header}{skipped}",
+    ]
 
 
 @pytest.mark.parametrize("log_table", [False, True])
-def test_a_stage_logs_one_line_and_the_layers_not_swapped_or_the_whole_plan(caplog,
-                                                                            log_table):
+def test_a_stage_logs_one_line_and_the_layers_not_swapped_or_the_whole_plan(caplog, log_table):
     """Issue 26: every fit and resume logged the whole table (52 rows for the shipped
     MobileNetV2, each repeating the same sync note). A stage logs one summary line and
     the rows of the layers not swapped; ``log_table=True`` logs the whole plan; the whole
@@ -237,16 +257,28 @@ def test_a_stage_logs_one_line_and_the_layers_not_swapped_or_the_whole_plan(capl
     cb = BNSwap(exclude="net.features.4", log_table=log_table)
     t = trainer([cb], max_epochs=1, limit_train_batches=1, limit_val_batches=1)
     t.fit(Classifier(), data())
-    shown = [r.getMessage() for r in caplog.records if r.name == RANK_ZERO_LOGGER
-             and r.getMessage().startswith("BNSwap (")]
+    shown = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == RANK_ZERO_LOGGER and r.getMessage().startswith("BNSwap (")
+    ]
     debug = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bnswap"]
     table = str(cb.plan)
     line = "BNSwap (fit): 3 of 4 BatchNorm layers swapped, 1 skipped"
-    assert shown == [line + "\n" + (table.partition("\n")[2] if log_table else (
-        "layer           class        action  backend  kernel  adapter  reason\n"
-        "--------------  -----------  ------  -------  ------  -------  ------\n"
-        "net.features.4  BatchNorm2d  skip    -        -       -        excluded by "
-        "'net.features.4'"))]
+    assert shown == [
+        line
+        + "\n"
+        + (
+            table.partition("\n")[2]
+            if log_table
+            else (
+                "layer           class        action  backend  kernel  adapter  reason\n"
+                "--------------  -----------  ------  -------  ------  -------  ------\n"
+                "net.features.4  BatchNorm2d  skip    -        -       -        excluded by "
+                "'net.features.4'"
+            )
+        )
+    ]
     assert len(shown[0].splitlines()) == (7 if log_table else 4)
     assert debug == [(logging.DEBUG, table)]
     with pytest.raises(TypeError, match="log_table must be True or False, got 'yes'"):
@@ -273,7 +305,8 @@ def test_layers_converted_before_the_callback_are_kept_and_said_so():
         ("net.features.1", "keep", "already swapped"),
         ("net.features.4", "keep", "already swapped"),
         ("net.features.8", "keep", "already swapped"),
-        ("net.features.11", "swap", "swapped at setup")]
+        ("net.features.11", "swap", "swapped at setup"),
+    ]
     assert all(bnswap.is_swapped(m) for m in bn_layers(model).values())
     assert not any(bnswap.is_swapped(m) for m in bn_layers(models["stock"]).values())
     assert_states_equal(state(model), state(models["stock"]))
@@ -301,13 +334,17 @@ class BNSnapshots(pl.Callback):
         self.tracking: dict[int, list[bool]] = {}
 
     def _snap(self, pl_module):
-        return {k: v.clone() for k, v in pl_module.backbone.state_dict().items()
-                if "running_" in k or "num_batches_tracked" in k}
+        return {
+            k: v.clone()
+            for k, v in pl_module.backbone.state_dict().items()
+            if "running_" in k or "num_batches_tracked" in k
+        }
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.snaps[f"start{trainer.current_epoch}"] = self._snap(pl_module)
         self.tracking[trainer.current_epoch] = [
-            m.track_running_stats for m in bn_layers(pl_module.backbone).values()]
+            m.track_running_stats for m in bn_layers(pl_module.backbone).values()
+        ]
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.snaps[f"end{trainer.current_epoch}"] = self._snap(pl_module)
@@ -326,8 +363,11 @@ def _finetune_runs(callback_cls):
     return fit_pair(
         FinetuneModel,
         {"max_epochs": 2, "limit_train_batches": 3, "limit_val_batches": 0},
-        extra_callbacks=[lambda: callback_cls(unfreeze_backbone_at_epoch=1, train_bn=False),
-                         BNSnapshots])
+        extra_callbacks=[
+            lambda: callback_cls(unfreeze_backbone_at_epoch=1, train_bn=False),
+            BNSnapshots,
+        ],
+    )
 
 
 def _compare_variants(runs):
@@ -351,8 +391,9 @@ def test_backbone_finetuning_train_bn_false_freezes_bnswap_layers_like_stock():
         assert snap.tracking == {0: [False] * 4, 1: [True] * 4}, variant
         # frozen for epoch 0: running stats and counters bit-identical
         assert_states_equal(snap.snaps["start0"], snap.snaps["end0"])
-        assert all(int(v) == 0 for k, v in snap.snaps["end0"].items()
-                   if k.endswith("num_batches_tracked"))
+        assert all(
+            int(v) == 0 for k, v in snap.snaps["end0"].items() if k.endswith("num_batches_tracked")
+        )
         # unfrozen at epoch 1: they move (3 batches)
         for k, v in snap.snaps["end1"].items():
             if k.endswith("num_batches_tracked"):
@@ -368,8 +409,9 @@ def test_stock_backbone_finetuning_keeps_bn_statistics_moving_as_stock():
     per_variant = _compare_variants(_finetune_runs(BackboneFinetuning))
     for variant, (snap, _) in per_variant.items():
         assert snap.tracking == {0: [True] * 4, 1: [True] * 4}, variant
-        assert all(int(v) == 3 for k, v in snap.snaps["end0"].items()
-                   if k.endswith("num_batches_tracked"))
+        assert all(
+            int(v) == 3 for k, v in snap.snaps["end0"].items() if k.endswith("num_batches_tracked")
+        )
 
 
 # --------------------------------------------------------------------------- eval submodule
@@ -414,12 +456,15 @@ def test_revert_on_teardown_gives_stock_classes_back():
 
     class Spy(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            seen["classes"] = {(type(m), bnswap.is_swapped(m)) for m in bn_layers(pl_module).values()}
+            seen["classes"] = {
+                (type(m), bnswap.is_swapped(m)) for m in bn_layers(pl_module).values()
+            }
 
     trainer([cb, Spy()]).fit(model, data())
     assert seen["classes"] == {(nn.BatchNorm2d, True)}
     assert {(type(m), bnswap.is_swapped(m)) for m in bn_layers(model).values()} == {
-        (nn.BatchNorm2d, False)}
+        (nn.BatchNorm2d, False)
+    }
     assert all(p is params_before[n] for n, p in model.named_parameters())
     assert cb.plan is not None and len(cb.plan.swapped) == 4
 
@@ -456,8 +501,14 @@ def test_resume_from_mid_epoch_checkpoint_is_bitwise_identical(tmp_path):
         cbs = [BNSwap()] if swap else []
         extra = {}
         if ckpt_dir is not None:
-            cbs.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1,
-                                       filename="{epoch}-{step}"))
+            cbs.append(
+                ModelCheckpoint(
+                    dirpath=ckpt_dir,
+                    every_n_train_steps=1,
+                    save_top_k=-1,
+                    filename="{epoch}-{step}",
+                )
+            )
             extra["enable_checkpointing"] = True
         t = trainer(cbs, **kw, **extra)
         t.fit(model, data(), ckpt_path=ckpt_path)
@@ -492,15 +543,18 @@ def test_checkpoints_move_between_stock_and_bnswap(tmp_path):
     swap_1 = fit(True, dirpath=tmp_path / "swap")
     assert_states_equal(state(stock_1), state(swap_1))
     # stock checkpoint -> bnswap model, training continues as the stock run does
-    from_stock = fit(True, ckpt_path=tmp_path / "stock" / "last.ckpt", max_epochs=2,
-                     dirpath=tmp_path / "a")
-    stock_2 = fit(False, ckpt_path=tmp_path / "stock" / "last.ckpt", max_epochs=2,
-                  dirpath=tmp_path / "b")
+    from_stock = fit(
+        True, ckpt_path=tmp_path / "stock" / "last.ckpt", max_epochs=2, dirpath=tmp_path / "a"
+    )
+    stock_2 = fit(
+        False, ckpt_path=tmp_path / "stock" / "last.ckpt", max_epochs=2, dirpath=tmp_path / "b"
+    )
     assert all(bnswap.is_swapped(m) for m in bn_layers(from_stock).values())
     assert_states_equal(state(from_stock), state(stock_2))
     # bnswap checkpoint -> stock model (and through load_state_dict, strict)
-    from_swap = fit(False, ckpt_path=tmp_path / "swap" / "last.ckpt", max_epochs=2,
-                    dirpath=tmp_path / "c")
+    from_swap = fit(
+        False, ckpt_path=tmp_path / "swap" / "last.ckpt", max_epochs=2, dirpath=tmp_path / "c"
+    )
     assert all(type(m) is nn.BatchNorm2d for m in bn_layers(from_swap).values())
     assert_states_equal(state(from_swap), state(stock_2))
     ckpt = torch.load(tmp_path / "swap" / "last.ckpt", weights_only=True)
@@ -547,7 +601,8 @@ def test_include_exclude_are_matched_against_qualified_names():
         trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
     ours = [w for w in caught if str(w.message).startswith("bnswap")]
     assert [str(w.message) for w in ours] == [
-        "bnswap: include pattern 'nope.*' matches no BatchNorm layer"]
+        "bnswap: include pattern 'nope.*' matches no BatchNorm layer"
+    ]
     assert ours[0].filename == __file__  # the trainer.fit line, not Lightning's call.py
     assert not any(bnswap.is_swapped(m) for m in model.modules())
 
@@ -587,7 +642,8 @@ def test_sync_batchnorm_layers_are_swapped_at_stage_start():
     assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
     assert [m.weight for m in layers.values()] == weights  # same Parameter objects
     assert [(r.action, r.adapter_name) for r in cb.plan.rows] == [
-        ("swap", "bnswap.sync.sync_batch_norm_forward")] * 4
+        ("swap", "bnswap.sync.sync_batch_norm_forward")
+    ] * 4
     assert [str(w.message) for w in caught if "BNSwap" in str(w.message)] == []
     assert global_registration_hooks() == 0
 
@@ -623,7 +679,8 @@ def test_sync_batchnorm_layer_sync_is_deferred_past_the_ddp_wrap_and_reverts_exa
         assert all(type(m) is nn.SyncBatchNorm for m in layers.values())
         assert [m.weight for m in layers.values()] == [m.weight for m in originals.values()]
         assert [(r.name, r.action, r.synchronized) for r in cb.plan.rows] == [
-            (n, "skip", False) if n == exclude else (n, "swap", True) for n in originals]
+            (n, "skip", False) if n == exclude else (n, "swap", True) for n in originals
+        ]
         reverted = t.strategy._layer_sync.revert(model)  # DDPStrategy.teardown
     finally:
         cb.teardown(t, model, "fit")
@@ -659,7 +716,8 @@ def test_sync_batchnorm_deferred_fit_warns_once_for_a_pattern_that_matches_nothi
             cb.teardown(t, model, "fit")
     ours = [w for w in caught if str(w.message).startswith("bnswap")]
     assert [str(w.message) for w in ours] == [
-        "bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer"]
+        "bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer"
+    ]
     assert ours[0].filename == __file__
     assert all(type(m) is nn.SyncBatchNorm and bnswap.is_swapped(m) for m in layers.values())
     assert [m.weight for m in layers.values()] == [m.weight for m in originals.values()]
@@ -670,7 +728,8 @@ def test_sync_batchnorm_deferred_fit_warns_once_for_a_pattern_that_matches_nothi
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch(
-        strategy, tmp_path):
+    strategy, tmp_path
+):
     """Trainer(sync_batchnorm=True, strategy=ddp / ddp_spawn, accelerator="cpu",
     devices=2) + BNSwap(), real gloo processes (tests/lightning_sync_fit.py; stock
     Lightning raises "SyncBatchNorm layers only work with GPU modules" here): every
@@ -680,8 +739,9 @@ def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch
     ranks end identical and equal to one process training stock BatchNorm on the global
     batches (float64) within float32 rounding; teardown puts the original layer back."""
     script = rank_script("lightning_sync_fit")
-    proc = run_processes([sys.executable, script.__file__, strategy, str(tmp_path)],
-                         timeout=600, env=rank_env())
+    proc = run_processes(
+        [sys.executable, script.__file__, strategy, str(tmp_path)], timeout=600, env=rank_env()
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"{strategy}_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r in ranks:
@@ -691,8 +751,13 @@ def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch
         assert "synchronized at fit start, after the DDP wrap" in r["plan_text"]
         assert r["original_back"] and r["original_swapped"]
     out = proc.stdout + proc.stderr
-    assert out.count("BNSwap (fit): 1 of 1 BatchNorm layers swapped, 0 skipped; 1 synchronized "
-                     "over WORLD, 2 ranks\n") == 1  # rank zero only
+    assert (
+        out.count(
+            "BNSwap (fit): 1 of 1 BatchNorm layers swapped, 0 skipped; 1 synchronized "
+            "over WORLD, 2 ranks\n"
+        )
+        == 1
+    )  # rank zero only
     assert "net.1  SyncBatchNorm" not in out  # (the whole table: at DEBUG)
     s0, s1 = ranks[0]["state"], ranks[1]["state"]
     assert [k for k in s0 if not torch.equal(s0[k], s1[k])] == []
@@ -701,19 +766,22 @@ def test_sync_batchnorm_two_processes_train_like_one_process_on_the_global_batch
         if not want.is_floating_point():  # num_batches_tracked
             assert torch.equal(s0["net." + k], want), k
             continue
-        torch.testing.assert_close(s0["net." + k].double(), want, rtol=1e-6, atol=1e-6,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            s0["net." + k].double(), want, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}"
+        )
 
 
 # --------------------------------------------------------------------------- packaging
 def test_import_bnswap_does_not_import_lightning():
-    code = ("import sys, bnswap\n"
-            "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') "
-            "for m in sys.modules), sorted(m for m in sys.modules if 'lightning' in m)\n"
-            "from bnswap.lightning import BNSwap\n"
-            "assert bnswap.BNSwap is BNSwap\n"
-            "import lightning.pytorch as pl\n"
-            "assert issubclass(BNSwap, pl.Callback)\n")
+    code = (
+        "import sys, bnswap\n"
+        "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') "
+        "for m in sys.modules), sorted(m for m in sys.modules if 'lightning' in m)\n"
+        "from bnswap.lightning import BNSwap\n"
+        "assert bnswap.BNSwap is BNSwap\n"
+        "import lightning.pytorch as pl\n"
+        "assert issubclass(BNSwap, pl.Callback)\n"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=env)
 
@@ -735,9 +803,17 @@ def test_pytorch_lightning_trainer_works_with_BNSwapPL():
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     model, cb = M(), BNSwapPL()
-    t = ptl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=1,
-                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, callbacks=[cb])
+    t = ptl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
     loader = data()
     loader.setup()
     t.fit(model, train_dataloaders=loader.train_dataloader())
@@ -834,17 +910,22 @@ def test_ort_backend_leaves_children_with_unswapped_layers_eager(caplog):
     assert rows["net.features.1"].kernel == "BatchNormInternal (ORT)"
     assert (rows["side.1"].backend, rows["side.1"].kernel) == ("aten", "Native")
     # when it was swapped, then where it runs (the plan's placement note)
-    assert rows["side.1"].reason == ("swapped at setup; eager: its top-level module holds a "
-                                     "layer that is not swapped")
+    assert rows["side.1"].reason == (
+        "swapped at setup; eager: its top-level module holds a layer that is not swapped"
+    )
     assert rows["net.features.1"].reason == "swapped at setup"
     assert rows["side.2"].action == "skip"
     # the stage's line says how many run where; the rows shown: the eager one, the skipped
-    line, *shown = next(r.getMessage() for r in caplog.records
-                        if r.getMessage().startswith("BNSwap (")).splitlines()
-    assert line == ("BNSwap (fit): 5 of 6 BatchNorm layers swapped, 1 skipped; 4 on ort, 1 on "
-                    "aten (eager)")
-    assert [ln.split()[:3] for ln in shown[2:]] == [["side.1", "BatchNorm2d", "swap"],
-                                                   ["side.2", "BatchNorm2d", "skip"]]
+    line, *shown = next(
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("BNSwap (")
+    ).splitlines()
+    assert line == (
+        "BNSwap (fit): 5 of 6 BatchNorm layers swapped, 1 skipped; 4 on ort, 1 on aten (eager)"
+    )
+    assert [ln.split()[:3] for ln in shown[2:]] == [
+        ["side.1", "BatchNorm2d", "swap"],
+        ["side.2", "BatchNorm2d", "skip"],
+    ]
 
 
 @pytest.mark.ort
@@ -857,8 +938,10 @@ def test_ort_backend_with_trainer_sync_batchnorm_is_refused_before_anything_chan
     t = trainer(strategy="ddp", devices=2, sync_batchnorm=True)
     plugin = t.strategy._layer_sync
     model, cb = Classifier(), BNSwap("ort")
-    with pytest.raises(bnswap.ort.UnsupportedLayerError,
-                       match=r"sync_batchnorm=True with backend='ort'.*Use backend='aten'"):
+    with pytest.raises(
+        bnswap.ort.UnsupportedLayerError,
+        match=r"sync_batchnorm=True with backend='ort'.*Use backend='aten'",
+    ):
         cb.setup(t, model, "fit")
     assert not any(bnswap.is_swapped(m) for m in model.modules())
     assert type(model.net) is ConvNet4 and t.strategy._layer_sync is plugin
@@ -873,6 +956,7 @@ def test_ort_backend_keeps_a_child_with_a_syncbatchnorm_eager_and_synchronized_o
     """Guards: the callback planned with "aten", swapped the SyncBatchNorm onto bnswap's
     synchronized forward, then wrapped its child in ORT, which cannot synchronize. The
     plan (wrap="children") now keeps that child eager, on aten, and says why."""
+
     class M(Classifier):
         def __init__(self):
             super().__init__()
@@ -887,9 +971,11 @@ def test_ort_backend_keeps_a_child_with_a_syncbatchnorm_eager_and_synchronized_o
     assert type(model.synced) is nn.Sequential and bnswap.is_swapped(model.synced[1])
     row = next(r for r in cb.plan.rows if r.name == "synced.1")
     assert (row.backend, row.adapter_name) == ("aten", "bnswap.sync.sync_batch_norm_forward")
-    assert row.reason == ("swapped at setup; eager, synchronized on aten: its top-level "
-                          "module holds a SyncBatchNorm (ONNX Runtime cannot synchronize "
-                          "batch statistics across processes)")
+    assert row.reason == (
+        "swapped at setup; eager, synchronized on aten: its top-level "
+        "module holds a SyncBatchNorm (ONNX Runtime cannot synchronize "
+        "batch statistics across processes)"
+    )
     x = torch.randn(4, 1, 3, 3)  # one process, no process group: stock's local batch norm
     torch.testing.assert_close(model.synced(x), stock(x))
     torch.testing.assert_close(model.synced[1].running_var, stock[1].running_var)
@@ -944,8 +1030,9 @@ def test_layers_built_during_fit_are_swapped_before_their_first_training_step(ca
     assert_states_equal(state(stock_model), state(model))
     cb = next(c for c in t.callbacks if isinstance(c, BNSwap))
     assert {r.reason for r in cb.plan.rows} == {"swapped during fit (epoch 1, global step 4)"}
-    added = [r.getMessage() for r in caplog.records if "appeared in the model since"
-             in r.getMessage()]
+    added = [
+        r.getMessage() for r in caplog.records if "appeared in the model since" in r.getMessage()
+    ]
     assert len(added) == 1 and "4 BatchNorm layer(s)" in added[0]
     assert "net.features.1" in added[0]
 
@@ -982,8 +1069,9 @@ def test_a_model_without_batchnorm_warns_like_convert():
 class _LazyHead(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.LazyBatchNorm1d(),
-                                 nn.ReLU(), nn.Linear(16, 10))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(64, 16), nn.LazyBatchNorm1d(), nn.ReLU(), nn.Linear(16, 10)
+        )
         self.wrapped_at_step: list[bool] = []
 
     def forward(self, x):
@@ -1007,15 +1095,17 @@ def test_ort_backend_wraps_a_child_with_a_lazy_layer_once_it_has_initialized():
     for callbacks in ([], [BNSwap("ort")]):
         pl.seed_everything(0)
         model = _LazyHead()
-        trainer(callbacks, max_epochs=1, limit_train_batches=3,
-                limit_val_batches=0).fit(model, data())
+        trainer(callbacks, max_epochs=1, limit_train_batches=3, limit_val_batches=0).fit(
+            model, data()
+        )
         states.append((model, state(model)))
     (stock, s_state), (swapped, b_state) = states
     assert swapped.wrapped_at_step == [False, True, True]
     assert s_state.keys() == b_state.keys()
     for k in s_state:
-        torch.testing.assert_close(b_state[k].double(), s_state[k].double(), rtol=1e-4,
-                                   atol=1e-5, msg=k)
+        torch.testing.assert_close(
+            b_state[k].double(), s_state[k].double(), rtol=1e-4, atol=1e-5, msg=k
+        )
 
 
 # --------------------------------------------------------------- ORT: mixed train / eval
@@ -1054,8 +1144,7 @@ def _stock_then_ort(model_class: type, stage: str, **trainer_kwargs) -> dict[str
         model = model_class()
         net = model.net
         before = _flags(net)
-        run = getattr(trainer([BNSwap("ort")] if variant == "ort" else [], **trainer_kwargs),
-                      stage)
+        run = getattr(trainer([BNSwap("ort")] if variant == "ort" else [], **trainer_kwargs), stage)
         run(model, data(), **({"verbose": False} if stage == "validate" else {}))
         assert _flags(net) == before, variant  # (Lightning restores its own switch)
         runs[variant], states[variant] = (model, net), state(net)
@@ -1109,9 +1198,16 @@ class FeatureHeadSplit(Classifier):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        )
 
     def forward(self, x):
         assert len(self.net) == 9 and self.net[1].num_features == 8
@@ -1158,10 +1254,14 @@ class SpawnClassifier(Classifier):
 
     def on_train_end(self):
         plan = next((cb.plan for cb in self.trainer.callbacks if isinstance(cb, BNSwap)), None)
-        torch.save({"train_swapped": self.seen["train_swapped"],
-                    "world_size": self.trainer.world_size,
-                    "plan": None if plan is None else [(r.name, r.action) for r in plan.rows]},
-                   os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
+        torch.save(
+            {
+                "train_swapped": self.seen["train_swapped"],
+                "world_size": self.trainer.world_size,
+                "plan": None if plan is None else [(r.name, r.action) for r in plan.rows],
+            },
+            os.path.join(self.out_dir, f"rank{self.global_rank}.pt"),
+        )
 
 
 def _fresh_and_used_callbacks() -> tuple[BNSwap, BNSwap]:
@@ -1186,11 +1286,13 @@ def test_callback_pickles_fresh_and_after_a_fit():
             assert copy.plan is None
         else:
             assert [(r.name, r.action, r.reason) for r in copy.plan.rows] == [
-                (r.name, r.action, r.reason) for r in cb.plan.rows]
+                (r.name, r.action, r.reason) for r in cb.plan.rows
+            ]
         model = Classifier()
         trainer([copy]).fit(model, data())
         assert [(n, bnswap.is_swapped(m)) for n, m in bn_layers(model).items()] == [
-            (n, cb is fresh or n != "net.features.4") for n in bn_layers(model)]
+            (n, cb is fresh or n != "net.features.4") for n in bn_layers(model)
+        ]
         assert global_registration_hooks() == 0
 
 
@@ -1210,8 +1312,7 @@ def test_ddp_spawn_fit_with_bnswap_like_stock(tmp_path):
         cbs = [BNSwap()] if variant == "bnswap" else []
         # its ranks' collectives time out in COLLECTIVE_TIMEOUT_S (a hung rank fails the
         # test in a minute, not at the pytest timeout)
-        spawn = DDPStrategy(start_method="spawn",
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        spawn = DDPStrategy(start_method="spawn", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         trainer(cbs, strategy=spawn, devices=2).fit(model, data())
         states[variant] = state(model)
         ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -1223,7 +1324,8 @@ def test_ddp_spawn_fit_with_bnswap_like_stock(tmp_path):
     # the main process got the trained weights back (not its initial ones) ...
     pl.seed_everything(0)
     initial = state(SpawnClassifier(str(tmp_path)))
-    assert not torch.equal(states["stock"]["net.features.1.weight"],
-                           initial["net.features.1.weight"])
+    assert not torch.equal(
+        states["stock"]["net.features.1.weight"], initial["net.features.1.weight"]
+    )
     # ... identical to stock's
     assert_states_equal(states["bnswap"], states["stock"])

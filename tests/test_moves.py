@@ -28,12 +28,17 @@ from torch import nn
 import bnswap
 from tests import moves
 
-KINDS = {"bn1d_nc": (nn.BatchNorm1d, (6, 3)), "bn1d_ncl": (nn.BatchNorm1d, (4, 3, 5)),
-         "bn2d": (nn.BatchNorm2d, (2, 3, 4, 4)), "bn3d": (nn.BatchNorm3d, (2, 3, 2, 3, 3)),
-         "syncbn": (nn.SyncBatchNorm, (2, 3, 4, 4))}
-CASES = [f"{k}-affine{int(a)}-stats{int(t)}-{'train' if tr else 'eval'}"
-         for k, a, t, tr in itertools.product(KINDS, (True, False), (True, False),
-                                               (True, False))]
+KINDS = {
+    "bn1d_nc": (nn.BatchNorm1d, (6, 3)),
+    "bn1d_ncl": (nn.BatchNorm1d, (4, 3, 5)),
+    "bn2d": (nn.BatchNorm2d, (2, 3, 4, 4)),
+    "bn3d": (nn.BatchNorm3d, (2, 3, 2, 3, 3)),
+    "syncbn": (nn.SyncBatchNorm, (2, 3, 4, 4)),
+}
+CASES = [
+    f"{k}-affine{int(a)}-stats{int(t)}-{'train' if tr else 'eval'}"
+    for k, a, t, tr in itertools.product(KINDS, (True, False), (True, False), (True, False))
+]
 
 
 def _case(case: str) -> tuple[nn.Module, torch.Tensor]:
@@ -41,8 +46,7 @@ def _case(case: str) -> tuple[nn.Module, torch.Tensor]:
     kind, affine, stats, mode = case.split("-")
     cls, shape = KINDS[kind]
     torch.manual_seed(0)
-    layer = cls(3, affine=affine == "affine1", track_running_stats=stats == "stats1",
-                momentum=0.3)
+    layer = cls(3, affine=affine == "affine1", track_running_stats=stats == "stats1", momentum=0.3)
     with torch.no_grad():
         for p in layer.parameters():
             p.uniform_(0.5, 1.5)
@@ -55,14 +59,19 @@ def _case(case: str) -> tuple[nn.Module, torch.Tensor]:
 def _programs(case: str) -> dict[str, torch.export.ExportedProgram]:
     """Fresh programs of ``case``: stock's, and bnswap's two in-process kinds."""
     layer, x = _case(case)
-    return {"stock": torch.export.export(copy.deepcopy(layer), (x,)),
-            "exported": torch.export.export(bnswap.convert(copy.deepcopy(layer)), (x,)),
-            "converted": bnswap.convert(torch.export.export(copy.deepcopy(layer), (x,)))}
+    return {
+        "stock": torch.export.export(copy.deepcopy(layer), (x,)),
+        "exported": torch.export.export(bnswap.convert(copy.deepcopy(layer)), (x,)),
+        "converted": bnswap.convert(torch.export.export(copy.deepcopy(layer), (x,))),
+    }
 
 
 def _user_inputs(ep: torch.export.ExportedProgram) -> list[str]:
-    return [s.arg.name for s in ep.graph_signature.input_specs
-            if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    return [
+        s.arg.name
+        for s in ep.graph_signature.input_specs
+        if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
+    ]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -77,8 +86,7 @@ def test_a_program_moves_exactly_as_stocks(case):
         want = moves.outcome(fresh["stock"], move, x)
         for kind in ("exported", "converted"):
             got = moves.outcome(fresh[kind], move, x)
-            assert moves.difference(got, want) is None, (kind, move,
-                                                         moves.difference(got, want))
+            assert moves.difference(got, want) is None, (kind, move, moves.difference(got, want))
 
 
 def test_saved_programs_move_as_stocks_in_a_process_that_never_imports_bnswap(tmp_path):
@@ -88,8 +96,11 @@ def test_saved_programs_move_as_stocks_in_a_process_that_never_imports_bnswap(tm
     for case in CASES:
         _, x = _case(case)
         progs = _programs(case)
-        files = {"input": f"{case}.x.pt", "stock": f"{case}.stock.pt2",
-                 "bnswap": {k: f"{case}.{k}.pt2" for k in ("exported", "converted")}}
+        files = {
+            "input": f"{case}.x.pt",
+            "stock": f"{case}.stock.pt2",
+            "bnswap": {k: f"{case}.{k}.pt2" for k in ("exported", "converted")},
+        }
         torch.save(x, tmp_path / files["input"])
         torch.export.save(progs["stock"], tmp_path / files["stock"])
         for k, name in files["bnswap"].items():
@@ -98,8 +109,14 @@ def test_saved_programs_move_as_stocks_in_a_process_that_never_imports_bnswap(tm
     (tmp_path / "index.json").write_text(json.dumps(index))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moves.py")
-    p = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True,
-                       text=True, timeout=600, env=env, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results.pop("bnswap imported") == "[]"
@@ -110,9 +127,12 @@ def test_saved_programs_move_as_stocks_in_a_process_that_never_imports_bnswap(tm
 
 def _pinned(gm: torch.fx.GraphModule) -> list[str]:
     """The nodes of ``gm`` (nested graphs included) that name a device or a dtype."""
-    return sorted(f"{n.target}(dtype={n.kwargs.get('dtype')}, device={n.kwargs.get('device')})"
-                  for sub in gm.modules() for n in getattr(sub, "graph", torch.fx.Graph()).nodes
-                  if n.op == "call_function" and ("device" in n.kwargs or "dtype" in n.kwargs))
+    return sorted(
+        f"{n.target}(dtype={n.kwargs.get('dtype')}, device={n.kwargs.get('device')})"
+        for sub in gm.modules()
+        for n in getattr(sub, "graph", torch.fx.Graph()).nodes
+        if n.op == "call_function" and ("device" in n.kwargs or "dtype" in n.kwargs)
+    )
 
 
 class _Loss(nn.Module):
@@ -126,10 +146,13 @@ class _Loss(nn.Module):
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4),
-                         nn.BatchNorm2d(4, affine=False),
-                         nn.BatchNorm2d(4, track_running_stats=False),
-                         nn.BatchNorm2d(4, affine=False, track_running_stats=False)).train()
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.BatchNorm2d(4, affine=False),
+        nn.BatchNorm2d(4, track_running_stats=False),
+        nn.BatchNorm2d(4, affine=False, track_running_stats=False),
+    ).train()
 
 
 def _graphs(model: nn.Module, x: torch.Tensor, kind: str) -> list[torch.fx.GraphModule]:
@@ -140,8 +163,7 @@ def _graphs(model: nn.Module, x: torch.Tensor, kind: str) -> list[torch.fx.Graph
     if kind == "core_aten":
         return [torch.export.export(model, (x,)).run_decompositions().graph_module]
     if kind == "joint":
-        return [aot_export_module(_Loss(model), (x,), trace_joint=True,
-                                  output_loss_index=0)[0]]
+        return [aot_export_module(_Loss(model), (x,), trace_joint=True, output_loss_index=0)[0]]
     if kind == "compile":  # the forward and backward graphs aot_eager runs
         from torch._dynamo.backends.common import aot_autograd
 
@@ -169,9 +191,14 @@ def test_no_graph_carries_a_device_or_dtype_of_bnswaps_own(kind):
     ours = _graphs(bnswap.convert(_net()), x, kind)
     assert [_pinned(g) for g in ours] == [_pinned(g) for g in stock] == [[]] * len(stock)
     ops = {str(n.target) for g in ours for n in g.graph.nodes}
-    assert ops & ({"aten._native_batch_norm_legit_functional.default"} if kind == "core_aten"
-                  else {"aten._batch_norm_with_update.default",  # (core ATen: stock's ops)
-                        "aten._batch_norm_with_update_functional.default"})
+    assert ops & (
+        {"aten._native_batch_norm_legit_functional.default"}
+        if kind == "core_aten"
+        else {
+            "aten._batch_norm_with_update.default",  # (core ATen: stock's ops)
+            "aten._batch_norm_with_update_functional.default",
+        }
+    )
     assert "aten.full_like.default" in ops  # the stand-ins are in the graph
 
 
@@ -188,7 +215,8 @@ def test_what_convert_inserts_names_no_device_or_dtype(decomposed):
         ep = ep.run_decompositions()
     new = bnswap.convert(ep)
     assert _pinned(new.graph_module) == [] and any(
-        "full_like" in str(n.target) for n in new.graph.nodes)
+        "full_like" in str(n.target) for n in new.graph.nodes
+    )
     assert torch.equal(new.module().double()(x.double()), ep.module().double()(x.double()))
     joint = aot_export_module(_Loss(_net()), (x,), trace_joint=True, output_loss_index=0)[0]
     bnswap.convert(joint)
@@ -270,8 +298,14 @@ def test_a_deep_copied_program_converts_plans_and_goes_back_to_stock():
         assert _user_inputs(new) == ["input"]
         assert torch.equal(new.module()(x), ep.module()(x))
     assert [r.action for r in bnswap.plan(_deep_copy(ep)).rows] == ["swap"]
-    bn = _deep_copy(torch.export.export(bnswap.convert(nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False)).train()), (x,)))
+    bn = _deep_copy(
+        torch.export.export(
+            bnswap.convert(
+                nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False)).train()
+            ),
+            (x,),
+        )
+    )
     again = bnswap.convert(bn)  # a deep copy of bnswap's own program: converted already
     again.validate()
     assert torch.equal(again.module()(x), bn.module()(x))
@@ -308,10 +342,14 @@ def test_a_cumulative_average_program_names_no_device_or_dtype_and_moves():
     made like the running statistics: nothing pinned, and the moved program follows
     stock's eager layer moved the same way (within one float64 ulp: in a graph the
     update is tensor maths, where stock's kernel takes a Python float)."""
+
     def net():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None),
-                             nn.BatchNorm2d(4, affine=False, momentum=None)).train()
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3),
+            nn.BatchNorm2d(4, momentum=None),
+            nn.BatchNorm2d(4, affine=False, momentum=None),
+        ).train()
 
     x = torch.randn(2, 3, 6, 6)
     for kind in ("export", "core_aten", "compile"):

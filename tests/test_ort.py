@@ -78,8 +78,9 @@ def train_pair(model: nn.Module, ref: nn.Module, wrapped: nn.Module, inputs, ste
 
 
 def test_given_case1_conv_bn_relu_linear_five_steps():
-    ref = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                        nn.Linear(8 * 6 * 6, 5))
+    ref = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5)
+    )
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
     from torch_ort import ORTModule
@@ -129,12 +130,23 @@ def test_network_ending_in_batchnorm(momentum):
     train_pair(model, ref, wrapped, lambda i: torch.randn(3, 3, 5, 5) + i, steps=3)
 
 
-@pytest.mark.parametrize("kw", [{"affine": False}, {"track_running_stats": False},
-                                {"affine": False, "track_running_stats": False}],
-                         ids=["no-affine", "no-tracking", "neither"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"affine": False},
+        {"track_running_stats": False},
+        {"affine": False, "track_running_stats": False},
+    ],
+    ids=["no-affine", "no-tracking", "neither"],
+)
 def test_affine_false_and_untracked_layers(kw):
-    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, **kw), nn.ReLU(),
-                        nn.Conv2d(4, 6, 1), nn.BatchNorm2d(6, **kw))
+    ref = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4, **kw),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 1),
+        nn.BatchNorm2d(6, **kw),
+    )
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
     train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) * 2 + 1, steps=3)
@@ -153,9 +165,16 @@ def test_affine_false_layers_of_one_width(tracked):
     definition of name ..._grad"); bnswap feeds them as per-layer buffers that stay out
     of the state_dict and go away on revert."""
     kw = {"affine": False, "track_running_stats": tracked}
-    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, **kw), nn.ReLU(),
-                        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, **kw), nn.ReLU(),
-                        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, **kw))
+    ref = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4, **kw),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 1),
+        nn.BatchNorm2d(4, **kw),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 1),
+        nn.BatchNorm2d(4, **kw),
+    )
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
     assert list(wrapped.state_dict()) == list(ref.state_dict())
@@ -207,9 +226,15 @@ def test_empty_batch_leaves_the_statistics_as_stock():
     of 0 and bnswap blended them in, corrupting the statistics for good. Stock leaves
     them as they were and still counts the batch (batches of 2, 0, 3)."""
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
-                        nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.Flatten(),
-                        nn.Linear(4 * 4 * 4, 3))
+    ref = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 3),
+        nn.BatchNorm2d(4, momentum=None),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
     for n in (2, 0, 3):
@@ -284,8 +309,12 @@ def test_a_session_is_verified_by_the_first_step_every_layer_sees_values():
             torch.testing.assert_close(o, r, rtol=RTOL, atol=1e-5)
         assert_stats_equal(model, ref)
         seen.append((state.verification, state.stats.verified))
-    assert seen == [(Verification.NEXT_STEP, False), (Verification.NEXT_STEP, False),
-                    (Verification.DONE, True), (Verification.DONE, False)]
+    assert seen == [
+        (Verification.NEXT_STEP, False),
+        (Verification.NEXT_STEP, False),
+        (Verification.DONE, True),
+        (Verification.DONE, False),
+    ]
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
@@ -320,8 +349,14 @@ def test_running_stats_puts_back_the_nan_ort_writes_for_an_empty_batch():
     wrapped(x), ref(x)
     empty = torch.randn(0, 3, 6, 6)
     stats = wrapped._bnswap_state().stats
-    out = stats.step((empty,), {}, lambda: wrapped._bnswap_ort_call((empty,), {}),
-                     verify=False, layers=list(model.named_modules()), eager=None)
+    out = stats.step(
+        (empty,),
+        {},
+        lambda: wrapped._bnswap_ort_call((empty,), {}),
+        verify=False,
+        layers=list(model.named_modules()),
+        eager=None,
+    )
     ref(empty)
     assert out.shape == (0, 4, 4, 4)
     assert_stats_equal(model, ref)
@@ -345,7 +380,8 @@ def test_convert_of_a_wrapper_returns_it_or_says_how_to_switch():
         "bnswap: backend='aten' given an ONNX Runtime wrapper (what backend='ort' returned); "
         "it would keep running ONNX Runtime. To run the model on the aten backend, use the "
         "model it wraps: model = wrapper.module (its layers stay swapped unless the wrapper "
-        "was reverted), or bnswap.revert(wrapper.module) for stock BatchNorm.")
+        "was reverted), or bnswap.revert(wrapper.module) for stock BatchNorm."
+    )
     x = torch.randn(4, 3, 6, 6)
     torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
     assert_stats_equal(model, ref)
@@ -361,8 +397,13 @@ def test_convert_of_a_model_without_batchnorm_warns_and_does_not_wrap():
             assert bnswap.convert(model, backend=backend) is model
         assert str(w[0].message) == (
             "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
-            + ("; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
-               "modules eager)" if backend == "ort" else ""))
+            + (
+                "; it is not wrapped in ONNX Runtime (as BNSwap(backend='ort') leaves such "
+                "modules eager)"
+                if backend == "ort"
+                else ""
+            )
+        )
 
 
 def test_convert_of_a_wrapper_whose_batchnorm_layers_were_replaced():
@@ -377,7 +418,8 @@ def test_convert_of_a_wrapper_whose_batchnorm_layers_were_replaced():
         warnings.simplefilter("always")
         assert bnswap.convert(wrapped, backend="ort") is wrapped
     assert [(w.category, str(w.message)) for w in caught] == [
-        (UserWarning, "bnswap.convert: the model has no BatchNorm layer; nothing was swapped")]
+        (UserWarning, "bnswap.convert: the model has no BatchNorm layer; nothing was swapped")
+    ]
 
 
 def test_state_dict_parameters_and_revert():
@@ -402,8 +444,7 @@ def test_plan_reports_ort_backend():
     assert "BatchNormInternal" in rows[0].kernel
     # a layer the plan skips makes convert(backend="ort") refuse: the plan says so
     mixed = nn.Sequential(nn.BatchNorm1d(4), nn.BatchNorm1d(4))
-    skip = [r for r in bnswap.plan(mixed, backend="ort", exclude="1").rows
-            if r.action == "skip"]
+    skip = [r for r in bnswap.plan(mixed, backend="ort", exclude="1").rows if r.action == "skip"]
     assert len(skip) == 1 and "refuses the model" in skip[0].reason
     with pytest.raises(TypeError, match="not a bnswap layer"):
         bnswap.convert(mixed, backend="ort", exclude="1")
@@ -426,8 +467,9 @@ def _flags(model: nn.Module) -> list[tuple[str, bool]]:
 
 
 def _frozen_bn_net() -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
-                         nn.BatchNorm2d(8))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8)
+    )
 
 
 def test_frozen_batchnorm_in_a_training_model_matches_stock():
@@ -531,8 +573,7 @@ def test_wrap_rejects_unswapped_and_non_float32_layers():
     with pytest.raises(TypeError, match="not a bnswap layer"):
         bnswap.ort.wrap(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
     with pytest.raises(TypeError, match="float32"):
-        bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).double(),
-                       backend="ort")
+        bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).double(), backend="ort")
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     with pytest.raises(TypeError):
         bnswap.convert(model.double(), backend="ort")
@@ -591,8 +632,7 @@ def test_mobilenetv2_step_as_close_to_float64_as_eager_float32():
         out = call(inp)
         nn.functional.cross_entropy(out, y).backward()
         grad = torch.cat([p.grad.double().reshape(-1) for p in m.parameters()])
-        stats = torch.cat([b.double().reshape(-1) for n, b in m.named_buffers()
-                           if "running" in n])
+        stats = torch.cat([b.double().reshape(-1) for n, b in m.named_buffers() if "running" in n])
         return out.detach().double(), grad, stats
 
     out64, grad64, stats64 = step(exact, exact, x.double())
@@ -615,8 +655,9 @@ def _step_both(wrapped, ref, x):
 
 
 def _small():
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 6 * 6, 2))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)
+    )
 
 
 @pytest.mark.parametrize("first", [True, False], ids=["freeze", "unfreeze"])
@@ -716,8 +757,10 @@ def test_ema_of_a_wrapped_model_follows_stocks_ema():
     ref = _small()
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
-    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
-            for m in (wrapped, ref)]
+    emas = [
+        AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        for m in (wrapped, ref)
+    ]
     assert type(emas[0].module) is bnswap.ort.BNSwapORTModule
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -730,8 +773,11 @@ def test_ema_of_a_wrapped_model_follows_stocks_ema():
                     p.grad = None
         emas[0].update_parameters(wrapped)
         emas[1].update_parameters(ref)
-    for a, b in zip(emas[0].module.module.state_dict().values(),
-                    emas[1].module.state_dict().values(), strict=True):
+    for a, b in zip(
+        emas[0].module.module.state_dict().values(),
+        emas[1].module.state_dict().values(),
+        strict=True,
+    ):
         torch.testing.assert_close(a.double(), b.double(), rtol=RTOL, atol=1e-5)
     for ema in emas:
         ema.eval()
@@ -744,8 +790,13 @@ def test_ema_of_a_wrapped_model_follows_stocks_ema():
 def test_the_layers_own_momentum_drives_the_statistics(momentum):
     """Guards: every other ORT test uses momentum 0.1 (torch's default) or None, so a
     fixed 0.1 in RunningStats passed them all."""
-    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(),
-                        nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    ref = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4, momentum=momentum),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
     train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) * (i + 1), steps=3)
@@ -765,8 +816,10 @@ def test_a_layer_run_twice_per_forward_is_refused_before_its_statistics_move():
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
     x = torch.randn(6, 4)
-    with buffers_unchanged(model), pytest.raises(bnswap.ort.LayerRunsTwiceError,
-                                                  match="'bn' runs 2 times in one forward"):
+    with (
+        buffers_unchanged(model),
+        pytest.raises(bnswap.ort.LayerRunsTwiceError, match="'bn' runs 2 times in one forward"),
+    ):
         wrapped(x)
     assert isinstance(bnswap.ort.LayerRunsTwiceError("x"), bnswap.ort.ORTRunError)
     # with fallback="aten" the model runs eagerly instead, as stock
@@ -792,7 +845,8 @@ def test_unwritten_statistics_are_detected_and_restored(monkeypatch):
     assert str(err.value) == (
         "bnswap.ort: ONNX Runtime did not write the batch statistics of ['1'] into their "
         "running_mean buffers (BatchNormInternal's aliased outputs); their running "
-        "statistics cannot follow PyTorch's rule. Use backend='aten' for this model.")
+        "statistics cannot follow PyTorch's rule. Use backend='aten' for this model."
+    )
 
 
 class _TwoOutputs(nn.Module):
@@ -844,12 +898,12 @@ def test_non_tensor_arguments_key_the_export_by_type_and_value(caplog):
     wrapped = bnswap.convert(model, backend="ort")
     caplog.set_level(logging.INFO, logger="bnswap.ort")
     again = []
-    for flag, shift in [(1, float("0.5")), (1, float("0.5")), (1, 0.75), (0, 0.75),
-                        (False, 0.75)]:
+    for flag, shift in [(1, float("0.5")), (1, float("0.5")), (1, 0.75), (0, 0.75), (False, 0.75)]:
         caplog.clear()
         x = torch.randn(4, 3, 6, 6)
-        torch.testing.assert_close(wrapped(x, flag, shift), ref(x, flag, shift),
-                                   rtol=RTOL, atol=1e-5)
+        torch.testing.assert_close(
+            wrapped(x, flag, shift), ref(x, flag, shift), rtol=RTOL, atol=1e-5
+        )
         assert_stats_equal(model, ref)
         again.append(sum("exports again" in r.getMessage() for r in caplog.records))
     assert again == [0, 0, 1, 1, 1]
@@ -874,8 +928,7 @@ def test_keyword_arguments_that_change_what_a_layer_sees_keep_statistics_exact()
     wrapped = bnswap.convert(model, backend="ort")
     for crop in (0, 2, 2, 0):
         x = torch.randn(4, 3, 6, 6)
-        torch.testing.assert_close(wrapped(x, crop=crop), ref(x, crop=crop), rtol=RTOL,
-                                   atol=1e-5)
+        torch.testing.assert_close(wrapped(x, crop=crop), ref(x, crop=crop), rtol=RTOL, atol=1e-5)
         assert_stats_equal(model, ref)
 
 
@@ -1015,11 +1068,15 @@ def test_onnx_runtimes_own_logs_stay_at_warning_unless_asked(caplog, monkeypatch
     else:
         monkeypatch.setenv("BNSWAP_ORT_LOG_LEVEL", level)
     caplog.set_level(logging.INFO)
-    model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()),
-                           backend="ort")
+    model = bnswap.convert(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), backend="ort"
+    )
     model(torch.randn(2, 3, 6, 6)).sum().backward()
-    ort_info = [r for r in caplog.records
-                if r.name.startswith("orttraining") and r.levelno < logging.WARNING]
+    ort_info = [
+        r
+        for r in caplog.records
+        if r.name.startswith("orttraining") and r.levelno < logging.WARNING
+    ]
     assert (len(ort_info) > 0) == (level == "INFO"), len(ort_info)
 
 
@@ -1049,8 +1106,9 @@ def test_ortmodules_notices_show_at_info_only(caplog, monkeypatch, world_size):
         caplog.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
-                                   backend="ort")
+            model = bnswap.convert(
+                nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend="ort"
+            )
             model(torch.randn(2, 3, 6, 6)).sum().backward()
             model.eval()
             with torch.no_grad():
@@ -1059,11 +1117,17 @@ def test_ortmodules_notices_show_at_info_only(caplog, monkeypatch, world_size):
         seen[level] = (
             sum("accelerating your model" in r.getMessage() for r in ort if r.name == name),
             sum("Fast path enabled" in r.getMessage() for r in ort if r.name == name),
-            sum("BNSWAP_ORT_LOG_LEVEL" in str(w.message) for w in caught))
+            sum("BNSWAP_ORT_LOG_LEVEL" in str(w.message) for w in caught),
+        )
         if level != "INFO":  # nothing from ORT's Python logger at all
             assert [r.name for r in ort] == [], level
-    assert seen == {"": (0, 0, 0), "WARNING": (0, 0, 0), "error": (0, 0, 0),
-                    "INFO": (2, 2, 0), "bogus-notices-test": (0, 0, 1)}
+    assert seen == {
+        "": (0, 0, 0),
+        "WARNING": (0, 0, 0),
+        "error": (0, 0, 0),
+        "INFO": (2, 2, 0),
+        "bogus-notices-test": (0, 0, 1),
+    }
 
 
 def _onnx_ops(proto) -> collections.Counter:
@@ -1073,8 +1137,9 @@ def _onnx_ops(proto) -> collections.Counter:
 def _run_onnx(proto, x: torch.Tensor) -> torch.Tensor:
     import onnxruntime  # the training build, after bnswap.ort set it up
 
-    sess = onnxruntime.InferenceSession(proto.SerializeToString(),
-                                        providers=["CPUExecutionProvider"])
+    sess = onnxruntime.InferenceSession(
+        proto.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
     return torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
 
 
@@ -1087,8 +1152,13 @@ def test_default_exporters_of_a_wrapper_give_the_wrapped_models_result():
 
     pytest.importorskip("onnxscript")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3),
-                          nn.BatchNorm2d(4, affine=False))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 3),
+        nn.BatchNorm2d(4, affine=False),
+    )
     wrapped = bnswap.convert(model, backend="ort")
     x = torch.randn(4, 3, 10, 10)
     wrapped(x).square().mean().backward()  # trained on ORT: the stats moved
@@ -1102,10 +1172,10 @@ def test_default_exporters_of_a_wrapper_give_the_wrapped_models_result():
             protos = []
             for m in (stock, wrapped):
                 buf = io.BytesIO()
-                prog = torch.onnx.export(m, (x,), None if dynamo else buf, dynamo=dynamo,
-                                         verbose=False)
-                protos.append(prog.model_proto if dynamo else onnx.load_from_string(
-                    buf.getvalue()))
+                prog = torch.onnx.export(
+                    m, (x,), None if dynamo else buf, dynamo=dynamo, verbose=False
+                )
+                protos.append(prog.model_proto if dynamo else onnx.load_from_string(buf.getvalue()))
             ps, pw = protos
             assert _onnx_ops(pw) == _onnx_ops(ps), dynamo  # both fold BN into the Conv
             assert _onnx_ops(ps)["Conv"] == 2 and "BatchNormInternal" not in _onnx_ops(pw)
@@ -1113,6 +1183,7 @@ def test_default_exporters_of_a_wrapper_give_the_wrapped_models_result():
             torch.testing.assert_close(_run_onnx(pw, x), want, rtol=1e-5, atol=1e-5)
         ep = torch.export.export(wrapped, (x,))
         ep_model = torch.export.export(model, (x,))
+
     def calls(prog):
         return [str(n.target) for n in prog.graph.nodes if n.op == "call_function"]
 
@@ -1146,8 +1217,9 @@ def test_calling_the_wrapped_model_itself_warns_once_naming_the_wrapper():
             wrapped(x)
         torch.jit.trace(wrapped, (x,))
         wrapped.train()
-    with pytest.warns(bnswap.ort.UnwrappedCallWarning,
-                      match=r"BNSwapORTModule.*Call the wrapper") as rec:
+    with pytest.warns(
+        bnswap.ort.UnwrappedCallWarning, match=r"BNSwapORTModule.*Call the wrapper"
+    ) as rec:
         model(x)
     assert rec[0].filename == __file__  # points at the user's call
     with warnings.catch_warnings():
@@ -1165,7 +1237,8 @@ def test_calling_the_wrapped_model_itself_warns_once_naming_the_wrapper():
 
 
 def test_whole_model_checkpoint_of_the_wrapped_model_loads_where_bnswap_cannot_be_imported(
-        tmp_path):
+    tmp_path,
+):
     """Issue 32: torch.save / pickle of the model an ORT wrapper wraps (not the wrapper)
     carried the hook that warns of a direct call (bnswap.ort._original.WarnUnwrappedCall):
     loading it needed bnswap. The bytes name nothing of bnswap's; the file loads in a fresh
@@ -1180,9 +1253,9 @@ def test_whole_model_checkpoint_of_the_wrapped_model_loads_where_bnswap_cannot_b
     ref = _small()
     model = copy.deepcopy(ref)
     wrapped = bnswap.convert(model, backend="ort")
-    user_calls = []   # a hook of the user's, registered while wrapped: its handle works
+    user_calls = []  # a hook of the user's, registered while wrapped: its handle works
     handle = model.register_forward_pre_hook(lambda m, a: user_calls.append(1))
-    _step_both(wrapped, ref, torch.randn(8, 3, 8, 8))   # trained on ORT (the export calls it)
+    _step_both(wrapped, ref, torch.randn(8, 3, 8, 8))  # trained on ORT (the export calls it)
     assert user_calls and len(model._forward_pre_hooks) == 2
     handle.remove()
     assert len(model._forward_pre_hooks) == 1
@@ -1232,13 +1305,14 @@ def test_meta_device_model_is_refused_unchanged_and_the_documented_order_works()
     with torch.device("meta"):
         model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU())
     keys = list(model.state_dict())
-    with pytest.raises(bnswap.ort.UnsupportedLayerError,
-                       match=r"meta device.*to_empty.*then call bnswap.convert\(model, "
-                             r"backend='ort'\)"):
+    with pytest.raises(
+        bnswap.ort.UnsupportedLayerError,
+        match=r"meta device.*to_empty.*then call bnswap.convert\(model, "
+        r"backend='ort'\)",
+    ):
         bnswap.convert(model, backend="ort")
     assert not bnswap.is_swapped(model[1]) and list(model.state_dict()) == keys
-    assert not model[1]._buffers.keys() - {"running_mean", "running_var",
-                                           "num_batches_tracked"}
+    assert not model[1]._buffers.keys() - {"running_mean", "running_var", "num_batches_tracked"}
     assert not model._forward_pre_hooks and model[1].running_mean.is_meta
     bnswap.convert(model)  # aten on meta: fine
     model.to_empty(device="cpu")
@@ -1252,8 +1326,13 @@ def test_frozen_batchnorm1d_on_2d_input_matches_stock(affine):
     """The frozen layer's element-wise export on (N, C) inputs, with and without affine
     parameters (affine=False: the per-layer ones / zeros trace buffers)."""
     torch.manual_seed(3)
-    ref = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6, affine=affine), nn.ReLU(),
-                        nn.Linear(6, 4), nn.BatchNorm1d(4))
+    ref = nn.Sequential(
+        nn.Linear(5, 6),
+        nn.BatchNorm1d(6, affine=affine),
+        nn.ReLU(),
+        nn.Linear(6, 4),
+        nn.BatchNorm1d(4),
+    )
     ref[1].eval()
     with torch.no_grad():
         ref[1].running_mean.uniform_(-1, 1)

@@ -25,8 +25,13 @@ from bnswap.ort import _build, _compat  # noqa: E402
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ},
+    )
 
 
 def test_torch_public_behaviour_unchanged_after_ort_training():
@@ -43,8 +48,12 @@ def test_torch_public_behaviour_unchanged_after_ort_training():
     assert inspect.unwrap(torch.utils.checkpoint.checkpoint) is inspect.unwrap(ckpt)
     assert torch.onnx.export is export
     assert inspect.signature(torch.onnx.export).parameters["dynamo"].default is True
-    for name in ("torch.onnx._internal.jit_utils", "torch.onnx._type_utils",
-                 "torch.onnx._globals", "torch.onnx._internal._beartype"):
+    for name in (
+        "torch.onnx._internal.jit_utils",
+        "torch.onnx._type_utils",
+        "torch.onnx._globals",
+        "torch.onnx._internal._beartype",
+    ):
         assert name not in sys.modules
     import torch.onnx.symbolic_opset9 as shim9
 
@@ -119,7 +128,9 @@ def test_cache_dir_honours_env(monkeypatch, tmp_path):
 def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("BNSWAP_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-bnswap")
-    with pytest.raises(_build.BuildError, match="No C\\+\\+ compiler found.*apt-get install g\\+\\+"):
+    with pytest.raises(
+        _build.BuildError, match="No C\\+\\+ compiler found.*apt-get install g\\+\\+"
+    ):
         _build.ensure_extension()
     assert not _build.extension_path().exists()
 
@@ -160,8 +171,9 @@ def test_import_bnswap_does_not_import_ort_and_failed_ort_import_recovers():
 
 
 def test_build_cli_info():
-    r = subprocess.run([sys.executable, "-m", "bnswap.ort", "info"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "bnswap.ort", "info"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert "onnxruntime 1.19.2" in r.stdout and "aten_op_executor" in r.stdout
 
@@ -184,11 +196,13 @@ def test_named_tensor_signatures_gate_matches_the_installed_ortmodule():
     ORTModule lacks the argument (1.19.2 does), and then has torch's signature."""
     ortmodule = _compat.apply()
     lacks = _compat.lacks_remove_duplicate(ortmodule)
-    assert lacks is ("remove_duplicate" not in inspect.signature(
-        ortmodule.ORTModule.named_parameters).parameters)
+    assert lacks is (
+        "remove_duplicate" not in inspect.signature(ortmodule.ORTModule.named_parameters).parameters
+    )
     assert lacks  # onnxruntime-training 1.19.2
     cls = bnswap.ort.BNSwapORTModule
     for name in ("named_parameters", "named_buffers"):
+
         def params(f):
             return [(p.name, p.default) for p in inspect.signature(f).parameters.values()]
 
@@ -196,8 +210,9 @@ def test_named_tensor_signatures_gate_matches_the_installed_ortmodule():
     model = bnswap.convert(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
     model.tied = model[0]  # a shared module: remove_duplicate=False lists it twice
     wrapped = bnswap.ort.wrap(model)
-    assert (list(wrapped.named_parameters(remove_duplicate=False))
-            == list(model.named_parameters(remove_duplicate=False)))
+    assert list(wrapped.named_parameters(remove_duplicate=False)) == list(
+        model.named_parameters(remove_duplicate=False)
+    )
     assert list(wrapped.named_buffers(prefix="p")) == list(model.named_buffers(prefix="p"))
 
 
@@ -206,9 +221,11 @@ def test_check_python_accepts_3_10_and_3_11_only(version):
     if version[:2] in ((3, 10), (3, 11)):
         assert bnswap.ort.check_python(version) is None
         return
-    with pytest.raises(bnswap.ort.ORTNotAvailableError,
-                       match=rf"needs Python 3.10 or 3.11 \(this is Python {version[0]}."
-                             rf"{version[1]}\).*last release.*backend='aten'"):
+    with pytest.raises(
+        bnswap.ort.ORTNotAvailableError,
+        match=rf"needs Python 3.10 or 3.11 \(this is Python {version[0]}."
+        rf"{version[1]}\).*last release.*backend='aten'",
+    ):
         bnswap.ort.check_python(version)
 
 
@@ -237,6 +254,7 @@ def test_backend_ort_on_python_3_12_raises_one_clear_error_and_changes_nothing()
     """)
     assert p.returncode == 0, p.stderr[-3000:]
     errs = [line for line in p.stdout.splitlines() if line.startswith("ERR")]
-    assert len(errs) == 2 and all("needs Python 3.10 or 3.11 (this is Python 3.12)" in e
-                                  for e in errs)
+    assert len(errs) == 2 and all(
+        "needs Python 3.10 or 3.11 (this is Python 3.12)" in e for e in errs
+    )
     assert "UNCHANGED" in p.stdout

@@ -30,10 +30,10 @@ class Net(nn.Module):
 
     def __init__(self, momentum: float | None = 0.1):
         super().__init__()
-        self.flat = nn.BatchNorm1d(3, momentum=momentum)     # (N, C)
-        self.seq = nn.BatchNorm1d(3, momentum=momentum)      # (N, C, L)
-        self.img = nn.BatchNorm2d(3, momentum=momentum)      # (N, C, H, W)
-        self.vol = nn.BatchNorm3d(3, momentum=momentum)      # (N, C, D, H, W)
+        self.flat = nn.BatchNorm1d(3, momentum=momentum)  # (N, C)
+        self.seq = nn.BatchNorm1d(3, momentum=momentum)  # (N, C, L)
+        self.img = nn.BatchNorm2d(3, momentum=momentum)  # (N, C, H, W)
+        self.vol = nn.BatchNorm3d(3, momentum=momentum)  # (N, C, D, H, W)
         self.extra_bn = nn.BatchNorm2d(3, momentum=momentum)
         self.stem = nn.Conv2d(3, 3, 1)  # a parameter that must be on meta too
 
@@ -143,8 +143,11 @@ def test_a_model_the_meta_device_cannot_run_gets_a_real_pass_with_state_restored
     sizes = stats.reduction_sizes((x,), {"extra": True, "crop": 1}, layers)
     assert sizes == [4, 4 * 20, 4 * 20, 4 * 2 * 20, 4 * 20]
     assert seen == ["cpu"]  # the meta pass failed before the layer ran
-    assert re.fullmatch(r"bnswap\.ort: meta shape pass failed \(.*meta tensors.*\); using a "
-                        r"real pass", caplog.records[-1].getMessage())
+    assert re.fullmatch(
+        r"bnswap\.ort: meta shape pass failed \(.*meta tensors.*\); using a "
+        r"real pass",
+        caplog.records[-1].getMessage(),
+    )
     after = stats.root.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -165,7 +168,8 @@ def test_a_layer_run_twice_is_refused_by_name():
         "bnswap.ort: BatchNorm layer 'bn' runs 2 times in one forward; ONNX Runtime "
         "updates its running statistics once per call site into the same buffers, which "
         "cannot reproduce PyTorch's sequential updates. Use one layer per call site, or "
-        "backend='aten'.")
+        "backend='aten'."
+    )
 
 
 def test_empty_inputs_per_layer():
@@ -182,6 +186,7 @@ def test_empty_inputs_per_layer():
 def test_a_layer_that_does_not_run_keeps_its_place():
     """None for a layer the forward skips, wherever it stands in the list: the sizes line
     up with the layers after it (each gets its own n)."""
+
     class Skips(nn.Module):
         def __init__(self):
             super().__init__()
@@ -205,4 +210,3 @@ def test_an_argument_object_keys_the_cache_by_identity():
     assert stats.reduction_sizes((x,), {"cfg": one}, layers)[2] == 2 * 9
     assert stats.reduction_sizes((x,), {"cfg": two}, layers)[2] == 2 * 4
     assert stats.reduction_sizes((x,), {"cfg": one}, layers)[2] == 2 * 9
-

@@ -34,8 +34,9 @@ def _run(body: str, env: dict | None = None) -> dict:
     code = _PROBE + textwrap.dedent(body)
     e = {k: v for k, v in os.environ.items() if k != _compat.DISABLE_ENV}
     e.update(env or {})
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=180, env=e)
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=e
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -51,9 +52,17 @@ def test_import_patches_nothing_and_first_swap_applies():
         print(json.dumps([before, after_plan, state()]))
     """)
     before, after_plan, after = out
-    assert before == after_plan == {"script_patched": False, "hooks": [],
-                                    "onnx_imported": False, "torchao_imported": False,
-                                    "applied": []}
+    assert (
+        before
+        == after_plan
+        == {
+            "script_patched": False,
+            "hooks": [],
+            "onnx_imported": False,
+            "torchao_imported": False,
+            "applied": [],
+        }
+    )
     assert after["script_patched"] and after["hooks"] == ["_ImportHook"]
     import torch._decomp
 
@@ -62,7 +71,8 @@ def test_import_patches_nothing_and_first_swap_applies():
         *(["torch._decomp._core_aten_decompositions_post_autograd"] if core_aten else []),
         "torch.jit._recursive.create_script_module",
         "torch.nn.modules.batchnorm._BatchNorm.__getstate__ / __deepcopy__ (added)",
-        "torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle"]
+        "torch.nn.parallel.DistributedDataParallel._passing_sync_batchnorm_handle",
+    ]
     assert not after["onnx_imported"] and not after["torchao_imported"]
 
 
@@ -97,7 +107,8 @@ def test_unpickled_model_applies_no_patch_and_converts_again(tmp_path):
 
 @pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx,core_aten,ddp,checkpoints"])
 def test_disable_all(value):
-    out = _run("""
+    out = _run(
+        """
         import bnswap
         from torch import nn
         m = bnswap.convert(nn.Sequential(nn.BatchNorm2d(3)))
@@ -107,7 +118,9 @@ def test_disable_all(value):
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
         print(json.dumps([state(), err]))
-    """, {_compat.DISABLE_ENV: value})
+    """,
+        {_compat.DISABLE_ENV: value},
+    )
     st, err = out
     assert st["applied"] == [] and not st["script_patched"] and st["hooks"] == []
     # what docs/patches.md says stops working: TorchScript compiles bnswap's dispatcher
@@ -116,7 +129,8 @@ def test_disable_all(value):
 
 
 def test_disable_some_and_unknown_name_warns():
-    out = _run("""
+    out = _run(
+        """
         import warnings, bnswap
         from torch import nn
         with warnings.catch_warnings(record=True) as w:
@@ -132,15 +146,19 @@ def test_disable_some_and_unknown_name_warns():
                 continue
             present.append(name)
         print(json.dumps([state(), [str(x.message) for x in w], present]))
-    """, {_compat.DISABLE_ENV: "torchscript,cuda"})
+    """,
+        {_compat.DISABLE_ENV: "torchscript,cuda"},
+    )
     st, warned, present = out
     assert not st["script_patched"]
     onnx = "torch.onnx._internal.exporter._fx_passes"
-    assert ((onnx + ".decompose_with_registry" in st["applied"]) == (onnx in present))
+    assert (onnx + ".decompose_with_registry" in st["applied"]) == (onnx in present)
     ao = "torchao.quantization.pt2e.quantize_pt2e"
     assert (ao + "._get_node_name_to_scope" in st["applied"]) == (ao in present)
-    assert warned == ["bnswap: BNSWAP_DISABLE_PATCHES names unknown patches ['cuda']; known: "
-                      "'all', 'checkpoints', 'core_aten', 'ddp', 'onnx', 'torchao', 'torchscript'"]
+    assert warned == [
+        "bnswap: BNSWAP_DISABLE_PATCHES names unknown patches ['cuda']; known: "
+        "'all', 'checkpoints', 'core_aten', 'ddp', 'onnx', 'torchao', 'torchscript'"
+    ]
 
 
 def test_docs_list_every_patch():

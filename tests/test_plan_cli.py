@@ -31,17 +31,34 @@ def test_every_layer_swapped_exits_0_in_each_format(capsys):
     assert code == 0 and out.startswith("bnswap plan: 1 of 1 BatchNorm layers would be swapped")
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--format", "json")
     data = json.loads(out)
-    assert code == 0 and data["summary"] == {"layers": 1, "swapped": 1, "skipped": 0,
-                                              "backend": "aten", "text": data["summary"]["text"],
-                                              "note": None}
-    assert data["layers"] == [{"name": "1", "class": "BatchNorm2d", "action": "swap",
-                               "backend": "aten", "kernel": "Native",
-                               "adapter": "bnswap.layers.batch_norm_forward", "sync": None,
-                               "reason": None}]
+    assert code == 0 and data["summary"] == {
+        "layers": 1,
+        "swapped": 1,
+        "skipped": 0,
+        "backend": "aten",
+        "text": data["summary"]["text"],
+        "note": None,
+    }
+    assert data["layers"] == [
+        {
+            "name": "1",
+            "class": "BatchNorm2d",
+            "action": "swap",
+            "backend": "aten",
+            "kernel": "Native",
+            "adapter": "bnswap.layers.batch_norm_forward",
+            "sync": None,
+            "reason": None,
+        }
+    ]
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--format", "markdown")
     rows = [ln for ln in out.splitlines() if ln.startswith("| ")]
     assert code == 0 and rows[0].split(" | ")[0] == "| layer" and len(rows) == 2
-    assert [c.strip() for c in rows[1].strip("|").split("|")][:3] == ["`1`", "`BatchNorm2d`", "swap"]
+    assert [c.strip() for c in rows[1].strip("|").split("|")][:3] == [
+        "`1`",
+        "`BatchNorm2d`",
+        "swap",
+    ]
 
 
 def test_skipped_layers_exit_3_with_their_reasons(capsys):
@@ -54,43 +71,53 @@ def test_skipped_layers_exit_3_with_their_reasons(capsys):
     assert [r["action"] for r in data["layers"]] == ["swap", "skip", "skip", "swap"]
     # JSON says null where the table shows "-" (it wrote the string "-")
     assert {k: by_name["3"][k] for k in ("backend", "kernel", "adapter")} == dict.fromkeys(
-        ("backend", "kernel", "adapter"))
+        ("backend", "kernel", "adapter")
+    )
     code, out, _ = run(capsys, "--model", "tests.plan_models.mixed_net", "--exclude", '["6"]')
     assert code == 3 and "excluded by '6'" in out
 
 
-@pytest.mark.parametrize("option, args, api", [
-    ("--exclude", ["6"], "6"),                        # a bare pattern (a new user's report)
-    ("--exclude", ["[12]"], None),                    # YAML's list [12], not strings: refused
-    ("--exclude", ["[1-3]*"], "[1-3]*"),              # no YAML: a glob character class
-    ("--exclude", ['["2", "6"]'], ["2", "6"]),        # a JSON list
-    ("--exclude", ["['2', '6']"], ["2", "6"]),        # a YAML list
-    ("--exclude+", ["2", "--exclude+", "6"], ["2", "6"]),  # one pattern at a time
-    ("--include", ["1"], "1"),
-    ("--include", ['["1", "6"]'], ["1", "6"]),
-])
+@pytest.mark.parametrize(
+    "option, args, api",
+    [
+        ("--exclude", ["6"], "6"),  # a bare pattern (a new user's report)
+        ("--exclude", ["[12]"], None),  # YAML's list [12], not strings: refused
+        ("--exclude", ["[1-3]*"], "[1-3]*"),  # no YAML: a glob character class
+        ("--exclude", ['["2", "6"]'], ["2", "6"]),  # a JSON list
+        ("--exclude", ["['2', '6']"], ["2", "6"]),  # a YAML list
+        ("--exclude+", ["2", "--exclude+", "6"], ["2", "6"]),  # one pattern at a time
+        ("--include", ["1"], "1"),
+        ("--include", ['["1", "6"]'], ["1", "6"]),
+    ],
+)
 def test_include_and_exclude_take_a_bare_pattern_or_a_list(capsys, option, args, api):
     """Guards: ``--exclude head.*`` failed ("exclude: expected list[str] or None, got
     'head.*'", exit 2) where bnswap.plan and BNSwap(exclude=...) take one pattern. Each
     form plans what the Python API plans with the same patterns; a value YAML reads as a
     list of non-strings stays a usage error (jsonargparse would keep it as one glob)."""
-    code, out, err = run(capsys, "--model", "tests.plan_models.mixed_net", "--format", "json",
-                         option, *args)
+    code, out, err = run(
+        capsys, "--model", "tests.plan_models.mixed_net", "--format", "json", option, *args
+    )
     if api is None:
         assert code == 2 and out == ""
         assert err.splitlines()[0] == (
             "bnswap plan: error: exclude: expected a glob pattern or a list of patterns "
             "(str), got '[12]'; a pattern that is itself a YAML list goes in one: "
-            "--exclude '[\"[12]\"]'"), err
+            "--exclude '[\"[12]\"]'"
+        ), err
         return
     key = option.strip("-+")
     want = bnswap.plan(plan_models.mixed_net(), **{key: api})
     got = json.loads(out)["layers"]
     assert [(r["name"], r["action"], r["reason"]) for r in got] == [
-        (r.name, r.action, None if r.reason == "-" else r.reason) for r in want]
+        (r.name, r.action, None if r.reason == "-" else r.reason) for r in want
+    ]
     # 3 only for a layer bnswap cannot swap, not for one the patterns left out (issue 26)
-    assert code == (3 if any(not r.reason.startswith(("excluded by", "not matched by"))
-                             for r in want.skipped) else 0)
+    assert code == (
+        3
+        if any(not r.reason.startswith(("excluded by", "not matched by")) for r in want.skipped)
+        else 0
+    )
     assert any(key in r.reason for r in want.skipped)  # the patterns did something
 
 
@@ -112,12 +139,18 @@ def test_a_device_not_present_is_predicted_and_said(capsys):
         assert "Cudnn (predicted)" in out and "note: no cuda device here" in out
 
 
-@pytest.mark.parametrize("args", [[], ["--model", "tests.plan_models.plain_net", "--config",
-                                       "digits_mobilenetv2.yaml"],
-                                  ["--model", "tests.plan_models.plain_net", "--backend", "cudnn"],
-                                  ["--model", "no.such.model"], ["--config", "nosuch.yaml"],
-                                  ["--model", "tests.plan_models.plain_net", "--device", "gpu"],
-                                  ["--model", "tests.plan_models.plain_net", "--format", "xml"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--model", "tests.plan_models.plain_net", "--config", "digits_mobilenetv2.yaml"],
+        ["--model", "tests.plan_models.plain_net", "--backend", "cudnn"],
+        ["--model", "no.such.model"],
+        ["--config", "nosuch.yaml"],
+        ["--model", "tests.plan_models.plain_net", "--device", "gpu"],
+        ["--model", "tests.plan_models.plain_net", "--format", "xml"],
+    ],
+)
 def test_usage_errors_exit_2(capsys, args):
     code, out, err = run(capsys, *args)
     assert code == plan_cli.EXIT_USAGE == 2 and "error" in err and not out
@@ -132,20 +165,35 @@ def test_the_console_script_exits_with_the_plans_status(tmp_path):
 def test_an_unannotated_function_is_called_and_its_result_checked(capsys):
     """Guards: a plain factory ``def net(width=4): return nn.Sequential(...)`` was refused
     until annotated (issue 21); its arguments are --model.NAME, as for a class."""
-    code, out, err = run(capsys, "--model", "tests.plan_models.unannotated_net",
-                         "--model.width", "6", "--format", "json")
+    code, out, err = run(
+        capsys,
+        "--model",
+        "tests.plan_models.unannotated_net",
+        "--model.width",
+        "6",
+        "--format",
+        "json",
+    )
     assert (code, err) == (0, "")
     ref = bnswap.plan(plan_models.plain_net(6)).to_dicts()
     assert [{k: v for k, v in r.items() if k != "cls"} for r in ref] == [
         {k: "-" if v is None else v for k, v in r.items() if k != "class"}
-        for r in json.loads(out)["layers"]]
+        for r in json.loads(out)["layers"]
+    ]
     code, out, err = run(capsys, "--model=tests.plan_models.unannotated_net", "--model.wdth", "6")
     assert code == 2 and err.splitlines()[0] == (
-        "bnswap plan: error: unrecognized arguments: --model.wdth 6")
+        "bnswap plan: error: unrecognized arguments: --model.wdth 6"
+    )
     code, out, err = run(capsys, "--model", "tests.plan_models.not_a_model")
-    assert code == 2 and not out and err.splitlines() == [
-        "bnswap plan: error: model: tests.plan_models.not_a_model returned int, not an "
-        "nn.Module"]
+    assert (
+        code == 2
+        and not out
+        and err.splitlines()
+        == [
+            "bnswap plan: error: model: tests.plan_models.not_a_model returned int, not an "
+            "nn.Module"
+        ]
+    )
 
 
 def test_notes_say_what_the_kernel_column_could_not_know(capsys, monkeypatch):
@@ -158,9 +206,11 @@ def test_notes_say_what_the_kernel_column_could_not_know(capsys, monkeypatch):
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--device", "meta")
     assert code == 0 and out.splitlines()[-1] == (
         "note: the kernel for device 'meta' could not be probed here (n/a (meta)): is the "
-        "device present?")
-    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--backend", "ort",
-                       "--device", "cuda")
+        "device present?"
+    )
+    code, out, _ = run(
+        capsys, "--model", "tests.plan_models.plain_net", "--backend", "ort", "--device", "cuda"
+    )
     assert code == 0 and "note" not in out and "BatchNormInternal (ORT)" in out
 
 
@@ -169,9 +219,12 @@ def test_a_closed_pipe_is_not_an_error(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "_bnswap_command", "plan", "--config",
-                             "digits_mobilenetv2.yaml"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=root)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "_bnswap_command", "plan", "--config", "digits_mobilenetv2.yaml"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=root,
+    )
     proc.stdout.close()  # the reader leaves before the table is written
     try:  # (a hung command fails the test at the timeout, killed, not blocking the read)
         _, err_bytes = proc.communicate(timeout=300)
@@ -189,8 +242,15 @@ def test_help_lists_every_option_without_the_module_class_list(capsys):
     its type and default, and stays one screen long."""
     code, out, _ = run(capsys, "--help")
     assert code == 0
-    for option in ("--model MODEL", "--config CONFIG", "--backend BACKEND", "--include",
-                   "--exclude", "--device DEVICE", "--format {table,json,markdown}"):
+    for option in (
+        "--model MODEL",
+        "--config CONFIG",
+        "--backend BACKEND",
+        "--include",
+        "--exclude",
+        "--device DEVICE",
+        "--format {table,json,markdown}",
+    ):
         assert option in out
     assert "known subclasses" not in out and "torch.nn.Identity" not in out
     assert "(type: Module | null, default: null)" in " ".join(out.split())
@@ -202,27 +262,48 @@ def test_model_help_usage_line_names_bnswap_plan(capsys, monkeypatch):
     usage with the process's name, ``usage: bnswap [--model.num_features ...]`` (or
     ``_bnswap_command.py`` under ``python -m``), where the options are ``bnswap plan``'s.
     sys.argv[0] is left as it was."""
-    monkeypatch.setattr(sys, "argv", ["/somewhere/bin/bnswap", "plan", "--model.help",
-                                      "torch.nn.BatchNorm2d"])
+    monkeypatch.setattr(
+        sys, "argv", ["/somewhere/bin/bnswap", "plan", "--model.help", "torch.nn.BatchNorm2d"]
+    )
     code, out, _ = run(capsys, "--model.help", "torch.nn.BatchNorm2d")
     assert code == 0 and out.startswith("usage: bnswap plan --model.num_features NUM_FEATURES")
     assert "--model.momentum" in out and sys.argv[0] == "/somewhere/bin/bnswap"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--config", "digits_mobilenetv2.yaml", "--backend", "cuda"],
-     "backend: expected one of 'aten', 'ort', got 'cuda'"),
-    (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "abc"],
-     "model.num_features: expected int, got 'abc'"),
-    (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--model.momentum", "a"],
-     "model.momentum: expected float or None, got 'a'"),
-    (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--include", "[1]"],
-     "include: expected a glob pattern or a list of patterns (str), got '[1]'"),
-    (["--model", "tests.plan_models.failing_net"], "model: kaboom (width 4)"),
-    (["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--device", "tpu"],
-     "device: 'tpu' is not a device type torch knows (e.g. cpu, cuda, "),
-    (["--config", "/etc/hostname"], "/etc/hostname: no 'model' section"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--config", "digits_mobilenetv2.yaml", "--backend", "cuda"],
+            "backend: expected one of 'aten', 'ort', got 'cuda'",
+        ),
+        (
+            ["--model", "torch.nn.BatchNorm2d", "--model.num_features", "abc"],
+            "model.num_features: expected int, got 'abc'",
+        ),
+        (
+            [
+                "--model",
+                "torch.nn.BatchNorm2d",
+                "--model.num_features",
+                "3",
+                "--model.momentum",
+                "a",
+            ],
+            "model.momentum: expected float or None, got 'a'",
+        ),
+        (
+            ["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--include", "[1]"],
+            "include: expected a glob pattern or a list of patterns (str), got '[1]'",
+        ),
+        (["--model", "tests.plan_models.failing_net"], "model: kaboom (width 4)"),
+        (
+            ["--model", "torch.nn.BatchNorm2d", "--model.num_features", "3", "--device", "tpu"],
+            "device: 'tpu' is not a device type torch knows (e.g. cpu, cuda, ",
+        ),
+        (["--config", "/etc/hostname"], "/etc/hostname: no 'model' section"),
+    ],
+)
 def test_usage_errors_name_the_option_and_the_reason_in_one_line(capsys, args, message):
     """Guards the one-line errors (a fresh user's report): a wrong backend said
     "expected None"; a wrong value inside --model was cut off after 'Parser key
@@ -236,8 +317,9 @@ def test_usage_errors_name_the_option_and_the_reason_in_one_line(capsys, args, m
 
 def test_a_pattern_that_matches_nothing_warns_in_one_line(capsys):
     """Guards the warning's form: Python's default printed the source path and line."""
-    code, out, err = run(capsys, "--model", "tests.plan_models.plain_net", "--include",
-                         '["nothing*"]')
+    code, out, err = run(
+        capsys, "--model", "tests.plan_models.plain_net", "--include", '["nothing*"]'
+    )
     # (exit 3: an include that matches no layer swaps nothing, a typo a CI gate must
     # not pass; an include that matches some layers exits 0, issue 26)
     assert code == 3 and "not matched by include" in out
@@ -248,8 +330,12 @@ def test_convert_with_sync_batchnorm_says_why_programs_take_none(capsys, tmp_pat
     """A newcomer's find (issue 26): ``bnswap convert m.pt2 -o o.pt2 --sync_batchnorm``
     answered a bare "unrecognized arguments", where ``bnswap plan --program`` explains.
     The same one line, exit 2, from both."""
-    assert plan_cli.convert_main([str(tmp_path / "m.pt2"), "-o", str(tmp_path / "o.pt2"),
-                                  "--sync_batchnorm"]) == 2
+    assert (
+        plan_cli.convert_main(
+            [str(tmp_path / "m.pt2"), "-o", str(tmp_path / "o.pt2"), "--sync_batchnorm"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err == f"bnswap convert: error: {plan_cli._NO_SYNC_FOR_PROGRAMS}\n"
     assert "process group" in err
@@ -291,8 +377,10 @@ def test_a_device_this_torch_cannot_probe_gets_the_note(capsys, device):
 def test_a_config_without_the_callback_says_training_it_keeps_stock(capsys):
     """Guards (a newcomer's report): `plan --config digits_mobilenetv2_stock.yaml` said
     "52 of 52 swapped" with no word that training that config swaps nothing."""
-    note = ("note: digits_mobilenetv2_stock.yaml has no BNSwap callback: `bnswap train` with "
-            "it keeps stock BatchNorm; the table is what adding one would swap")
+    note = (
+        "note: digits_mobilenetv2_stock.yaml has no BNSwap callback: `bnswap train` with "
+        "it keeps stock BatchNorm; the table is what adding one would swap"
+    )
     code, out, _ = run(capsys, "--config", "digits_mobilenetv2_stock.yaml")
     assert code == 0 and out.rstrip("\n").splitlines()[-1] == note
     code, out, _ = run(capsys, "--config", "digits_mobilenetv2_stock.yaml", "--format", "json")
@@ -323,9 +411,11 @@ def test_plan_of_a_program_file_one_row_per_node(capsys, tmp_path):
     assert code == 0 and data["summary"]["nodes"] == 2 and data["summary"]["swapped"] == 2
     assert [(r["node"], r["op"], r["becomes"], r["kernel"]) for r in data["nodes"]] == [
         (n, "aten.batch_norm.default", "aten._batch_norm_no_update.default", "Native")
-        for n in ("batch_norm", "batch_norm_1")]
-    code, out, _ = run(capsys, "--program", str(path), "--exclude", '["batch_norm_1"]',
-                       "--format", "markdown")
+        for n in ("batch_norm", "batch_norm_1")
+    ]
+    code, out, _ = run(
+        capsys, "--program", str(path), "--exclude", '["batch_norm_1"]', "--format", "markdown"
+    )
     # (exit 0: a node left out on purpose; issue 26)
     assert code == 0 and "| `batch_norm_1` |" in out and "excluded by 'batch_norm_1'" in out
 
@@ -338,8 +428,10 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     done = tmp_path / "done.pt2"
     assert plan_cli.convert_main([str(path), "-o", str(done)]) == 0
     capsys.readouterr()
-    summary = ("2 of 2 batch-norm nodes would be swapped, 0 skipped; 2 already swapped (keep): "
-               "nothing would change")
+    summary = (
+        "2 of 2 batch-norm nodes would be swapped, 0 skipped; 2 already swapped (keep): "
+        "nothing would change"
+    )
     code, out, _ = run(capsys, "--program", str(done))
     assert code == 0 and out.startswith(f"bnswap plan: {summary}\n")
     assert [ln.split()[2] for ln in out.splitlines()[3:5]] == ["keep", "keep"]
@@ -351,7 +443,8 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     # (convert reports the applied plan: what was done)
     assert capsys.readouterr().out.startswith(
         "bnswap convert: 2 of 2 batch-norm nodes swapped, 0 skipped; 2 already swapped (keep): "
-        "nothing changed\n")
+        "nothing changed\n"
+    )
 
 
 def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, capsys):
@@ -364,7 +457,8 @@ def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, c
     assert "2 of 2 batch-norm nodes swapped" in out and f"wrote {out_path}" in out
     new = torch.export.load(out_path)
     assert {str(n.target) for n in new.graph.nodes if "batch_norm" in str(n.target)} == {
-        "aten._batch_norm_with_update.default"}
+        "aten._batch_norm_with_update.default"
+    }
     a, b = ep.module(), new.module()
     for _ in range(2):
         assert torch.equal(a(x), b(x))
@@ -373,9 +467,9 @@ def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, c
     # --exclude takes a bare pattern, as bnswap plan's does: that node is left stock
     part = tmp_path / "part.pt2"
     assert plan_cli.convert_main([str(path), "-o", str(part), "--exclude", "*_1"]) == 0
-    assert [str(n.target) for n in torch.export.load(part).graph.nodes
-            if "batch_norm" in str(n.target)] == [
-        "aten._batch_norm_with_update.default", "aten.batch_norm.default"]
+    assert [
+        str(n.target) for n in torch.export.load(part).graph.nodes if "batch_norm" in str(n.target)
+    ] == ["aten._batch_norm_with_update.default", "aten.batch_norm.default"]
 
 
 @pytest.mark.parametrize("cmd", ["plan", "convert"])
@@ -388,8 +482,9 @@ def test_a_file_that_is_no_program_is_a_one_line_usage_error(capsys, tmp_path, c
         code = plan_cli.convert_main([str(bad), "-o", str(tmp_path / "o.pt2")])
         out, err = capsys.readouterr()
     assert code == 2 and not out and not (tmp_path / "o.pt2").exists()
-    assert err.count("\n") == 1 and err.startswith(f"bnswap {cmd}: error: {bad}: not a "
-                                                   "torch.export program"), err
+    assert err.count("\n") == 1 and err.startswith(
+        f"bnswap {cmd}: error: {bad}: not a torch.export program"
+    ), err
 
 
 def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_path):
@@ -399,8 +494,10 @@ def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_pat
     from torch import nn
 
     src = tmp_path / "m.pt2"
-    torch.export.save(torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(),
-                                          (torch.randn(2, 3, 4, 4),)), str(src))
+    torch.export.save(
+        torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(), (torch.randn(2, 3, 4, 4),)),
+        str(src),
+    )
     out = tmp_path / "nothere" / "o.pt2"
     code = plan_cli.convert_main([str(src), "-o", str(out)])
     cap = capsys.readouterr()
@@ -432,35 +529,52 @@ def test_convert_to_a_folder_or_an_unwritable_place_is_a_one_line_usage_error(ca
     code = plan_cli.convert_main([str(path), "-o", str(folder)])
     cap = capsys.readouterr()
     assert (code, cap.out, list(folder.iterdir())) == (2, "", [])
-    assert cap.err == (f"bnswap convert: error: -o/--output {folder} is a folder; give a "
-                       f"file name, e.g. -o {folder / 'model_bnswap.pt2'}\n")
-    for cmd in (lambda: run(capsys, "--program", str(folder)),
-                lambda: (plan_cli.convert_main([str(folder), "-o", str(tmp_path / "o.pt2")]),
-                         *capsys.readouterr())):
+    assert cap.err == (
+        f"bnswap convert: error: -o/--output {folder} is a folder; give a "
+        f"file name, e.g. -o {folder / 'model_bnswap.pt2'}\n"
+    )
+    for cmd in (
+        lambda: run(capsys, "--program", str(folder)),
+        lambda: (
+            plan_cli.convert_main([str(folder), "-o", str(tmp_path / "o.pt2")]),
+            *capsys.readouterr(),
+        ),
+    ):
         code, out, err = cmd()
         assert (code, out) == (2, "") and err.endswith(
-            f"error: {folder}: is a folder, not a program file (.pt2)\n")
+            f"error: {folder}: is a folder, not a program file (.pt2)\n"
+        )
     if pathlib.Path("/proc/self").is_dir():  # Linux: a folder no file can be made in
         code = plan_cli.convert_main([str(path), "-o", "/proc/bnswap_o.pt2"])
         cap = capsys.readouterr()
         assert (code, cap.out) == (2, "") and cap.err.startswith(
-            "bnswap convert: error: /proc/bnswap_o.pt2: cannot be written (")
+            "bnswap convert: error: /proc/bnswap_o.pt2: cannot be written ("
+        )
         assert len(cap.err.splitlines()) == 1 and "Traceback" not in cap.err
 
 
-@pytest.mark.parametrize("args, missing", [
-    (["m.pt2"], "-o/--output (where to write the converted program)"),
-    (["-o", "o.pt2"], "the program to convert (a .pt2 file)"),
-    ([], "the program to convert (a .pt2 file) and -o/--output (where to write the "
-         "converted program)")])
+@pytest.mark.parametrize(
+    "args, missing",
+    [
+        (["m.pt2"], "-o/--output (where to write the converted program)"),
+        (["-o", "o.pt2"], "the program to convert (a .pt2 file)"),
+        (
+            [],
+            "the program to convert (a .pt2 file) and -o/--output (where to write the "
+            "converted program)",
+        ),
+    ],
+)
 def test_convert_without_its_arguments_names_them_with_an_example(capsys, args, missing):
     """Guards (a user's try): ``bnswap convert model.pt2`` said "the following arguments
     are required: output", naming no option a user types."""
     code = plan_cli.convert_main(args)
     cap = capsys.readouterr()
     assert (code, cap.out) == (2, "")
-    assert cap.err == (f"bnswap convert: error: missing {missing}; e.g. bnswap convert "
-                       "model.pt2 -o model_bnswap.pt2\n")
+    assert cap.err == (
+        f"bnswap convert: error: missing {missing}; e.g. bnswap convert "
+        "model.pt2 -o model_bnswap.pt2\n"
+    )
 
 
 @pytest.mark.parametrize("spelling", ["same", "dot", "symlink", "hardlink"])
@@ -474,11 +588,14 @@ def test_convert_refuses_to_overwrite_its_input(capsys, tmp_path, monkeypatch, s
     from torch import nn
 
     monkeypatch.chdir(tmp_path)
-    torch.export.save(torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(),
-                                          (torch.randn(2, 3, 4, 4),)), "m.pt2")
+    torch.export.save(
+        torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(), (torch.randn(2, 3, 4, 4),)),
+        "m.pt2",
+    )
     before = (tmp_path / "m.pt2").read_bytes()
-    out = {"same": "m.pt2", "dot": "./sub/../m.pt2", "symlink": "link.pt2",
-           "hardlink": "hard.pt2"}[spelling]
+    out = {"same": "m.pt2", "dot": "./sub/../m.pt2", "symlink": "link.pt2", "hardlink": "hard.pt2"}[
+        spelling
+    ]
     (tmp_path / "sub").mkdir()
     if spelling == "symlink":
         os.symlink(tmp_path / "m.pt2", tmp_path / "link.pt2")
@@ -487,9 +604,11 @@ def test_convert_refuses_to_overwrite_its_input(capsys, tmp_path, monkeypatch, s
     code = plan_cli.convert_main(["m.pt2", "-o", out])
     cap = capsys.readouterr()
     assert (code, cap.out) == (2, "") and (tmp_path / "m.pt2").read_bytes() == before
-    assert cap.err == (f"bnswap convert: error: -o/--output {out} is the input program "
-                       "(m.pt2): bnswap convert never overwrites its input; write to "
-                       "another file, e.g. -o model_bnswap.pt2\n")
+    assert cap.err == (
+        f"bnswap convert: error: -o/--output {out} is the input program "
+        "(m.pt2): bnswap convert never overwrites its input; write to "
+        "another file, e.g. -o model_bnswap.pt2\n"
+    )
     assert plan_cli.convert_main(["m.pt2", "-o", "new.pt2"]) == 0  # another file: written
     assert (tmp_path / "m.pt2").read_bytes() == before
     new = torch.export.load("new.pt2")
@@ -506,7 +625,8 @@ def test_plan_for_ort_says_when_onnx_runtime_is_missing(capsys, monkeypatch):
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--backend", "ort")
     assert code == 0 and out.splitlines()[-1] == (
         "note: ONNX Runtime training is not installed here: converting with backend='ort' "
-        f"raises ORTNotAvailableError ({ort.INSTALL})")
+        f"raises ORTNotAvailableError ({ort.INSTALL})"
+    )
     monkeypatch.setattr(ort, "is_available", lambda: True)
     code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net", "--backend", "ort")
     assert "note" not in out
@@ -548,14 +668,14 @@ def test_an_unmatched_pattern_warns_once_with_one_prefix(capsys, tmp_path):
     assert plan_cli.convert_main([str(path), "-o", str(out), "--exclude", "*features*"]) == 0
     cap = capsys.readouterr()
     assert cap.err == f"bnswap convert: warning: {line}\n"
-    assert {str(n.target) for n in torch.export.load(out).graph.nodes
-            if "batch_norm" in str(n.target)} == {"aten._batch_norm_with_update.default"}
+    assert {
+        str(n.target) for n in torch.export.load(out).graph.nodes if "batch_norm" in str(n.target)
+    } == {"aten._batch_norm_with_update.default"}
     code, _, err = run(capsys, "--program", str(path), "--exclude", "*features*")
     assert (code, err) == (0, f"bnswap plan: warning: {line}\n")
     api = _caught_warnings(lambda: bnswap.plan(plan_models.plain_net(), exclude="*features*"))
     assert len(api) == 1
-    code, _, err = run(capsys, "--model", "tests.plan_models.plain_net", "--exclude",
-                       "*features*")
+    code, _, err = run(capsys, "--model", "tests.plan_models.plain_net", "--exclude", "*features*")
     assert (code, err) == (0, f"bnswap plan: warning: {api[0].removeprefix('bnswap: ')}\n")
 
 
@@ -603,8 +723,10 @@ def test_a_file_that_is_no_program_points_to_no_warnings(capsys, tmp_path, cmd, 
         code = plan_cli.convert_main([str(bad), "-o", str(tmp_path / "o.pt2")])
         out, err = capsys.readouterr()
     assert (code, out) == (2, "") and "warnings above" not in err
-    assert err == (f"bnswap {cmd}: error: {bad}: not a torch.export program "
-                   f"(torch.export.load: {type(torch_error).__name__}: {kept})\n")
+    assert err == (
+        f"bnswap {cmd}: error: {bad}: not a torch.export program "
+        f"(torch.export.load: {type(torch_error).__name__}: {kept})\n"
+    )
 
 
 @pytest.fixture
@@ -634,7 +756,7 @@ def front_door(capsys, *args: str) -> tuple[int, str, str]:
     return int(e.value.code or 0), out.out, out.err
 
 
-USER_MODELS = '''
+USER_MODELS = """
 from torch import nn
 
 CALLS = []
@@ -666,7 +788,7 @@ def make(width):
 
 def annotated(width) -> nn.Module:
     return nn.Sequential(nn.BatchNorm1d(width))
-'''
+"""
 
 
 def _user_module():
@@ -683,8 +805,10 @@ def test_a_plain_factorys_missing_argument_is_named_before_the_call(capsys, user
     user_models(USER_MODELS)
     code, out, err = front_door(capsys, "plan", "--model", "mymodels.f")
     assert (code, out) == (2, "") and _user_module().CALLS == []
-    assert err == ("bnswap plan: error: model: mymodels.f needs width, which has no "
-                   "default: give it as --model.width VALUE\n")
+    assert err == (
+        "bnswap plan: error: model: mymodels.f needs width, which has no "
+        "default: give it as --model.width VALUE\n"
+    )
     # the help spells the factory's arguments as they are given, under the factory's name
     code, help_text, _ = front_door(capsys, "plan", "--model", "mymodels.f", "--help")
     assert code == 0 and "arguments of mymodels.f (--model.NAME VALUE):" in help_text
@@ -692,23 +816,34 @@ def test_a_plain_factorys_missing_argument_is_named_before_the_call(capsys, user
     assert "<function" not in help_text and help_text.startswith("usage: bnswap plan ")
     code, out, err = front_door(capsys, "plan", "--model", "mymodels.two", "--model.depth", "2")
     assert (code, out) == (2, "") and _user_module().CALLS == []
-    assert err == ("bnswap plan: error: model: mymodels.two needs width, which has no "
-                   "default: give it as --model.width VALUE\n")
+    assert err == (
+        "bnswap plan: error: model: mymodels.two needs width, which has no "
+        "default: give it as --model.width VALUE\n"
+    )
     code, _, err = front_door(capsys, "plan", "--model", "mymodels.two")
-    assert code == 2 and "needs width and depth, which have no default: give them as " \
-        "--model.width VALUE --model.depth VALUE\n" in err
+    assert (
+        code == 2
+        and "needs width and depth, which have no default: give them as "
+        "--model.width VALUE --model.depth VALUE\n"
+        in err
+    )
     for option in ("--model.width", "--model_args.width"):
-        code, out, err = front_door(capsys, "plan", "--model", "mymodels.f", option, "3",
-                                    "--format", "json")
+        code, out, err = front_door(
+            capsys, "plan", "--model", "mymodels.f", option, "3", "--format", "json"
+        )
         assert (code, err) == (0, "")
         ref = bnswap.plan(_user_module().f(3)).to_dicts()
-        assert [(r["name"], r["action"]) for r in json.loads(out)["layers"]] == [
-            (r["name"], r["action"]) for r in ref] == [("0", "swap")]
+        assert (
+            [(r["name"], r["action"]) for r in json.loads(out)["layers"]]
+            == [(r["name"], r["action"]) for r in ref]
+            == [("0", "swap")]
+        )
     # an annotated parameter: jsonargparse's own requirement, as before
     code, out, err = front_door(capsys, "plan", "--model", "mymodels.g")
     assert (code, out) == (2, "") and err == (
         "bnswap plan: error: the following arguments are required: model.width\n"
-        "(bnswap plan --help lists every option)\n")
+        "(bnswap plan --help lists every option)\n"
+    )
 
 
 def test_a_factory_that_raises_on_its_arguments_is_named_with_the_values(capsys, user_models):
@@ -722,8 +857,9 @@ def test_a_factory_that_raises_on_its_arguments_is_named_with_the_values(capsys,
     except TypeError as e:
         reference = str(e)
     assert (code, out) == (2, "")
-    assert err == (f"bnswap plan: error: model: mymodels.f(width='abc') raised TypeError: "
-                   f"{reference}\n")
+    assert err == (
+        f"bnswap plan: error: model: mymodels.f(width='abc') raised TypeError: {reference}\n"
+    )
 
 
 def test_a_class_parameter_without_annotation_says_what_to_do(capsys, user_models, tmp_path):
@@ -733,12 +869,17 @@ def test_a_class_parameter_without_annotation_says_what_to_do(capsys, user_model
     annotate it, or wrap the class in a function; the advice works. (A config naming such
     a class ended in a traceback, exit 1: the same line, exit 2.)"""
     user_models(USER_MODELS)
-    want = ("bnswap plan: error: model: parameter 'width' of mymodels.R has no type "
-            "annotation, so its value cannot be parsed: annotate it (e.g. width: int), or "
-            "wrap the class in a function with no return annotation (def make(width): "
-            "return R(width)), which bnswap plan calls with --model.width VALUE\n")
-    for args in (["--model", "mymodels.R"], ["--model", "mymodels.R", "--model.width", "3"],
-                 ["--model", '{"class_path": "mymodels.R", "init_args": {"width": 3}}']):
+    want = (
+        "bnswap plan: error: model: parameter 'width' of mymodels.R has no type "
+        "annotation, so its value cannot be parsed: annotate it (e.g. width: int), or "
+        "wrap the class in a function with no return annotation (def make(width): "
+        "return R(width)), which bnswap plan calls with --model.width VALUE\n"
+    )
+    for args in (
+        ["--model", "mymodels.R"],
+        ["--model", "mymodels.R", "--model.width", "3"],
+        ["--model", '{"class_path": "mymodels.R", "init_args": {"width": 3}}'],
+    ):
         code, out, err = front_door(capsys, "plan", *args)
         assert (code, out, err) == (2, "", want), args
     code, out, err = front_door(capsys, "plan", "--model", "mymodels.annotated")
@@ -746,11 +887,13 @@ def test_a_class_parameter_without_annotation_says_what_to_do(capsys, user_model
         "bnswap plan: error: model: parameter 'width' of mymodels.annotated has no type "
         "annotation, so its value cannot be parsed: annotate it (e.g. width: int), or drop "
         "the function's return annotation: bnswap plan then calls it with --model.width "
-        "VALUE as given\n")
+        "VALUE as given\n"
+    )
     ref = [(r.name, r.action) for r in bnswap.plan(_user_module().R(3))]
     for fixed in ("mymodels.T", "mymodels.make"):  # annotated, or wrapped: planned
-        code, out, err = front_door(capsys, "plan", "--model", fixed, "--model.width", "3",
-                                    "--format", "json")
+        code, out, err = front_door(
+            capsys, "plan", "--model", fixed, "--model.width", "3", "--format", "json"
+        )
         assert (code, err) == (0, "")
         assert [(r["name"], r["action"]) for r in json.loads(out)["layers"]] == ref
     config = tmp_path / "r.yaml"
@@ -758,11 +901,12 @@ def test_a_class_parameter_without_annotation_says_what_to_do(capsys, user_model
     code, out, err = front_door(capsys, "plan", "--config", str(config))
     assert (code, out) == (2, "") and err == (
         f"bnswap plan: error: {config}: model: parameter 'width' of mymodels.R has no type "
-        "annotation, so its value cannot be parsed: annotate it (e.g. width: int)\n")
+        "annotation, so its value cannot be parsed: annotate it (e.g. width: int)\n"
+    )
 
 
 # ------------------------------------------------- issue 26: the command line's rows
-ISSUE26_MODELS = '''
+ISSUE26_MODELS = """
 from torch import nn
 from torch.nn import Sequential
 
@@ -792,35 +936,41 @@ def helper() -> int:
 
 class NotAModel:
     pass
-'''
+"""
 
 
 def test_layers_excluded_on_purpose_exit_0_and_layers_bnswap_cannot_swap_3(
-        capsys, user_models, tmp_path):
+    capsys, user_models, tmp_path
+):
     """Guards issue 26 (a new user's report): ``bnswap plan --exclude 'head.*'`` exited 3,
     "some skipped", for layers the user left out on purpose. Exit 0 when every layer
     not swapped was excluded (``--exclude``) or not matched (``--include``); 3 stays
     for a layer bnswap cannot swap and for a backend that refuses the model (ORT runs no
     stock layer, excluded or not). The table is the Python API's, unchanged."""
     user_models(ISSUE26_MODELS)
-    proc = run_bnswap(["plan", "--model", "mymodels.Net", "--exclude", "head.*"],
-                      cwd=tmp_path)
+    proc = run_bnswap(["plan", "--model", "mymodels.Net", "--exclude", "head.*"], cwd=tmp_path)
     ref = bnswap.plan(_import_user_module().Net(), exclude="head.*")
     assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr[-2000:]
     assert proc.stdout == f"{ref}\n" and [r.action for r in ref] == ["swap", "skip"]
     # tests.plan_models.mixed_net: "1" and "6" swappable; "2", "3" bnswap cannot swap
     for args, patterns, code in (
-            (["--exclude", '["2", "3"]'], {"exclude": ["2", "3"]}, 0),
-            (["--include", '["1", "6"]'], {"include": ["1", "6"]}, 0),
-            (["--exclude", "6"], {"exclude": "6"}, 3),
-            (["--exclude", '["2", "3"]', "--backend", "ort"],
-             {"exclude": ["2", "3"], "backend": "ort"}, 3)):
-        got = front_door(capsys, "plan", "--model", "tests.plan_models.mixed_net",
-                         "--format", "json", *args)
+        (["--exclude", '["2", "3"]'], {"exclude": ["2", "3"]}, 0),
+        (["--include", '["1", "6"]'], {"include": ["1", "6"]}, 0),
+        (["--exclude", "6"], {"exclude": "6"}, 3),
+        (
+            ["--exclude", '["2", "3"]', "--backend", "ort"],
+            {"exclude": ["2", "3"], "backend": "ort"},
+            3,
+        ),
+    ):
+        got = front_door(
+            capsys, "plan", "--model", "tests.plan_models.mixed_net", "--format", "json", *args
+        )
         want = bnswap.plan(plan_models.mixed_net(), **patterns)
         assert got[0] == code, (args, got)
-        assert [(r["name"], r["action"], r["reason"]) for r in json.loads(got[1])["layers"]] \
-            == [(r.name, r.action, None if r.reason == "-" else r.reason) for r in want]
+        assert [(r["name"], r["action"], r["reason"]) for r in json.loads(got[1])["layers"]] == [
+            (r.name, r.action, None if r.reason == "-" else r.reason) for r in want
+        ]
         assert want.refused is (patterns.get("backend") == "ort")
 
 
@@ -833,8 +983,7 @@ def test_a_program_node_excluded_on_purpose_exits_0_in_plan_and_convert(capsys, 
         ref = bnswap.plan(ep, **{option[2:]: value})
         assert (code, out) == (0, f"{ref}\n") and len(ref.skipped) == 1
         written = tmp_path / f"{option[2:]}.pt2"
-        code, out, _ = front_door(capsys, "convert", str(path), "-o", str(written), option,
-                                  value)
+        code, out, _ = front_door(capsys, "convert", str(path), "-o", str(written), option, value)
         assert code == 0 and written.is_file() and "1 skipped" in out.splitlines()[0]
 
 
@@ -856,28 +1005,41 @@ def test_sync_batchnorm_plans_what_the_api_plans_with_the_sync_column(capsys, tm
         assert front_door(capsys, "plan", "--model", model, *args) == (0, f"{ref}\n", "")
     plain = bnswap.plan(plan_models.plain_net())
     assert front_door(capsys, "plan", "--model", model, "--sync_batchnorm", "false") == (
-        0, f"{plain}\n", "")
-    code, out, _ = front_door(capsys, "plan", "--model", model, "--sync_batchnorm",
-                              "--format", "json")
+        0,
+        f"{plain}\n",
+        "",
+    )
+    code, out, _ = front_door(
+        capsys, "plan", "--model", model, "--sync_batchnorm", "--format", "json"
+    )
     assert code == 0 and [r["sync"] for r in json.loads(out)["layers"]] == [ref[0].sync]
     with pytest.raises(TypeError) as api:
         bnswap.plan(plan_models.plain_net(), "ort", sync_batchnorm=True)
-    assert front_door(capsys, "plan", "--model", model, "--sync_batchnorm", "--backend",
-                      "ort") == (2, "", "bnswap plan: error: "
-                                 f"{str(api.value).removeprefix('bnswap: ')}\n")
+    assert front_door(capsys, "plan", "--model", model, "--sync_batchnorm", "--backend", "ort") == (
+        2,
+        "",
+        f"bnswap plan: error: {str(api.value).removeprefix('bnswap: ')}\n",
+    )
     path, _, _ = _program_file(tmp_path)
     code, out, err = front_door(capsys, "plan", "--program", str(path), "--sync_batchnorm")
-    assert (code, out) == (2, "") and err.count("\n") == 1 and err.startswith(
-        "bnswap plan: error: --sync_batchnorm converts a model's BatchNorm layers")
+    assert (
+        (code, out) == (2, "")
+        and err.count("\n") == 1
+        and err.startswith(
+            "bnswap plan: error: --sync_batchnorm converts a model's BatchNorm layers"
+        )
+    )
     # a config whose Trainer synchronizes: every layer of its model becomes SyncBatchNorm
     config = yaml.safe_load((ROOT / "configs" / "digits_mobilenetv2.yaml").read_text())
     config["trainer"]["sync_batchnorm"] = True
     synced = tmp_path / "synced.yaml"
     synced.write_text(yaml.safe_dump(config))
     rows = {}
-    for name, args in (("shipped", ["--config", "digits_mobilenetv2.yaml"]),
-                       ("synced", ["--config", str(synced)]),
-                       ("off", ["--config", str(synced), "--sync_batchnorm", "false"])):
+    for name, args in (
+        ("shipped", ["--config", "digits_mobilenetv2.yaml"]),
+        ("synced", ["--config", str(synced)]),
+        ("off", ["--config", str(synced), "--sync_batchnorm", "false"]),
+    ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (Lightning's own, building the module)
             code, out, _ = front_door(capsys, "plan", *args, "--format", "json")
@@ -888,8 +1050,9 @@ def test_sync_batchnorm_plans_what_the_api_plans_with_the_sync_column(capsys, tm
     assert [r["name"] for r in rows["synced"]] == [r["name"] for r in rows["shipped"]]
 
 
-def test_a_factory_whose_class_raises_is_one_line_exit_2_as_the_class_is(capsys, user_models,
-                                                                        tmp_path):
+def test_a_factory_whose_class_raises_is_one_line_exit_2_as_the_class_is(
+    capsys, user_models, tmp_path
+):
     """Guards issue 26: ``--model mymodels.factory --model.width -2`` (a function with no
     return annotation that builds a class, which raises torch's RuntimeError on the
     value) ended in about 20 lines of traceback, exit 1, where the class itself gives
@@ -897,8 +1060,7 @@ def test_a_factory_whose_class_raises_is_one_line_exit_2_as_the_class_is(capsys,
     that asserts (jsonargparse's "Problem with given class_path", whose reason was cut
     off) says its assertion."""
     user_models(ISSUE26_MODELS)
-    proc = run_bnswap(["plan", "--model", "mymodels.factory", "--model.width", "-2"],
-                      cwd=tmp_path)
+    proc = run_bnswap(["plan", "--model", "mymodels.factory", "--model.width", "-2"], cwd=tmp_path)
     mine = _import_user_module()
     reasons = {}
     for cls in (mine.Net, mine.Checked):
@@ -909,12 +1071,23 @@ def test_a_factory_whose_class_raises_is_one_line_exit_2_as_the_class_is(capsys,
     kind, text = reasons["Net"]
     assert kind == "RuntimeError" and "Traceback" not in proc.stderr
     assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2, "", f"bnswap plan: error: model: mymodels.factory(width=-2) raised {kind}: {text}\n")
-    for path, want in (("mymodels.Net", text), ("mymodels.Checked", reasons["Checked"][1]),
-                       ("mymodels.checked", "mymodels.checked(width=-2) raised "
-                                            f"AssertionError: {reasons['Checked'][1]}")):
+        2,
+        "",
+        f"bnswap plan: error: model: mymodels.factory(width=-2) raised {kind}: {text}\n",
+    )
+    for path, want in (
+        ("mymodels.Net", text),
+        ("mymodels.Checked", reasons["Checked"][1]),
+        (
+            "mymodels.checked",
+            f"mymodels.checked(width=-2) raised AssertionError: {reasons['Checked'][1]}",
+        ),
+    ):
         assert front_door(capsys, "plan", "--model", path, "--model.width", "-2") == (
-            2, "", f"bnswap plan: error: model: {want}\n"), path
+            2,
+            "",
+            f"bnswap plan: error: model: {want}\n",
+        ), path
 
 
 def test_a_module_given_as_the_model_names_the_models_in_it(capsys, user_models, tmp_path):
@@ -927,22 +1100,32 @@ def test_a_module_given_as_the_model_names_the_models_in_it(capsys, user_models,
     (tmp_path / "constants.py").write_text("from torch import nn\nWIDTH = 4\n")
     listed = ["mymodels.Net", "mymodels.Checked", "mymodels.factory", "mymodels.checked"]
     assert front_door(capsys, "plan", "--model", "mymodels") == (
-        2, "", "bnswap plan: error: model: mymodels is a module, not a model; give a class or "
-               f"function in it: {', '.join(listed)}\n")
+        2,
+        "",
+        "bnswap plan: error: model: mymodels is a module, not a model; give a class or "
+        f"function in it: {', '.join(listed)}\n",
+    )
     for path in listed:  # the advice works
         assert front_door(capsys, "plan", "--model", path)[0] == 0, path
     code, out, err = front_door(capsys, "plan", "--model", "torch.nn")
-    assert (code, out, err.count("\n")) == (2, "", 1) and err.startswith(
-        "bnswap plan: error: model: torch.nn is a module, not a model; give a class or "
-        "function in it: torch.nn.") and err.endswith(" in all)\n")
+    assert (
+        (code, out, err.count("\n")) == (2, "", 1)
+        and err.startswith(
+            "bnswap plan: error: model: torch.nn is a module, not a model; give a class or "
+            "function in it: torch.nn."
+        )
+        and err.endswith(" in all)\n")
+    )
     assert front_door(capsys, "plan", "--model", "constants") == (
-        2, "", "bnswap plan: error: model: constants is a module, not a model, and holds no "
-               "nn.Module class or function; give a class, or a function that returns a "
-               "module: --model constants.NAME\n")
+        2,
+        "",
+        "bnswap plan: error: model: constants is a module, not a model, and holds no "
+        "nn.Module class or function; give a class, or a function that returns a "
+        "module: --model constants.NAME\n",
+    )
 
 
-def test_a_device_torch_does_not_know_is_one_line_before_the_model_is_built(
-        capsys, user_models):
+def test_a_device_torch_does_not_know_is_one_line_before_the_model_is_built(capsys, user_models):
     """Guards issue 26: ``--device tpu`` printed torch's list of its 20 device types. One
     line with a few examples (each a device torch reads), before the model is built."""
     import torch
@@ -951,14 +1134,17 @@ def test_a_device_torch_does_not_know_is_one_line_before_the_model_is_built(
     for device in ("tpu", "gpu"):
         with pytest.raises(RuntimeError, match="Expected one of cpu, cuda"):
             torch.device(device)
-        assert front_door(capsys, "plan", "--model", "mymodels.factory", "--device", device) \
-            == (2, "", f"bnswap plan: error: device: {device!r} is not a device type torch "
-                       f"knows (e.g. {plan_cli._DEVICE_EXAMPLES})\n")
-    code, out, err = front_door(capsys, "plan", "--model", "mymodels.factory", "--device",
-                                "cuda:x")
+        assert front_door(capsys, "plan", "--model", "mymodels.factory", "--device", device) == (
+            2,
+            "",
+            f"bnswap plan: error: device: {device!r} is not a device type torch "
+            f"knows (e.g. {plan_cli._DEVICE_EXAMPLES})\n",
+        )
+    code, out, err = front_door(capsys, "plan", "--model", "mymodels.factory", "--device", "cuda:x")
     assert (code, out) == (2, "") and err == (
         "bnswap plan: error: device: 'cuda:x': Invalid device string: 'cuda:x' (e.g. "
-        f"{plan_cli._DEVICE_EXAMPLES})\n")
+        f"{plan_cli._DEVICE_EXAMPLES})\n"
+    )
     assert _user_module().CALLS == []  # refused before the factory ran
     for example in plan_cli._DEVICE_EXAMPLES.split(", "):
         torch.device(example)

@@ -17,9 +17,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import bnswap
 
 X = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
-CONSOLIDATED = {"aten._batch_norm_with_update.default",
-                "aten._batch_norm_with_update_functional.default",
-                "aten._batch_norm_no_update.default", "aten.batch_norm_backward.default"}
+CONSOLIDATED = {
+    "aten._batch_norm_with_update.default",
+    "aten._batch_norm_with_update_functional.default",
+    "aten._batch_norm_no_update.default",
+    "aten.batch_norm_backward.default",
+}
 
 
 def model(no_stats: bool = True) -> nn.Module:
@@ -31,8 +34,11 @@ def model(no_stats: bool = True) -> nn.Module:
 
 
 def bn_ops(gm) -> list[str]:
-    return [str(n.target) for n in gm.graph.nodes
-            if n.op == "call_function" and "batch_norm" in str(n.target)]
+    return [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "batch_norm" in str(n.target)
+    ]
 
 
 def same_runs(a, b, calls: int = 3) -> None:
@@ -68,7 +74,8 @@ def test_convert_program_runs_bitwise_like_the_original(train, decomposed):
 @pytest.mark.parametrize("decomposed", [False, True], ids=["training_ir", "decomposed"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_converted_dynamic_batch_program_refuses_an_empty_batch_before_any_state_moves(
-        train, decomposed, tmp_path):
+    train, decomposed, tmp_path
+):
     """A stock program exported with a dynamic batch (Dim("b") admits 0) returns early on
     an empty batch; the consolidated ops reject empty input with a kernel error, which came
     after the graph had counted the batch (a failed call moved num_batches_tracked). The
@@ -82,8 +89,12 @@ def test_converted_dynamic_batch_program_refuses_an_empty_batch_before_any_state
     from bnswap.functional import EMPTY_BATCH_MESSAGE
 
     torch.manual_seed(0)
-    m = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False),
-                      nn.BatchNorm2d(4, track_running_stats=False)).train(train)
+    m = nn.Sequential(
+        nn.BatchNorm2d(3),
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4, affine=False),
+        nn.BatchNorm2d(4, track_running_stats=False),
+    ).train(train)
     ep = torch.export.export(m, (X,), dynamic_shapes=({0: Dim("b")},))
     if decomposed:
         ep = ep.run_decompositions()
@@ -148,14 +159,19 @@ def test_convert_graph_module_rewrites_its_nodes_in_place():
 def _joint_graph(seed: int) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     """make_fx of a native_batch_norm forward + autograd.grad (a joint graph holding
     native_batch_norm and native_batch_norm_backward), and its arguments."""
+
     def f(x, w, b, rm, rv):
         y = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
         return (*torch.autograd.grad(y.square().sum(), (x, w, b)), y)
 
     g = torch.Generator().manual_seed(seed)
-    args = [torch.randn(4, 3, 5, 5, generator=g, requires_grad=True),
-            torch.rand(3, generator=g, requires_grad=True),
-            torch.randn(3, generator=g, requires_grad=True), torch.zeros(3), torch.ones(3)]
+    args = [
+        torch.randn(4, 3, 5, 5, generator=g, requires_grad=True),
+        torch.rand(3, generator=g, requires_grad=True),
+        torch.randn(3, generator=g, requires_grad=True),
+        torch.zeros(3),
+        torch.ones(3),
+    ]
     return make_fx(f)(*args), args
 
 
@@ -170,8 +186,10 @@ def test_joint_graph_native_batch_norm_and_backward():
     gm, args = _joint_graph(seed=2)
     ref = copy.deepcopy(gm)
     bnswap.convert(gm)
-    assert bn_ops(gm) == ["aten._batch_norm_with_update.default",
-                          "aten.batch_norm_backward.default"]
+    assert bn_ops(gm) == [
+        "aten._batch_norm_with_update.default",
+        "aten.batch_norm_backward.default",
+    ]
     a1, a2 = _fresh(args), _fresh(args)
     for p, q in zip(ref(*a1), gm(*a2), strict=True):
         assert torch.equal(p, q)
@@ -187,13 +205,19 @@ def test_a_backward_node_whose_forward_is_excluded_is_planned_as_skipped():
     ref = copy.deepcopy(gm)
     for kw in (dict(exclude="native_batch_norm"), dict(include="*_backward")):
         p = bnswap.plan(gm, **kw)
-        assert [(r.name, r.action) for r in p] == [("native_batch_norm", "skip"),
-                                                   ("native_batch_norm_backward", "skip")]
+        assert [(r.name, r.action) for r in p] == [
+            ("native_batch_norm", "skip"),
+            ("native_batch_norm_backward", "skip"),
+        ]
         assert p.skipped[1].reason.startswith(
-            "its forward node 'native_batch_norm' is left as it is ("), p.skipped[1].reason
+            "its forward node 'native_batch_norm' is left as it is ("
+        ), p.skipped[1].reason
         assert bnswap.convert(gm, **kw) is gm
-        assert bn_ops(gm) == bn_ops(ref) == ["aten.native_batch_norm.default",
-                                             "aten.native_batch_norm_backward.default"]
+        assert (
+            bn_ops(gm)
+            == bn_ops(ref)
+            == ["aten.native_batch_norm.default", "aten.native_batch_norm_backward.default"]
+        )
     a1, a2 = _fresh(args), _fresh(args)
     for u, v in zip(ref(*a1), gm(*a2), strict=True):
         assert torch.equal(u, v)
@@ -204,17 +228,18 @@ def test_plan_of_a_program_one_row_per_node():
     ep = torch.export.export(model().eval(), (X,))
     p = bnswap.plan(ep, device="cuda")
     assert isinstance(p, bnswap.ProgramPlan) and len(p) == 4 and not p.skipped
-    assert [r.name for r in p] == [n for n in (n.name for n in ep.graph.nodes)
-                                   if n.startswith("batch_norm")]
+    assert [r.name for r in p] == [
+        n for n in (n.name for n in ep.graph.nodes) if n.startswith("batch_norm")
+    ]
     assert [r.becomes for r in p] == ["aten._batch_norm_no_update.default"] * 2 + [
         "aten._batch_norm_with_update_functional.default",
-        "aten._batch_norm_no_update.default"]
+        "aten._batch_norm_no_update.default",
+    ]
     if not torch.cuda.is_available():
         assert {r.kernel for r in p} == {"Cudnn (predicted)"}
     assert {r.kernel_before for r in p} == {"Native"}  # torch.export: cudnn_enabled=False
     assert "Native -> Cudnn" in str(p) and p.summary().startswith("bnswap plan: 4 of 4")
-    assert bnswap.plan(ep, exclude="batch_norm_1").skipped[0].reason == \
-        "excluded by 'batch_norm_1'"
+    assert bnswap.plan(ep, exclude="batch_norm_1").skipped[0].reason == "excluded by 'batch_norm_1'"
     assert bn_ops(ep.graph_module) == ["aten.batch_norm.default"] * 4  # a plan changes nothing
     for fn in (bnswap.plan, bnswap.convert):
         with pytest.raises(ValueError, match="backend='ort' takes an nn.Module"):
@@ -247,15 +272,19 @@ def test_bnswap_program_reaches_core_aten_like_stock(train):
     assert bn_ops(pb.graph_module) == bn_ops(ps.graph_module)
 
     def overloads(ep):
-        return {n.target for n in ep.graph.nodes if n.op == "call_function"
-                and isinstance(n.target, torch._ops.OpOverload)}
+        return {
+            n.target
+            for n in ep.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        }
 
     # stock's program is core ATen by definition (_native_batch_norm_legit_functional is
     # the functional form of the core-tagged _native_batch_norm_legit); bnswap's adds
     # only core-tagged ops (its stand-ins' aten.full, the empty-batch assertion)
     extra = overloads(pb) - overloads(ps)
-    assert all(torch.Tag.core in op.tags for op in extra
-               if op is not torch.ops.aten._assert_scalar.default), extra
+    assert all(
+        torch.Tag.core in op.tags for op in extra if op is not torch.ops.aten._assert_scalar.default
+    ), extra
     same_runs(ps.module(), pb.module())
 
 
@@ -270,7 +299,8 @@ def test_core_aten_patch_applied_at_first_conversion_not_at_import():
         "assert op in torch.export.default_decompositions()\n"
         "from torch._inductor.decomposition import decompositions\n"
         "from bnswap._compat import CORE_ATEN_DECOMPOSITIONS as ours\n"
-        "assert decompositions[op] is not ours[op]  # inductor keeps torch's own\n")
+        "assert decompositions[op] is not ours[op]  # inductor keeps torch's own\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
@@ -296,8 +326,9 @@ def test_executorch_to_edge_takes_a_bnswap_program_like_stocks():
     exir = pytest.importorskip("executorch.exir")
     stock = model(no_stats=False).eval()
     swapped = bnswap.convert(copy.deepcopy(stock))
-    edges = [exir.to_edge(torch.export.export(m, (X,))).exported_program()
-             for m in (stock, swapped)]
+    edges = [
+        exir.to_edge(torch.export.export(m, (X,))).exported_program() for m in (stock, swapped)
+    ]
     assert bn_ops(edges[1].graph_module) == bn_ops(edges[0].graph_module)
     assert torch.equal(edges[1].module()(X), edges[0].module()(X))
 
@@ -315,8 +346,11 @@ def test_plan_of_a_bnswap_program_says_already():
 def test_revert_of_a_program_names_to_stock_ops():
     """Guards (a newcomer's try): revert(program) said only "expects a torch.nn.Module"."""
     ep = bnswap.convert(torch.export.export(model().eval(), (X,)))
-    with pytest.raises(TypeError, match=r"got ExportedProgram; a program's consolidated nodes "
-                                        r"go back to stock's ops with bnswap.to_stock_ops"):
+    with pytest.raises(
+        TypeError,
+        match=r"got ExportedProgram; a program's consolidated nodes "
+        r"go back to stock's ops with bnswap.to_stock_ops",
+    ):
         bnswap.revert(ep)
 
 
@@ -336,9 +370,11 @@ def test_a_program_pattern_that_matches_no_node_warns():
     """Guards (a newcomer's try): convert(ep, include=["nomatch"]) converted 0 nodes without
     a word, where a module's unmatched pattern warns."""
     ep = torch.export.export(model().eval(), (X,))
-    with pytest.warns(bnswap.plan.__globals__["UnmatchedPatternWarning"],
-                      match=r"include pattern 'backbone\.\*' matches no batch-norm node "
-                            r"\(program patterns match node names, e.g. 'batch_norm_1'\)"):
+    with pytest.warns(
+        bnswap.plan.__globals__["UnmatchedPatternWarning"],
+        match=r"include pattern 'backbone\.\*' matches no batch-norm node "
+        r"\(program patterns match node names, e.g. 'batch_norm_1'\)",
+    ):
         bnswap.convert(ep, include=["backbone.*"])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
@@ -362,8 +398,10 @@ def test_each_call_warns_once_for_a_program_pattern_that_matches_nothing():
     ``bnswap.convert(ep.module(), ...)`` (convert planned, then apply planned again). Each
     call the user makes warns once (apply of a plan that warned, not at all), and the
     program converts as before: bitwise the original's outputs and statistics."""
-    text = ("bnswap: exclude pattern 'nomatch*' matches no batch-norm node (program patterns "
-            "match node names, e.g. 'batch_norm_1')")
+    text = (
+        "bnswap: exclude pattern 'nomatch*' matches no batch-norm node (program patterns "
+        "match node names, e.g. 'batch_norm_1')"
+    )
     ep = torch.export.export(model(), (X,))
     seen, p = _unmatched_warnings(lambda: bnswap.plan(ep, exclude=["nomatch*"]))
     assert seen == [text]
@@ -371,10 +409,12 @@ def test_each_call_warns_once_for_a_program_pattern_that_matches_nothing():
     assert seen == []  # plan said it
     assert len(bn_ops(new.graph_module)) == 4 and set(bn_ops(new.graph_module)) <= CONSOLIDATED
     same_runs(ep.module(), new.module())
-    for call in (lambda: bnswap.plan(ep, exclude=["nomatch*"]).apply(),
-                 lambda: bnswap.convert(ep, exclude=["nomatch*"]),
-                 lambda: bnswap.plan(ep.module(), exclude=["nomatch*"]).apply(),
-                 lambda: bnswap.convert(ep.module(), exclude=["nomatch*"])):
+    for call in (
+        lambda: bnswap.plan(ep, exclude=["nomatch*"]).apply(),
+        lambda: bnswap.convert(ep, exclude=["nomatch*"]),
+        lambda: bnswap.plan(ep.module(), exclude=["nomatch*"]).apply(),
+        lambda: bnswap.convert(ep.module(), exclude=["nomatch*"]),
+    ):
         seen, out = _unmatched_warnings(call)
         assert seen == [text]
         runs = out.module() if isinstance(out, torch.export.ExportedProgram) else out
@@ -382,7 +422,8 @@ def test_each_call_warns_once_for_a_program_pattern_that_matches_nothing():
         same_runs(ep.module(), runs)
     # a pattern that matches a node: no warning, from plan, apply or convert
     seen, out = _unmatched_warnings(
-        lambda: bnswap.plan(ep, exclude=["batch_norm_1", "nomatch*"]).apply())
+        lambda: bnswap.plan(ep, exclude=["batch_norm_1", "nomatch*"]).apply()
+    )
     assert seen == [text] and bn_ops(out.graph_module).count("aten.batch_norm.default") == 1
 
 
@@ -390,12 +431,18 @@ def _layer_and_node_graph() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     """A GraphModule holding both a BatchNorm layer and a stock batch-norm node: make_fx's
     native_batch_norm (training, statistics updated in place), then a call to its ``bn``
     submodule (a BatchNorm2d) on the output; and its arguments (x, w, b, rm, rv)."""
+
     def f(x, w, b, rm, rv):
         return torch.ops.aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
 
     g = torch.Generator().manual_seed(4)
-    args = [torch.randn(4, 3, 5, 5, generator=g), torch.rand(3, generator=g),
-            torch.randn(3, generator=g), torch.zeros(3), torch.ones(3)]
+    args = [
+        torch.randn(4, 3, 5, 5, generator=g),
+        torch.rand(3, generator=g),
+        torch.randn(3, generator=g),
+        torch.zeros(3),
+        torch.ones(3),
+    ]
     gm = make_fx(f)(*args)
     gm.add_submodule("bn", nn.BatchNorm2d(3))
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -406,14 +453,23 @@ def _layer_and_node_graph() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     return gm, args
 
 
-@pytest.mark.parametrize("pattern, warned", [
-    ("nomatch*", ["bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer and no "
-                  "batch-norm node"]),
-    ("bn", []),  # the layer (no node is named so)
-    ("native_batch_norm", []),  # the node (no layer is named so)
-])
+@pytest.mark.parametrize(
+    "pattern, warned",
+    [
+        (
+            "nomatch*",
+            [
+                "bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer and no "
+                "batch-norm node"
+            ],
+        ),
+        ("bn", []),  # the layer (no node is named so)
+        ("native_batch_norm", []),  # the node (no layer is named so)
+    ],
+)
 def test_convert_of_a_graph_with_layers_and_nodes_warns_once_for_a_pattern_matching_neither(
-        pattern, warned):
+    pattern, warned
+):
     """Guards: convert of a GraphModule holding BatchNorm layers and stock batch-norm nodes
     planned the layers (warning for a pattern that matched no layer) and then the nodes
     (warning again for one that matched no node): a pattern that matched neither warned
@@ -425,14 +481,18 @@ def test_convert_of_a_graph_with_layers_and_nodes_warns_once_for_a_pattern_match
     seen, out = _unmatched_warnings(lambda: bnswap.convert(gm, exclude=pattern))
     assert out is gm and seen == warned
     assert bnswap.is_swapped(gm.bn) is (pattern != "bn")
-    assert bn_ops(gm) == (["aten.native_batch_norm.default"] if pattern == "native_batch_norm"
-                          else ["aten._batch_norm_with_update.default"])
+    assert bn_ops(gm) == (
+        ["aten.native_batch_norm.default"]
+        if pattern == "native_batch_norm"
+        else ["aten._batch_norm_with_update.default"]
+    )
     a1 = [a.clone() for a in args]
     a2 = [a.clone() for a in args]
     for _ in range(2):
         assert torch.equal(gm(*a2), ref(*a1))
-    for s, t in zip([*a1, *ref.bn.state_dict().values()], [*a2, *gm.bn.state_dict().values()],
-                    strict=True):
+    for s, t in zip(
+        [*a1, *ref.bn.state_dict().values()], [*a2, *gm.bn.state_dict().values()], strict=True
+    ):
         assert torch.equal(s, t)
 
 
@@ -477,8 +537,9 @@ def test_convert_of_a_graph_without_shape_metadata_when_no_stand_in_is_needed():
             self.register_buffer("rv", torch.ones(4))
 
         def forward(self, x):
-            return torch.ops.aten.native_batch_norm.default(x, self.w, self.b, self.rm,
-                                                            self.rv, True, 0.1, 1e-5)[0]
+            return torch.ops.aten.native_batch_norm.default(
+                x, self.w, self.b, self.rm, self.rv, True, 0.1, 1e-5
+            )[0]
 
     torch.manual_seed(0)
     gm = torch.fx.symbolic_trace(Direct())

@@ -42,13 +42,17 @@ from torchao.quantization.pt2e.quantize_pt2e import (  # noqa: E402
 )
 
 
-
 def _key(obj: object, values: bool = False) -> object:
     """A hashable key of a pattern export's arguments (tensors by shape and dtype; by
     value too inside a closure, where they may become constants)."""
     if isinstance(obj, torch.Tensor):
-        return ("T", tuple(obj.shape), obj.dtype, obj.device.type,
-                tuple(obj.flatten().tolist()) if values else None)
+        return (
+            "T",
+            tuple(obj.shape),
+            obj.dtype,
+            obj.device.type,
+            tuple(obj.flatten().tolist()) if values else None,
+        )
     if isinstance(obj, (tuple, list)):
         return tuple(_key(o, values) for o in obj)
     if isinstance(obj, dict):
@@ -56,8 +60,11 @@ def _key(obj: object, values: bool = False) -> object:
     if isinstance(obj, nn.Module) and callable(getattr(obj, "fn", None)):
         return ("M", type(obj), _key(obj.fn, values))
     if inspect.isfunction(obj):
-        return ("F", obj.__code__, tuple(_key(c.cell_contents, True)
-                                         for c in obj.__closure__ or ()))
+        return (
+            "F",
+            obj.__code__,
+            tuple(_key(c.cell_contents, True) for c in obj.__closure__ or ()),
+        )
     hash(obj)
     return obj
 
@@ -106,7 +113,9 @@ def x86(qat: bool = True):
         get_default_x86_inductor_quantization_config,
     )
 
-    return X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_qat=qat))
+    return X86InductorQuantizer().set_global(
+        get_default_x86_inductor_quantization_config(is_qat=qat)
+    )
 
 
 QUANTIZERS = {"xnnpack": xnnpack, "x86": x86}
@@ -130,17 +139,20 @@ def conv_bn_relu():
 
 
 def conv_nobias_bn_eps_momentum():
-    return nn.Sequential(nn.Conv2d(3, 4, 3, bias=False),
-                         _bn(nn.BatchNorm2d(4, eps=1e-3, momentum=0.3)), nn.ReLU(),
-                         nn.Conv2d(4, 4, 1), _bn(nn.BatchNorm2d(4))), (4, 3, 8, 8)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, bias=False),
+        _bn(nn.BatchNorm2d(4, eps=1e-3, momentum=0.3)),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 1),
+        _bn(nn.BatchNorm2d(4)),
+    ), (4, 3, 8, 8)
 
 
 def linear_bn1d():
     return nn.Sequential(nn.Linear(12, 6), _bn(nn.BatchNorm1d(6)), nn.ReLU()), (8, 12)
 
 
-MODELS = {f.__name__: f for f in (conv_bn, conv_bn_relu, conv_nobias_bn_eps_momentum,
-                                  linear_bn1d)}
+MODELS = {f.__name__: f for f in (conv_bn, conv_bn_relu, conv_nobias_bn_eps_momentum, linear_bn1d)}
 
 
 def build(name: str) -> tuple[nn.Module, nn.Module, tuple[int, ...]]:
@@ -156,8 +168,11 @@ def batches(shape: tuple[int, ...], n: int, dtype: torch.dtype = torch.float32) 
 
 
 def bn_ops(gm: torch.fx.GraphModule) -> list[str]:
-    return [str(n.target) for n in gm.graph.nodes
-            if n.op == "call_function" and "batch_norm" in str(n.target)]
+    return [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "batch_norm" in str(n.target)
+    ]
 
 
 def graph_of(gm: torch.fx.GraphModule) -> list[tuple]:
@@ -167,9 +182,17 @@ def graph_of(gm: torch.fx.GraphModule) -> list[tuple]:
     def arg(a):
         return f"%{index[a]}" if isinstance(a, torch.fx.Node) else repr(a)
 
-    return [(n.op, str(n.target), tuple(torch.fx.node.map_aggregate(n.args, arg)),
-             tuple(sorted((k, str(torch.fx.node.map_aggregate(v, arg)))
-                          for k, v in n.kwargs.items()))) for n in gm.graph.nodes]
+    return [
+        (
+            n.op,
+            str(n.target),
+            tuple(torch.fx.node.map_aggregate(n.args, arg)),
+            tuple(
+                sorted((k, str(torch.fx.node.map_aggregate(v, arg))) for k, v in n.kwargs.items())
+            ),
+        )
+        for n in gm.graph.nodes
+    ]
 
 
 def train(p: torch.fx.GraphModule, xs: list[torch.Tensor]) -> torch.Tensor:
@@ -231,8 +254,14 @@ def test_ptq_prepare_pt2e_keeps_the_consolidated_ops_like_stock(quantizer):
     them as stock; one left (after a ReLU) runs _batch_norm_no_update; calibration and
     convert_pt2e as stock."""
     torch.manual_seed(0)
-    stock = nn.Sequential(nn.Linear(12, 6), _bn(nn.BatchNorm1d(6)), nn.ReLU(),
-                          nn.Linear(6, 6), nn.ReLU(), _bn(nn.BatchNorm1d(6))).eval()
+    stock = nn.Sequential(
+        nn.Linear(12, 6),
+        _bn(nn.BatchNorm1d(6)),
+        nn.ReLU(),
+        nn.Linear(6, 6),
+        nn.ReLU(),
+        _bn(nn.BatchNorm1d(6)),
+    ).eval()
     swapped = bnswap.convert(copy.deepcopy(stock))
     xs = batches((8, 12), 3)
     out = []
@@ -260,8 +289,12 @@ def test_prepared_graph_moves_like_stocks():
     def run(p, device, dtype):
         kind, y = outcome(lambda: p.to(device, dtype)(x.to(device, dtype)))
         if kind == "ok":
-            y = (y.device.type, y.dtype, tuple(y.shape),
-                 y.tolist() if y.device.type != "meta" else None)
+            y = (
+                y.device.type,
+                y.dtype,
+                tuple(y.shape),
+                y.tolist() if y.device.type != "meta" else None,
+            )
         return kind, y, [(k, v.device.type, v.dtype) for k, v in p.state_dict().items()]
 
     for device, dtype in (("cpu", torch.float64), ("meta", torch.float32)):
@@ -312,8 +345,10 @@ def test_plan_of_a_graph_module_lists_its_batch_norm_nodes():
         expected = "Cudnn" if torch.cuda.is_available() else "Cudnn (predicted)"
         assert [r.kernel for r in p] == [expected] * 2
         assert [r.kernel for r in bnswap.plan(program, device="cpu")] == ["Native"] * 2
-        assert p.summary() == ("bnswap plan: 2 of 2 batch-norm nodes would be swapped, 0 skipped; "
-                               "2 already swapped (keep): nothing would change")
+        assert p.summary() == (
+            "bnswap plan: 2 of 2 batch-norm nodes would be swapped, 0 skipped; "
+            "2 already swapped (keep): nothing would change"
+        )
     mixed = bnswap.plan(prepared(stock, shape, "xnnpack"))
     assert [r.action for r in mixed] == ["swap", "swap"]
 
@@ -343,8 +378,7 @@ def _fake_pt2e(source: str = _FAKE_PT2E):
 
 
 @pytest.mark.parametrize("case", ["too_old", "helper_moved", "prepare_moved"])
-def test_an_older_or_changed_torchao_warns_once_naming_what_stays_on_stocks_op(
-        case, monkeypatch):
+def test_an_older_or_changed_torchao_warns_once_naming_what_stays_on_stocks_op(case, monkeypatch):
     """The version gate: torchao older than 0.18, or a helper bnswap hooks no longer
     called by name, leaves torchao as it is (the user's graph too) with one warning
     that names what stays on stock's aten.batch_norm and the calls that do it by hand."""
@@ -357,11 +391,15 @@ def test_an_older_or_changed_torchao_warns_once_naming_what_stays_on_stocks_op(
     if case == "too_old":
         monkeypatch.setattr(torchao, "__version__", "0.17.0")
     elif case == "helper_moved":
-        source = source.replace("prepare(model, _get_node_name_to_scope(model), is_qat=True)",
-                                "prepare(model, {}, is_qat=True)")
+        source = source.replace(
+            "prepare(model, _get_node_name_to_scope(model), is_qat=True)",
+            "prepare(model, {}, is_qat=True)",
+        )
     else:
-        source = source.replace("return prepare(model, _get_node_name_to_scope(model), is_qat=",
-                                "return model or _get_node_name_to_scope(model) or (")
+        source = source.replace(
+            "return prepare(model, _get_node_name_to_scope(model), is_qat=",
+            "return model or _get_node_name_to_scope(model) or (",
+        )
     mod, before = _fake_pt2e(source)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -370,9 +408,11 @@ def test_an_older_or_changed_torchao_warns_once_naming_what_stays_on_stocks_op(
             assert _compat.patch_torchao_export_utils(mod) is False
     messages = [str(w.message) for w in caught if "bnswap" in str(w.message)]
     assert len(messages) == 1, messages
-    assert "stay on stock's aten.batch_norm" in messages[0] or \
-        "stays on stock's aten.batch_norm" in messages[0] or \
-        "prepared graphs stay on stock's aten.batch_norm" in messages[0], messages[0]
+    assert (
+        "stay on stock's aten.batch_norm" in messages[0]
+        or "stays on stock's aten.batch_norm" in messages[0]
+        or "prepared graphs stay on stock's aten.batch_norm" in messages[0]
+    ), messages[0]
     if case == "too_old":
         assert "torchao 0.17 is older than 0.18" in messages[0]
     if case != "prepare_moved":
@@ -381,8 +421,9 @@ def test_an_older_or_changed_torchao_warns_once_naming_what_stays_on_stocks_op(
     else:  # prepare_pt2e / _qat see stock's graph; the prepared graph stays stock's
         assert applied is True and mod.prepare is before["prepare"]
         assert mod._get_node_name_to_scope is not before["_get_node_name_to_scope"]
-        assert mod._convert_to_reference_decomposed_fx is before[
-            "_convert_to_reference_decomposed_fx"]
+        assert (
+            mod._convert_to_reference_decomposed_fx is before["_convert_to_reference_decomposed_fx"]
+        )
         assert "bnswap.convert(prepared)" in messages[0]
 
 
@@ -393,8 +434,9 @@ def test_nodes_bnswap_cannot_tell_apart_stay_as_torchao_made_them_with_one_warni
     from bnswap import _compat
 
     torch.manual_seed(0)
-    gm = torch.export.export(nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)).train(),
-                             (torch.randn(4, 3),)).module()
+    gm = torch.export.export(
+        nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)).train(), (torch.randn(4, 3),)
+    ).module()
     before = graph_of(gm)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -405,7 +447,8 @@ def test_nodes_bnswap_cannot_tell_apart_stay_as_torchao_made_them_with_one_warni
         "bnswap: prepare_qat_pt2e: 2 batch-norm nodes of swapped layers ('batch_norm', "
         "'batch_norm_1') stay on stock's aten.batch_norm (cudnn_enabled=False: the native "
         "kernel on CUDA, pytorch issue 111384): torchao turned the graph's 3 batch-norm "
-        "nodes into 2")
+        "nodes into 2"
+    )
 
 
 def test_qat_example_gives_stocks_figures():

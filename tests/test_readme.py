@@ -40,7 +40,9 @@ def net(width=8):
 
 
 def _texts() -> str:
-    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    return "\n".join(
+        p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    )
 
 
 def readme_lines() -> list[str]:
@@ -70,22 +72,30 @@ def test_readme_line_runs_as_written(line, tmp_path):
     (tmp_path / "mymodels.py").write_text(MYMODELS)
     exe = shutil.which("bnswap", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "_bnswap_command"]
-    p = subprocess.run([*cmd, *shlex.split(line)[1:]], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path)
+    p = subprocess.run(
+        [*cmd, *shlex.split(line)[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     first = p.stdout.lstrip("*").splitlines()[0]
     if "--help" in line:
         assert first.startswith("usage: bnswap")
     elif "--exclude" in line or "--include" in line:  # exit 0: skipped only on purpose
-        n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers would be swapped, "
-                     r"(\d+) skipped", first)
+        n = re.match(
+            r"bnswap plan: (\d+) of (\d+) BatchNorm layers would be swapped, "
+            r"(\d+) skipped",
+            first,
+        )
         assert n and int(n.group(1)) + int(n.group(3)) == int(n.group(2)), first
         skipped = [ln for ln in p.stdout.splitlines()[3:] if ln.split()[2:3] == ["skip"]]
         assert len(skipped) == int(n.group(3)) > 0 and all(
-            "excluded by" in ln or "not matched by include" in ln for ln in skipped), skipped
+            "excluded by" in ln or "not matched by include" in ln for ln in skipped
+        ), skipped
     else:
-        n = re.match(r"bnswap plan: (\d+) of (\d+) BatchNorm layers would be swapped, "
-                     r"0 skipped", first)
+        n = re.match(
+            r"bnswap plan: (\d+) of (\d+) BatchNorm layers would be swapped, "
+            r"0 skipped",
+            first,
+        )
         assert n and n.group(1) == n.group(2) and int(n.group(1)) > 0, first
 
 

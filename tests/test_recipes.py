@@ -25,8 +25,9 @@ def test_fabric_two_ranks_synchronized_train_like_one_process(when, tmp_path):
     identical and equal to one process on the global batches (float64) within float32
     rounding."""
     script = rank_script("fabric_sync_fit")
-    proc = run_processes([sys.executable, script.__file__, when, str(tmp_path)],
-                         timeout=600, env=rank_env())
+    proc = run_processes(
+        [sys.executable, script.__file__, when, str(tmp_path)], timeout=600, env=rank_env()
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"{when}_rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r in ranks:
@@ -38,8 +39,9 @@ def test_fabric_two_ranks_synchronized_train_like_one_process(when, tmp_path):
         if not want.is_floating_point():  # num_batches_tracked
             assert torch.equal(s0[k], want), k
             continue
-        torch.testing.assert_close(s0[k].double(), want, rtol=1e-6, atol=1e-6,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            s0[k].double(), want, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}"
+        )
 
 
 # ---------------------------------------------------------------- Hugging Face Trainer
@@ -68,8 +70,14 @@ def test_hugging_face_trainer_recipe_is_bitwise_stock(tmp_path):
     import bnswap
 
     torch.manual_seed(0)
-    config = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
-                                       depths=[1, 1], layer_type="basic", num_labels=3)
+    config = transformers.ResNetConfig(
+        num_channels=3,
+        embedding_size=8,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        layer_type="basic",
+        num_labels=3,
+    )
     transformers.ResNetForImageClassification(config).save_pretrained(tmp_path / "model")
     states, models = [], []
     for convert in (False, True):
@@ -78,10 +86,18 @@ def test_hugging_face_trainer_recipe_is_bitwise_stock(tmp_path):
         if convert:
             bnswap.convert(model)
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / f"out{convert}"), max_steps=3,
-            per_device_train_batch_size=4, learning_rate=0.1, report_to=[], use_cpu=True,
-            save_strategy="no", logging_strategy="no", seed=0, dataloader_num_workers=0,
-            disable_tqdm=True)
+            output_dir=str(tmp_path / f"out{convert}"),
+            max_steps=3,
+            per_device_train_batch_size=4,
+            learning_rate=0.1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            logging_strategy="no",
+            seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
         transformers.Trainer(model=model, args=args, train_dataset=_Images()).train()
         states.append(model.state_dict())
         models.append(model)
@@ -90,9 +106,10 @@ def test_hugging_face_trainer_recipe_is_bitwise_stock(tmp_path):
     assert states[0].keys() == states[1].keys()
     assert [k for k in states[0] if not torch.equal(states[0][k], states[1][k])] == []
     initial = transformers.ResNetForImageClassification.from_pretrained(
-        tmp_path / "model").state_dict()
+        tmp_path / "model"
+    ).state_dict()
     moved = [k for k in initial if not torch.equal(initial[k], states[1][k])]
-    assert any(k.endswith("running_mean") for k in moved)   # it trained
+    assert any(k.endswith("running_mean") for k in moved)  # it trained
 
 
 # ------------------------------------------------------------------------- Ultralytics
@@ -113,12 +130,15 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
     for kind in ("stock", "bnswap", "callback"):
         seen[kind] = []
         for phase in ("first", "resume"):
-            proc = run_processes([sys.executable, script.__file__, kind, phase, str(tmp_path)],
-                                 timeout=600, env=env)
+            proc = run_processes(
+                [sys.executable, script.__file__, kind, phase, str(tmp_path)], timeout=600, env=env
+            )
             assert proc.returncode == (3 if phase == "first" else 0), proc.stderr[-4000:]
             # Ultralytics configures its own logger only: bnswap's line shows regardless
-            line = ("bnswap.convert: 57 of 57 BatchNorm layers swapped, 0 skipped (the table: "
-                    "logging.basicConfig(level=logging.INFO))\n")
+            line = (
+                "bnswap.convert: 57 of 57 BatchNorm layers swapped, 0 skipped (the table: "
+                "logging.basicConfig(level=logging.INFO))\n"
+            )
             assert (proc.stderr + proc.stdout).count(line) == (kind != "stock")  # once
             seen[kind] += json.loads(proc.stdout.strip().splitlines()[-1])
             last = tmp_path / kind / "run" / "weights" / "last.pt"
@@ -149,28 +169,35 @@ for _ in range(2):   # the line once per process
     bnswap.convert(torch.nn.Sequential(torch.nn.BatchNorm1d(2), torch.nn.Linear(2, 2),
                                        torch.nn.BatchNorm1d(2)))
 """
-_LINE = ("bnswap.convert: 2 of 2 BatchNorm layers swapped, 0 skipped (the table: "
-         "logging.basicConfig(level=logging.INFO))\n")
+_LINE = (
+    "bnswap.convert: 2 of 2 BatchNorm layers swapped, 0 skipped (the table: "
+    "logging.basicConfig(level=logging.INFO))\n"
+)
 
 
-@pytest.mark.parametrize("setup, env, want", [
-    ("", {}, _LINE),                                             # nothing configured
-    ("logging.getLogger('ultralytics').addHandler(logging.StreamHandler())", {}, _LINE),
-    ("logging.basicConfig(level=logging.WARNING)", {}, ""),      # the user's choice
-    ("logging.getLogger('bnswap').setLevel(logging.WARNING)", {}, ""),
-    ("", {"RANK": "1"}, ""),                                     # rank zero only
-    ("logging.basicConfig(level=logging.INFO, format='%(message)s')", {}, "table"),
-])
+@pytest.mark.parametrize(
+    "setup, env, want",
+    [
+        ("", {}, _LINE),  # nothing configured
+        ("logging.getLogger('ultralytics').addHandler(logging.StreamHandler())", {}, _LINE),
+        ("logging.basicConfig(level=logging.WARNING)", {}, ""),  # the user's choice
+        ("logging.getLogger('bnswap').setLevel(logging.WARNING)", {}, ""),
+        ("", {"RANK": "1"}, ""),  # rank zero only
+        ("logging.basicConfig(level=logging.INFO, format='%(message)s')", {}, "table"),
+    ],
+)
 def test_the_swap_is_visible_where_logging_is_not_configured(setup, env, want):
     """A script or trainer that configures no logging (or only its own logger, as
     Ultralytics does) sees bnswap.convert's one-line summary on stderr, once per process
     (Python drops INFO there: logging.lastResort shows WARNING and above); a configured process gets what it
     configured (the whole table at INFO, nothing at WARNING), other ranks nothing."""
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
-    e["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                       e.get("PYTHONPATH", "")])
-    proc = run_processes([sys.executable, "-c", _CONVERT.format(setup=setup)], timeout=120,
-                         env={**e, **env})
+    e["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(__file__)), e.get("PYTHONPATH", "")]
+    )
+    proc = run_processes(
+        [sys.executable, "-c", _CONVERT.format(setup=setup)], timeout=120, env={**e, **env}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     if want == "table":
         assert proc.stderr.count("bnswap: 2 of 2 BatchNorm layers swapped, 0 skipped\n") == 2

@@ -51,8 +51,9 @@ class Net(nn.Module):
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.bn = nn.BatchNorm2d(8)
         self.bnact = BatchNormSiLU2d(8, gain=1.5, momentum=None)
-        self.block = nn.Sequential(nn.Conv2d(8, 8, 1), BatchNormSiLU2d(8, gain=0.5),
-                                   nn.Dropout(0.3), PlainSubclass(8))
+        self.block = nn.Sequential(
+            nn.Conv2d(8, 8, 1), BatchNormSiLU2d(8, gain=0.5), nn.Dropout(0.3), PlainSubclass(8)
+        )
         self.head = nn.Linear(8, 4)
 
     def forward(self, x):
@@ -93,8 +94,10 @@ def test_custom_subclass_skipped_until_registered(clean_registry):
     for name in ("bnact", "block.1"):
         assert by_name[name].action == "skip"
         assert "BatchNormSiLU2d overrides forward" in by_name[name].reason
-        assert ("bnswap.register(BatchNormSiLU2d, <function>), see docs/adapters.md"
-                in by_name[name].reason)
+        assert (
+            "bnswap.register(BatchNormSiLU2d, <function>), see docs/adapters.md"
+            in by_name[name].reason
+        )
         assert by_name[name].adapter_name == "-"
     # a subclass that keeps torch's forward needs no registration
     assert by_name["block.3"].action == "swap"
@@ -290,16 +293,16 @@ def test_register_rejects_bad_arguments(clean_registry, source, adapter, error, 
 def test_torchs_classes_and_their_plain_subclasses_use_torchs_adapter():
     from bnswap.layers import batch_norm_forward
 
-    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm2d,
-                PlainSubclass):
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm2d, PlainSubclass):
         assert registry.lookup(cls) is batch_norm_forward
     assert registry.lookup(nn.SyncBatchNorm) is sync_batch_norm_forward
     assert registry.lookup(BatchNormSiLU2d) is None
 
 
 def _run(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

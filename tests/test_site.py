@@ -46,21 +46,44 @@ CHROMIUM = "/usr/bin/chromium"
 BUILD_TIMEOUT_S = 300
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_parser") is None
+    importlib.util.find_spec("sphinx") is None
+    or importlib.util.find_spec("myst_parser") is None
     or importlib.util.find_spec("furo") is None,
     reason="the docs extra (Sphinx, furo, myst-parser) is not installed here: the main .venv "
-           "has it (make setup installs '.[docs]')")
+    "has it (make setup installs '.[docs]')",
+)
 
 
 def _sphinx(src: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     """``python -m sphinx`` as ``make docs-html`` runs it, in its own session, killed whole
     (the CLI directive's ``--help`` processes too) past its timeout."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-n", "-W", "--keep-going", "-q",
-           *extra, str(src), str(out)]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, cwd=ROOT, start_new_session=True) as p:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-b",
+        "html",
+        "-n",
+        "-W",
+        "--keep-going",
+        "-q",
+        *extra,
+        str(src),
+        str(out),
+    ]
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    ) as p:
         try:
             stdout, stderr = p.communicate(timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -94,11 +117,17 @@ def _api_names() -> list[str]:
 
 def test_every_public_name_is_in_the_api_reference():
     listed = set(_api_names())
-    assert {f"bnswap.{n}" for n in bnswap.__all__ if n != "BNSwap"} <= listed, \
-        sorted({f"bnswap.{n}" for n in bnswap.__all__} - listed)
+    assert {f"bnswap.{n}" for n in bnswap.__all__ if n != "BNSwap"} <= listed, sorted(
+        {f"bnswap.{n}" for n in bnswap.__all__} - listed
+    )
     assert "bnswap.lightning.BNSwap" in listed  # bnswap.BNSwap is bnswap.lightning's
-    for name in ("bnswap.programs.convert", "bnswap.programs.plan", "bnswap.sync.to_sync_batch_norm",
-                 "bnswap.sync.sync_batch_norm_forward", "bnswap.ort.wrap"):
+    for name in (
+        "bnswap.programs.convert",
+        "bnswap.programs.plan",
+        "bnswap.sync.to_sync_batch_norm",
+        "bnswap.sync.sync_batch_norm_forward",
+        "bnswap.ort.wrap",
+    ):
         assert name in listed
 
 
@@ -121,12 +150,17 @@ def test_site_builds_with_a_page_per_public_name(site):
     # torch's own class's instances)
     for n in ("1d", "2d", "3d"):
         layer = (site / "generated" / f"bnswap.BatchNorm{n}.html").read_text()
-        sig = html.unescape(re.sub(r"<[^>]+>", "", re.search(r'<dt class="sig[^>]*>(.*?)</dt>',
-                                                             layer, re.S).group(1)))
+        sig = html.unescape(
+            re.sub(
+                r"<[^>]+>", "", re.search(r'<dt class="sig[^>]*>(.*?)</dt>', layer, re.S).group(1)
+            )
+        )
         assert "num_features, eps=1e-05, momentum=0.1" in sig and "*args" not in sig, sig
         assert "Bases:" not in layer
-        assert inspect.signature(getattr(bnswap, f"BatchNorm{n}")).parameters == \
-            inspect.signature(getattr(torch.nn, f"BatchNorm{n}")).parameters
+        assert (
+            inspect.signature(getattr(bnswap, f"BatchNorm{n}")).parameters
+            == inspect.signature(getattr(torch.nn, f"BatchNorm{n}")).parameters
+        )
     cli = (site / "cli.html").read_text()
     for sub in ("plan", "convert", "train", "compare"):
         assert f"usage: bnswap {sub}" in cli or f"usage: bnswap [options] {sub}" in cli, sub
@@ -138,11 +172,13 @@ def test_site_builds_with_a_page_per_public_name(site):
     assert 'href="index.html#install"' in install and "whl/cpu" not in install
 
 
-
 def _cli_blocks(site: Path) -> list[str]:
     """The literal blocks of the CLI reference page, as text."""
     page = (site / "cli.html").read_text(encoding="utf-8")
-    return [html.unescape(re.sub(r"<[^>]+>", "", b)) for b in re.findall(r"<pre>(.*?)</pre>", page, re.S)]
+    return [
+        html.unescape(re.sub(r"<[^>]+>", "", b))
+        for b in re.findall(r"<pre>(.*?)</pre>", page, re.S)
+    ]
 
 
 def test_cli_reference_shows_the_trainer_options_once(site):
@@ -151,8 +187,11 @@ def test_cli_reference_shows_the_trainer_options_once(site):
     blocks = _cli_blocks(site)
     full = [b for b in blocks if "--trainer.gradient_clip_algorithm GRADIENT" in b]
     assert len(full) == 1 and full[0].startswith("usage: bnswap [options] train"), len(full)
-    for sub, own in (("validate", "--verbose"), ("test", "--verbose"),
-                     ("predict", "--return_predictions")):
+    for sub, own in (
+        ("validate", "--verbose"),
+        ("test", "--verbose"),
+        ("predict", "--return_predictions"),
+    ):
         (block,) = [b for b in blocks if b.startswith(f"usage: bnswap [options] {sub} ")]
         assert "every option of `bnswap train --help`" in block and own in block, block
         assert "--ckpt_path" in block and len(block.splitlines()) < 80, block
@@ -167,8 +206,9 @@ def test_bnswap_help_text_has_no_rest_roles(site):
     roles = re.findall(r":(\w+):`~?([\w.]+)", text)
     assert roles, "no role at all: the check would pass on anything"
     foreign = ("lightning.", "torch.", "datetime.")
-    assert [(r, t) for r, t in roles
-            if not (t.startswith(foreign) or "lightning.".startswith(t))] == []
+    assert [
+        (r, t) for r, t in roles if not (t.startswith(foreign) or "lightning.".startswith(t))
+    ] == []
 
 
 class _Anchors(html.parser.HTMLParser):
@@ -215,8 +255,10 @@ def test_every_internal_anchor_resolves(site, tmp_path):
     after other content of its section left ``api.html#module-bnswap.sync`` pointing at
     nothing). The check itself, on a planted page: a missing id is reported."""
     assert broken_fragments(site) == []
-    (tmp_path / "a.html").write_text('<p id="here"><a href="b.html#gone">x</a>'
-                                     '<a href="#here">y</a><a href="https://x.org/#z">z</a></p>')
+    (tmp_path / "a.html").write_text(
+        '<p id="here"><a href="b.html#gone">x</a>'
+        '<a href="#here">y</a><a href="https://x.org/#z">z</a></p>'
+    )
     (tmp_path / "b.html").write_text('<a name="kept" href="a.html#here">k</a>')
     assert broken_fragments(tmp_path) == ["a.html: b.html#gone"]
 
@@ -224,15 +266,20 @@ def test_every_internal_anchor_resolves(site, tmp_path):
 PLANTED = {
     "a link to a missing page": ("[gone](missing.md)", "missing"),
     "a link to a missing heading": ("[gone](#no-such-heading)", "no-such-heading"),
-    "a reference to a name with no page": ("{py:func}`bnswap.not_a_function`",
-                                          "bnswap.not_a_function"),
+    "a reference to a name with no page": (
+        "{py:func}`bnswap.not_a_function`",
+        "bnswap.not_a_function",
+    ),
     # in a docstring, as autodoc renders it: a typo in a bnswap module's name, an attribute
     # of a name that conf.py's nitpick_ignore_regex lets through (Module), must fail too
     "a docstring's reference to a missing bnswap function": (
         "```{eval-rst}\n.. autofunction:: planted.bad_function\n```",
-        "bnswap.functional.nonexistent"),
+        "bnswap.functional.nonexistent",
+    ),
     "a docstring's reference to a missing attribute": (
-        "```{eval-rst}\n.. autofunction:: planted.bad_attribute\n```", "Module.bogus"),
+        "```{eval-rst}\n.. autofunction:: planted.bad_attribute\n```",
+        "Module.bogus",
+    ),
 }
 
 PLANTED_MODULE = '''
@@ -253,14 +300,18 @@ def test_a_broken_reference_fails_the_build(what, tmp_path):
     planted link fails the build, naming it; the same page without it builds."""
     src = tmp_path / "src"
     src.mkdir()
-    (src / "conf.py").write_text(f"exec(open({str(DOCS / 'conf.py')!r}).read())\n"
-                                 f"HERE = __import__('pathlib').Path({str(DOCS)!r})\n"
-                                 f"sys.path.insert(0, {str(src)!r})\n")
+    (src / "conf.py").write_text(
+        f"exec(open({str(DOCS / 'conf.py')!r}).read())\n"
+        f"HERE = __import__('pathlib').Path({str(DOCS)!r})\n"
+        f"sys.path.insert(0, {str(src)!r})\n"
+    )
     shutil.copytree(DOCS / "_ext", src / "_ext")
     (src / "planted.py").write_text(PLANTED_MODULE)
-    page = ("# Title\n\n## A heading\n\nSee [it](#a-heading), [the page](index.md) and "
-            "{py:func}`bnswap.documented`.\n\n```{eval-rst}\n.. py:function:: bnswap.documented()\n"
-            "\n.. autofunction:: planted.fine\n```\n\n")
+    page = (
+        "# Title\n\n## A heading\n\nSee [it](#a-heading), [the page](index.md) and "
+        "{py:func}`bnswap.documented`.\n\n```{eval-rst}\n.. py:function:: bnswap.documented()\n"
+        "\n.. autofunction:: planted.fine\n```\n\n"
+    )
     (src / "index.md").write_text(page)
     assert _sphinx(src, tmp_path / "ok").returncode == 0
     text, needle = PLANTED[what]
@@ -271,8 +322,15 @@ def test_a_broken_reference_fails_the_build(what, tmp_path):
 
 # --- the browser -----------------------------------------------------------------------
 
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 @pytest.fixture
@@ -293,11 +351,15 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
-                    reason=f"no Chromium at {CHROMIUM}: apt-get install chromium "
-                           "(.ci/run installs it); no browser can be downloaded")
-@pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
-                    reason="playwright is not installed (the docs extra has it)")
+@pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK),
+    reason=f"no Chromium at {CHROMIUM}: apt-get install chromium "
+    "(.ci/run installs it); no browser can be downloaded",
+)
+@pytest.mark.skipif(
+    importlib.util.find_spec("playwright") is None,
+    reason="playwright is not installed (the docs extra has it)",
+)
 @pytest.mark.timeout(120)
 def test_the_site_in_headless_chromium(served):
     from playwright.sync_api import sync_playwright

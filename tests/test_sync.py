@@ -28,10 +28,10 @@ SCRIPT = Path(sync_cases.__file__)
 
 
 def _spawn(world: int, out: Path) -> list[dict]:
-    env = rank_env(PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]),
-                                               os.environ.get("PYTHONPATH", "")]))
-    proc = run_processes([sys.executable, str(SCRIPT), str(world), str(out)], timeout=400,
-                         env=env)
+    env = rank_env(
+        PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = run_processes([sys.executable, str(SCRIPT), str(world), str(out)], timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -75,8 +75,11 @@ def test_synchronized_layers_equal_stock_on_the_global_batch(ranks):
                     if mine is not None:
                         _close(mine, theirs, dtype)
             for j, p in enumerate(ref.parameters()):  # each rank's share adds up
-                _close(sum(results[r]["cases"][case]["records"][i]["pgrads"][j]
-                           for r in range(world)), p.grad, dtype)
+                _close(
+                    sum(results[r]["cases"][case]["records"][i]["pgrads"][j] for r in range(world)),
+                    p.grad,
+                    dtype,
+                )
 
 
 def test_eval_is_stock_bitwise_and_revert_gives_the_original_back(ranks):
@@ -124,8 +127,9 @@ def test_cuda_slots_wired_as_torchs_cuda_kernels_compute(ranks):
         assert sorted(got["cases"]) == sorted(sync_cases.CUDA_SLOT_CASES)
         for case, res in got["cases"].items():
             dtype = specs[case][5]
-            for mine, theirs in zip(res["records"], results[r]["cases"][case]["records"],
-                                    strict=True):
+            for mine, theirs in zip(
+                res["records"], results[r]["cases"][case]["records"], strict=True
+            ):
                 for k in ("out", "grad"):
                     _close(mine[k], theirs[k], dtype)
                 for a, b in zip(mine["pgrads"], theirs["pgrads"], strict=True):
@@ -148,8 +152,11 @@ def test_cpu_statistics_kernel_only_where_it_sums_accurately():
     x64 = torch.randn(256, 4, 32, 32, generator=g, dtype=torch.float64) + 1e4
     x = x64.float()
     stats = sync.DEVICE_KERNELS["cpu"].stats
-    cases = {"nchw": x, "channels_last": x.to(memory_format=torch.channels_last),
-             "(N, C)": x.permute(0, 2, 3, 1).reshape(-1, 4)}
+    cases = {
+        "nchw": x,
+        "channels_last": x.to(memory_format=torch.channels_last),
+        "(N, C)": x.permute(0, 2, 3, 1).reshape(-1, 4),
+    }
     used = {}
     for name, t in cases.items():
         got = stats(t)
@@ -174,10 +181,14 @@ def test_errors_on_many_ranks(ranks):
         # rank, nothing changed
         assert e["one_value"].startswith(
             "Expected more than 1 value per channel when training, got input size "
-            f"torch.Size([{1 - r}, 3])"), e["one_value"]
+            f"torch.Size([{1 - r}, 3])"
+        ), e["one_value"]
         assert e["one_value_state_same"]
-        assert e["momentum"] == ("batch_norm(): argument 'momentum' (position 7) must be "
-                                 "float, not str") and e["momentum_state_same"]
+        assert (
+            e["momentum"]
+            == ("batch_norm(): argument 'momentum' (position 7) must be float, not str")
+            and e["momentum_state_same"]
+        )
         shape, state = e["all_empty"]  # an all-empty global batch: stock's early return
         assert shape == (0, 3) and int(state["num_batches_tracked"]) == 1
         assert torch.equal(state["running_mean"], torch.zeros(3))
@@ -188,7 +199,8 @@ def test_errors_on_many_ranks(ranks):
     assert results[1]["errors"]["plan_sync"] == ["group without this rank", "WORLD, 2 ranks"]
     assert results[0]["errors"]["ddp_stock"].startswith(  # torch's, then the layers (issue 26)
         "SyncBatchNorm layers only work with GPU modules: 1 torch.nn.SyncBatchNorm layer is "
-        "not swapped by bnswap ('1'). On the CPU only bnswap's swapped SyncBatchNorm runs.")
+        "not swapped by bnswap ('1'). On the CPU only bnswap's swapped SyncBatchNorm runs."
+    )
 
 
 def test_bad_input_on_one_rank_leaves_no_rank_waiting(ranks):
@@ -197,8 +209,7 @@ def test_bad_input_on_one_rank_leaves_no_rank_waiting(ranks):
         pytest.skip("2 ranks")
     bad, good = results[1]["bad_input"], results[0]["bad_input"]
     # stock's error on the bad rank, before any collective and before any state change
-    assert bad == {"error": "RuntimeError: running_mean should contain 4 elements not 3",
-                   "nbt": 0}
+    assert bad == {"error": "RuntimeError: running_mean should contain 4 elements not 3", "nbt": 0}
     # the good rank's collective ended with an error when the bad rank left (both exited:
     # the spawn returned), and it changed nothing either
     assert good["error"] is not None and good["nbt"] == 0
@@ -206,8 +217,7 @@ def test_bad_input_on_one_rank_leaves_no_rank_waiting(ranks):
 
 def test_convert_sync_batchnorm_shares_state_and_reverts_to_the_original_objects():
     bn1, bn2 = nn.BatchNorm1d(4), nn.BatchNorm2d(3, momentum=None)
-    model = nn.Sequential(nn.Linear(2, 4), bn1, nn.Unflatten(1, (4, 1, 1)), nn.Conv2d(4, 3, 1),
-                          bn2)
+    model = nn.Sequential(nn.Linear(2, 4), bn1, nn.Unflatten(1, (4, 1, 1)), nn.Conv2d(4, 3, 1), bn2)
     hook_calls = []
     bn2.register_forward_hook(lambda m, i, o: hook_calls.append(type(m).__name__))
     bn2.eval()
@@ -216,7 +226,9 @@ def test_convert_sync_batchnorm_shares_state_and_reverts_to_the_original_objects
     out = bnswap.convert(model, sync_batchnorm=True)
     assert out is model
     assert [type(m) for m in model if isinstance(m, nn.modules.batchnorm._BatchNorm)] == [
-        nn.SyncBatchNorm, nn.SyncBatchNorm]
+        nn.SyncBatchNorm,
+        nn.SyncBatchNorm,
+    ]
     assert all(bnswap.is_swapped(model[i]) for i in (1, 4))
     assert list(model.parameters()) == params and list(model.buffers()) == buffers
     assert not model[4].training and model[1].training and model[4].momentum is None
@@ -275,7 +287,10 @@ def test_plan_rows_say_what_synchronizes():
     rows = bnswap.plan(model, sync_batchnorm=True, exclude="3")
     assert [(r.action, r.sync_class, r.sync) for r in rows] == [
         ("swap", nn.SyncBatchNorm, "WORLD after init_process_group; unsynchronized before"),
-        ("swap", None, "-"), ("swap", None, "-"), ("skip", None, "-")]
+        ("swap", None, "-"),
+        ("swap", None, "-"),
+        ("skip", None, "-"),
+    ]
     assert "not synchronized" in rows[1].reason and "becomes SyncBatchNorm" in rows[0].reason
     assert "sync" in str(rows).splitlines()[1]  # the sync column
     assert "sync" not in str(bnswap.plan(nn.BatchNorm2d(2))).splitlines()[1]
@@ -330,17 +345,28 @@ def test_timm_batchnormact2d_becomes_timms_syncbatchnormact():
 EXAMPLE = SCRIPT.parents[1] / "examples" / "ddp_syncbn.py"
 
 
-def _torchrun_example(*args: str, timeout: float = 400, path: tuple[str, ...] = ()
-                      ) -> subprocess.CompletedProcess:
+def _torchrun_example(
+    *args: str, timeout: float = 400, path: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=2 examples/ddp_syncbn.py *args`` on 127.0.0.1, one
     thread a rank, ``path`` put first on PYTHONPATH."""
     root = SCRIPT.parents[1]
-    env = rank_env(PYTHONPATH=os.pathsep.join([*path, str(root),
-                                               os.environ.get("PYTHONPATH", "")]))
+    env = rank_env(PYTHONPATH=os.pathsep.join([*path, str(root), os.environ.get("PYTHONPATH", "")]))
     return run_processes(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={sync_cases.free_port()}", str(EXAMPLE),
-         *args], timeout=timeout, env=env, cwd=root)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={sync_cases.free_port()}",
+            str(EXAMPLE),
+            *args,
+        ],
+        timeout=timeout,
+        env=env,
+        cwd=root,
+    )
 
 
 def test_ddp_syncbn_example_without_scikit_learn_says_so_in_one_line(tmp_path):
@@ -352,11 +378,14 @@ def test_ddp_syncbn_example_without_scikit_learn_says_so_in_one_line(tmp_path):
     fake = tmp_path / "sklearn"
     fake.mkdir()
     (fake / "__init__.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'sklearn'\", name='sklearn')\n")
-    proc = _torchrun_example("--steps=1", f"--timeout_s={COLLECTIVE_TIMEOUT_S}",
-                             timeout=120, path=(str(tmp_path),))
-    line = ("examples/ddp_syncbn.py: needs scikit-learn for the digits data: pip install "
-            "scikit-learn")
+        "raise ModuleNotFoundError(\"No module named 'sklearn'\", name='sklearn')\n"
+    )
+    proc = _torchrun_example(
+        "--steps=1", f"--timeout_s={COLLECTIVE_TIMEOUT_S}", timeout=120, path=(str(tmp_path),)
+    )
+    line = (
+        "examples/ddp_syncbn.py: needs scikit-learn for the digits data: pip install scikit-learn"
+    )
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stderr.count(line) in (1, 2), proc.stderr[-4000:]
     assert f'File "{EXAMPLE}"' not in proc.stderr and "ModuleNotFoundError" not in proc.stderr
@@ -392,12 +421,16 @@ def test_ddp_syncbn_example_under_torchrun_matches_one_process(tmp_path):
     import importlib.util
 
     steps, batch, lr = 3, 33, 0.05
-    proc = _torchrun_example(f"--steps={steps}", f"--batch_size={batch}", f"--lr={lr}",
-                             f"--out={tmp_path}", "--float64=true",
-                             f"--timeout_s={COLLECTIVE_TIMEOUT_S}")
+    proc = _torchrun_example(
+        f"--steps={steps}",
+        f"--batch_size={batch}",
+        f"--lr={lr}",
+        f"--out={tmp_path}",
+        "--float64=true",
+        f"--timeout_s={COLLECTIVE_TIMEOUT_S}",
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "synchronized over: WORLD, 2 ranks | kernel: Sync (Native); eval Native" \
-        in proc.stdout
+    assert "synchronized over: WORLD, 2 ranks | kernel: Sync (Native); eval Native" in proc.stdout
     assert "stock BatchNorm2d layers again" in proc.stdout
     assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]
     s0, s1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))

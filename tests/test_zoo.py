@@ -51,7 +51,6 @@ NUM_CLASSES = 10
 INPUT_SHAPE = (2, 3, 64, 64)  # smallest feature maps: 2x2 (8 values per channel)
 
 
-
 def _import(lib: str) -> Any:
     """Import torchvision / timm or skip with the reason (torchvision does not import
     beside torch 2.13.0, so the main environment has neither)."""
@@ -202,10 +201,13 @@ def test_export_graph_has_consolidated_ops(lib, name, count, classes):
     ep = torch.export.export(converted.train(), (x,))
     assert _batch_norm_ops(ep.graph) == Counter({_BN_WITH_UPDATE: count})
     assert _batch_norm_ops(ep.run_decompositions({}).graph) == Counter(
-        {_BN_WITH_UPDATE_FUNCTIONAL: count})
-    assert _batch_norm_ops(ep.run_decompositions().graph) == _batch_norm_ops(
-        stock_ep.run_decompositions().graph) == Counter(
-        {"aten._native_batch_norm_legit_functional.default": count})
+        {_BN_WITH_UPDATE_FUNCTIONAL: count}
+    )
+    assert (
+        _batch_norm_ops(ep.run_decompositions().graph)
+        == _batch_norm_ops(stock_ep.run_decompositions().graph)
+        == Counter({"aten._native_batch_norm_legit_functional.default": count})
+    )
 
     # Evaluation: one _batch_norm_no_update per layer.
     ep_eval = torch.export.export(converted.eval(), (x,))
@@ -236,8 +238,14 @@ def test_revert_restores_original_classes(lib, name, count, classes):
 
 # --- timm's BatchNormAct2d, layer by layer ----------------------------------------------
 
-def _layer_steps(stock: nn.Module, converted: nn.Module, shape: tuple[int, ...],
-                 fmt: torch.memory_format = torch.contiguous_format, steps: int = 3) -> None:
+
+def _layer_steps(
+    stock: nn.Module,
+    converted: nn.Module,
+    shape: tuple[int, ...],
+    fmt: torch.memory_format = torch.contiguous_format,
+    steps: int = 3,
+) -> None:
     """``steps`` training steps of ``stock`` and ``converted`` on input of ``shape`` in
     ``fmt`` (output and its memory format, input and parameter gradients, every buffer),
     then an eval forward, all bitwise equal."""
@@ -342,7 +350,8 @@ def test_timm_split_batchnorm_swapped_whole_and_bitwise(kwargs):
     table = bnswap.plan(stock)
     assert [(r.name, r.action, r.adapter_name) for r in table] == [
         ("(root)", "swap", "bnswap.adapters.timm.split_batch_norm_2d"),
-        *((f"aux_bn.{i}", "swap", ADAPTERS["BatchNorm2d"]) for i in range(splits - 1))]
+        *((f"aux_bn.{i}", "swap", ADAPTERS["BatchNorm2d"]) for i in range(splits - 1)),
+    ]
     assert type(converted) is SplitBatchNorm2d
     assert all(bnswap.is_swapped(m) for _, m in _bn_layers(converted))
     assert list(converted.state_dict()) == list(stock.state_dict())
@@ -373,7 +382,10 @@ def test_timm_split_batchnorm_is_left_out_and_synchronized_whole():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), layer)
     plan = bnswap.plan(model, exclude="1")
     assert [(r.name, r.action, r.excluded) for r in plan] == [
-        ("1", "skip", True), ("1.aux_bn.0", "skip", True), ("1.aux_bn.1", "skip", True)]
+        ("1", "skip", True),
+        ("1.aux_bn.0", "skip", True),
+        ("1.aux_bn.1", "skip", True),
+    ]
     assert plan.rows[1].reason == "excluded with the BatchNorm layer it is part of, '1'"
     assert [r.action for r in bnswap.plan(model, include="1")] == ["swap"] * 3
     with warnings.catch_warnings(record=True) as caught:
@@ -385,7 +397,8 @@ def test_timm_split_batchnorm_is_left_out_and_synchronized_whole():
         "bnswap.convert: 3 swapped layers stay unsynchronized with sync_batchnorm=True: "
         "sync_batchnorm=True converts BatchNorm1d/2d/3d (exact class, not parametrized) and "
         "timm's BatchNormAct2d: '1'; part of '1', which is not: '1.aux_bn.0', '1.aux_bn.1'; "
-        "bnswap.plan(model) shows each layer and why"]
+        "bnswap.plan(model) shows each layer and why"
+    ]
 
 
 def test_timm_convert_splitbn_model_swapped_whole_and_bitwise():
@@ -397,8 +410,10 @@ def test_timm_convert_splitbn_model_swapped_whole_and_bitwise():
     from timm.layers import SplitBatchNorm2d, convert_splitbn_model
 
     torch.manual_seed(0)
-    stock = convert_splitbn_model(timm.create_model("mobilenetv3_small_100", pretrained=False,
-                                                    num_classes=NUM_CLASSES), num_splits=2)
+    stock = convert_splitbn_model(
+        timm.create_model("mobilenetv3_small_100", pretrained=False, num_classes=NUM_CLASSES),
+        num_splits=2,
+    )
     splits = [m for _, m in stock.named_modules() if type(m) is SplitBatchNorm2d]
     assert len(splits) == 34 and all(hasattr(m, "act") for m in splits)
     converted = copy.deepcopy(stock)
@@ -408,7 +423,9 @@ def test_timm_convert_splitbn_model_swapped_whole_and_bitwise():
     table = bnswap.plan(stock)
     assert len(table) == len(table.swapped) == 68, str(table)  # 34 layers, 34 aux layers
     assert Counter(r.adapter_name for r in table) == {
-        "bnswap.adapters.timm.split_batch_norm_2d": 34, ADAPTERS["BatchNorm2d"]: 34}
+        "bnswap.adapters.timm.split_batch_norm_2d": 34,
+        ADAPTERS["BatchNorm2d"]: 34,
+    }
     x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     results = []
     for model in (stock, converted):
@@ -430,8 +447,12 @@ def test_timm_convert_splitbn_model_swapped_whole_and_bitwise():
 
 # --- more timm families built on BatchNormAct2d -----------------------------------------
 
-FAMILIES = [("regnety_002", 44, True), ("mobilenetv3_small_100", 34, True),
-            ("densenet121", 121, False), ("cspdarknet53", 67, False)]
+FAMILIES = [
+    ("regnety_002", 44, True),
+    ("mobilenetv3_small_100", 34, True),
+    ("densenet121", 121, False),
+    ("cspdarknet53", 67, False),
+]
 
 
 @pytest.mark.parametrize(("name", "count", "bitwise"), FAMILIES, ids=[n for n, *_ in FAMILIES])
@@ -443,7 +464,8 @@ def test_timm_batchnormact_family_swapped(name, count, bitwise):
     table = bnswap.plan(stock)
     assert len(table) == len(table.swapped) == count, str(table)
     assert {(r.cls, r.adapter_name) for r in table} == {
-        ("BatchNormAct2d", ADAPTERS["BatchNormAct2d"])}
+        ("BatchNormAct2d", ADAPTERS["BatchNormAct2d"])
+    }
     assert all(bnswap.is_swapped(m) for _, m in _bn_layers(converted))
     if not bitwise:
         return
@@ -472,8 +494,9 @@ def _lightning_parts() -> tuple[Any, Any, Any]:
     scikit-learn (the digits data) is imported only when the data loads, so a missing one
     is checked here: the import of bnswap.app.data alone succeeds without it."""
     if importlib.util.find_spec("sklearn") is None:
-        pytest.skip("scikit-learn is not installed here (the digits data); install "
-                    "bnswap[lightning]")
+        pytest.skip(
+            "scikit-learn is not installed here (the digits data); install bnswap[lightning]"
+        )
     try:
         pl = importlib.import_module("lightning.pytorch")
         bl = importlib.import_module("bnswap.lightning")
@@ -503,8 +526,9 @@ def test_timm_lightning_two_epochs_same_val_accuracy_as_stock(tmp_path):
     class Classifier(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = timm.create_model("mobilenetv2_100", pretrained=False, num_classes=10,
-                                         in_chans=1, drop_rate=0.2)
+            self.net = timm.create_model(
+                "mobilenetv2_100", pretrained=False, num_classes=10, in_chans=1, drop_rate=0.2
+            )
             self.val_acc: list[float] = []
             self._correct = self._seen = 0
 
@@ -534,10 +558,18 @@ def test_timm_lightning_two_epochs_same_val_accuracy_as_stock(tmp_path):
         pl.seed_everything(7, workers=True)
         model = Classifier()
         trainer = pl.Trainer(
-            max_epochs=2, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
-            default_root_dir=str(tmp_path / root))
+            max_epochs=2,
+            accelerator="cpu",
+            devices=1,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            deterministic=True,
+            default_root_dir=str(tmp_path / root),
+        )
         trainer.fit(model, DigitsDataModule(batch_size=64, image_size=32, seed=0))
         return model
 
@@ -598,11 +630,18 @@ def test_timm_freeze_unfreeze_during_fit_stays_swapped(tmp_path, name, count):
         pl.seed_everything(0)
         module = Module()
         before = dict(_bn_layers(module))  # (held: a freed layer's id could be reused)
-        pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, callbacks=callbacks,
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, deterministic=True,
-                   default_root_dir=str(tmp_path)).fit(
-            module, torch.utils.data.DataLoader(data, batch_size=4))
+        pl.Trainer(
+            max_epochs=2,
+            accelerator="cpu",
+            devices=1,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            deterministic=True,
+            default_root_dir=str(tmp_path),
+        ).fit(module, torch.utils.data.DataLoader(data, batch_size=4))
         assert all(m is not before[n] for n, m in _bn_layers(module))  # all rebuilt
         runs.append(module)
     stock, swapped = runs
@@ -611,8 +650,9 @@ def test_timm_freeze_unfreeze_during_fit_stays_swapped(tmp_path, name, count):
         _assert_equal(k, v, swapped.state_dict()[k])
 
 
-@pytest.mark.parametrize(("model", "count"), [("torchvision.models.resnet18", 20),
-                                              ("timm.models.mobilenetv2_100", 52)])
+@pytest.mark.parametrize(
+    ("model", "count"), [("torchvision.models.resnet18", 20), ("timm.models.mobilenetv2_100", 52)]
+)
 def test_bnswap_plan_of_a_zoo_model_swaps_every_layer(capsys, model, count):
     """`bnswap plan --model torchvision.models.resnet18` (any importable function returning
     an nn.Module, its arguments the jsonargparse way; timm's model functions take only

@@ -62,8 +62,11 @@ def ddp_error(model: nn.Module) -> dict[str, str] | None:
 
 def main(out_dir: str) -> None:
     rank = os.environ["RANK"]
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
     bnswap.convert(net())  # 1. before the process group: RANK alone
     # a layer convert leaves (it overrides forward): its warning once per job
     bnswap.convert(nn.Sequential(Doubled(3), nn.BatchNorm2d(3)))
@@ -78,8 +81,11 @@ def main(out_dir: str) -> None:
         warnings.simplefilter("ignore")  # (the excluded layer is what this case wants)
         bnswap.convert(excluded, exclude="features.0.1")
     swapped = bnswap.convert(net(), sync_batchnorm=True)
-    errors = {"late": ddp_error(late), "excluded": ddp_error(excluded),
-              "swapped": ddp_error(swapped)}
+    errors = {
+        "late": ddp_error(late),
+        "excluded": ddp_error(excluded),
+        "swapped": ddp_error(swapped),
+    }
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(errors, f)
 

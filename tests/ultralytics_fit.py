@@ -45,7 +45,8 @@ def dataset(root: str) -> str:
         os.makedirs(os.path.join(d, "labels", split))
         for i in range(4):
             Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(
-                os.path.join(d, "images", split, f"{i}.png"))
+                os.path.join(d, "images", split, f"{i}.png")
+            )
             with open(os.path.join(d, "labels", split, f"{i}.txt"), "w") as f:
                 f.write(f"{i % 2} 0.5 0.5 0.4 0.3\n")
     with open(os.path.join(d, "data.yaml"), "w") as f:
@@ -58,8 +59,12 @@ def main(kind: str, phase: str, root: str) -> None:
     seen = []
 
     def count(tr):
-        seen.append([sum(bnswap.is_swapped(m) for m in tr.model.modules()),
-                     sum(bnswap.is_swapped(m) for m in tr.ema.ema.modules())])
+        seen.append(
+            [
+                sum(bnswap.is_swapped(m) for m in tr.model.modules()),
+                sum(bnswap.is_swapped(m) for m in tr.ema.ema.modules()),
+            ]
+        )
 
     def stop_after_first_checkpoint(tr):
         raise SystemExit(3)
@@ -72,14 +77,30 @@ def main(kind: str, phase: str, root: str) -> None:
         yolo = YOLO(last)
     yolo.add_callback("on_train_batch_end", count)
     if kind == "callback":
-        yolo.add_callback("on_pretrain_routine_end",
-                          lambda tr: (bnswap.convert(tr.model), bnswap.convert(tr.ema.ema)))
+        yolo.add_callback(
+            "on_pretrain_routine_end",
+            lambda tr: (bnswap.convert(tr.model), bnswap.convert(tr.ema.ema)),
+        )
     try:
         if phase == "first":
-            yolo.train(trainer=trainer, data=dataset(root), epochs=2, imgsz=64, batch=2,
-                       workers=0, device="cpu", plots=False, val=False, amp=False,
-                       deterministic=True, seed=0, project=os.path.join(root, kind),
-                       name="run", exist_ok=True, verbose=False)
+            yolo.train(
+                trainer=trainer,
+                data=dataset(root),
+                epochs=2,
+                imgsz=64,
+                batch=2,
+                workers=0,
+                device="cpu",
+                plots=False,
+                val=False,
+                amp=False,
+                deterministic=True,
+                seed=0,
+                project=os.path.join(root, kind),
+                name="run",
+                exist_ok=True,
+                verbose=False,
+            )
         else:
             yolo.train(trainer=trainer, resume=True)
     finally:

@@ -114,8 +114,9 @@ def split_batch_norm_2d(layer: _timm_split_batchnorm.SplitBatchNorm2d, input: Te
     """
     if layer.training:  # the auxiliary layers are used in training only
         split_size = input.shape[0] // layer.num_splits
-        assert input.shape[0] == split_size * layer.num_splits, \
+        assert input.shape[0] == split_size * layer.num_splits, (
             "batch size must be evenly divisible by num_splits"
+        )
         parts = input.split(split_size)
         layer._check_input_dim(parts[0])
         out = [module_batch_norm(layer, parts[0])]  # type: ignore[arg-type]

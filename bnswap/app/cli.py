@@ -52,13 +52,21 @@ from bnswap.app.data import DigitsDataModule
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
-__all__ = ["BNSwapCLI", "CompareUsageError", "Trainer", "compare", "plot",
-           "run_lightning_subcommand", "run_train"]
+__all__ = [
+    "BNSwapCLI",
+    "CompareUsageError",
+    "Trainer",
+    "compare",
+    "plot",
+    "run_lightning_subcommand",
+    "run_train",
+]
 
 #: ``ckpt_path`` values Lightning resolves itself (not file names).
 _CKPT_ALIASES = ("last", "best", "hpc", "registry")
 
 DEFAULT_CONFIGS = ("digits_mobilenetv2_stock.yaml", "digits_mobilenetv2.yaml")
+
 
 class Trainer(pl.Trainer):
     """Lightning's Trainer with a train method, the CLI's main-job subcommand.
@@ -67,9 +75,14 @@ class Trainer(pl.Trainer):
     (jsonargparse prints them as they are): plain text, no reST roles.
     """
 
-    def train(self, model: pl.LightningModule, train_dataloaders: Any = None,
-              val_dataloaders: Any = None, datamodule: pl.LightningDataModule | None = None,
-              ckpt_path: str | None = None) -> None:
+    def train(
+        self,
+        model: pl.LightningModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: pl.LightningDataModule | None = None,
+        ckpt_path: str | None = None,
+    ) -> None:
         """Train the model (Trainer.fit) and report the final validation accuracy.
 
         Args:
@@ -107,8 +120,11 @@ class _Parser(LightningArgumentParser):
             sub = keys[0].split(".", 1)[0]
             if sub in BNSwapCLI.subcommands() and all(k.startswith(sub + ".") for k in keys):
                 prog = f"bnswap {sub}"
-                message = ("missing " + ", ".join("--" + k.split(".", 1)[1] for k in keys)
-                           + " (a config gives them: --config digits_mobilenetv2.yaml)")
+                message = (
+                    "missing "
+                    + ", ".join("--" + k.split(".", 1)[1] for k in keys)
+                    + " (a config gives them: --config digits_mobilenetv2.yaml)"
+                )
         _usage_error(prog, short_error(message))
 
 
@@ -141,29 +157,37 @@ class BNSwapCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("trainer_class", Trainer)
         kwargs.setdefault("parser_class", _Parser)
-        kwargs.setdefault("parser_kwargs", {
-            "prog": "bnswap",
-            "description": "bnswap: train with BatchNorm on PyTorch's consolidated "
-                           "batch-norm ops. Also: `bnswap compare --help`.",
-        })
+        kwargs.setdefault(
+            "parser_kwargs",
+            {
+                "prog": "bnswap",
+                "description": "bnswap: train with BatchNorm on PyTorch's consolidated "
+                "batch-norm ops. Also: `bnswap compare --help`.",
+            },
+        )
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         self.results: dict[str, Any] = {}
         super().__init__(args=args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument(
-            "--num_threads", type=int | None, default=1,
+            "--num_threads",
+            type=int | None,
+            default=1,
             help="torch intra-op threads (torch.set_num_threads). 1 by default: on a "
-                 "machine whose cores other processes also use, more threads than free "
-                 "cores make OpenMP spin (runs several times slower); on an idle 2-core "
-                 "machine 2 is about 1.4x faster. null keeps torch's default.")
+            "machine whose cores other processes also use, more threads than free "
+            "cores make OpenMP spin (runs several times slower); on an idle 2-core "
+            "machine 2 is about 1.4x faster. null keeps torch's default.",
+        )
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config.get(str(self.subcommand), self.config)
         n = cfg.get("num_threads")
         if n is not None and n < 1:
-            _usage_error(f"bnswap {self.subcommand}",
-                         f"num_threads: expected a positive integer or null, got {n}")
+            _usage_error(
+                f"bnswap {self.subcommand}",
+                f"num_threads: expected a positive integer or null, got {n}",
+            )
         if n is not None:
             import torch
 
@@ -183,8 +207,12 @@ class BNSwapCLI(LightningCLI):
         prog = f"bnswap {self.subcommand}" if self.subcommand else "bnswap"
         cfg = self.config.get(str(self.subcommand), self.config)
         ckpt = cfg.get("ckpt_path") if hasattr(cfg, "get") else None
-        if (isinstance(ckpt, str) and ckpt not in _CKPT_ALIASES and "://" not in ckpt
-                and not Path(ckpt).is_file()):
+        if (
+            isinstance(ckpt, str)
+            and ckpt not in _CKPT_ALIASES
+            and "://" not in ckpt
+            and not Path(ckpt).is_file()
+        ):
             _usage_error(prog, f"ckpt_path: no such file: {ckpt!r}")
         try:
             super().instantiate_classes()
@@ -198,7 +226,8 @@ class BNSwapCLI(LightningCLI):
                 if not bnswap.ort.is_available():
                     raise bnswap.ort.ORTNotAvailableError(
                         "BNSwap(backend='ort') needs ONNX Runtime training and torch-ort: "
-                        + bnswap.ort.INSTALL)
+                        + bnswap.ort.INSTALL
+                    )
             except bnswap.ort.ORTNotAvailableError as e:
                 _usage_error(prog, f"trainer.callbacks: {e}")
 
@@ -212,18 +241,27 @@ class BNSwapCLI(LightningCLI):
         history = list(getattr(self.model, "history", []))
         # the last epoch's float64 figures (callback_metrics holds them as float32 tensors,
         # so "final" and the history's last entry differed in the 8th digit)
-        metrics = ({k: v for k, v in history[-1].items() if k != "epoch"} if history else
-                   {k: float(v) for k, v in self.trainer.callback_metrics.items()
-                    if k in ("val_loss", "val_acc")})
+        metrics = (
+            {k: v for k, v in history[-1].items() if k != "epoch"}
+            if history
+            else {
+                k: float(v)
+                for k, v in self.trainer.callback_metrics.items()
+                if k in ("val_loss", "val_acc")
+            }
+        )
         swap = next((c for c in self.trainer.callbacks if isinstance(c, BNSwap)), None)
         epochs = self.trainer.current_epoch
         seconds = getattr(self.trainer, "fit_seconds", None)
         self.results = {
             "batchnorm": "bnswap" if swap is not None else "stock",
             "backend": swap.backend if swap is not None else None,
-            "plan": swap.plan.summary() if swap is not None and swap.plan is not None
+            "plan": swap.plan.summary()
+            if swap is not None and swap.plan is not None
             else "no BNSwap callback: stock torch.nn BatchNorm",
-            "final": metrics, "history": history, "epochs": epochs,
+            "final": metrics,
+            "history": history,
+            "epochs": epochs,
             "fit_seconds": seconds,
             "seconds_per_epoch": round(seconds / epochs, 2) if seconds and epochs else None,
         }
@@ -238,12 +276,14 @@ class BNSwapCLI(LightningCLI):
             (Path(log_dir) / "history.json").write_text(json.dumps(self.results, indent=1))
         print(self.results["plan"])
         if metrics:
-            print(f"final validation accuracy: {metrics.get('val_acc', float('nan')):.4f}  "
-                  f"(val_loss {metrics.get('val_loss', float('nan')):.4f}, "
-                  f"{epochs} epoch{'' if epochs == 1 else 's'}, "
-                  f"{self.results['batchnorm']} BatchNorm"
-                  + (f", backend {swap.backend}" if swap is not None else "") + ")")
-
+            print(
+                f"final validation accuracy: {metrics.get('val_acc', float('nan')):.4f}  "
+                f"(val_loss {metrics.get('val_loss', float('nan')):.4f}, "
+                f"{epochs} epoch{'' if epochs == 1 else 's'}, "
+                f"{self.results['batchnorm']} BatchNorm"
+                + (f", backend {swap.backend}" if swap is not None else "")
+                + ")"
+            )
 
     def after_predict(self) -> None:
         """Write the predictions (one tensor per batch, as ``Trainer.predict`` returns
@@ -258,8 +298,10 @@ class BNSwapCLI(LightningCLI):
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(predictions, path)
         rows = sum(len(p) for p in predictions if hasattr(p, "__len__"))
-        print(f"wrote {path}: {rows} predictions in {len(predictions)} batches "
-              "(torch.load it: a list of tensors, one per batch)")
+        print(
+            f"wrote {path}: {rows} predictions in {len(predictions)} batches "
+            "(torch.load it: a list of tensors, one per batch)"
+        )
 
 
 def run_train(args: Sequence[str]) -> BNSwapCLI:
@@ -313,13 +355,19 @@ def _root_dir(overrides: Sequence[str]) -> str:
 #: Under ``bnswap compare``'s figures: its seconds are no speed comparison. One run of each
 #: config, in turn, in one process: the first also pays the process's warm-up (imports,
 #: first-call allocations, caches), so whichever runs first looks slower.
-TIMES_NOTE = ("(wall times of one run each, in run order: not a speed comparison, the first "
-              "run also pays the process's warm-up; `python -m benchmarks` measures speed in "
-              "interleaved pairs)")
+TIMES_NOTE = (
+    "(wall times of one run each, in run order: not a speed comparison, the first "
+    "run also pays the process's warm-up; `python -m benchmarks` measures speed in "
+    "interleaved pairs)"
+)
 
 
-def compare(configs: list[str] | None = None, labels: list[str] | None = None,
-            out: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+def compare(
+    configs: list[str] | None = None,
+    labels: list[str] | None = None,
+    out: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
     """Train each config in turn and plot validation loss and accuracy per epoch.
 
     Args:
@@ -394,9 +442,12 @@ def compare(configs: list[str] | None = None, labels: list[str] | None = None,
     for run, (label, res) in enumerate(results.items(), 1):
         f = res["final"]
         per = res.get("seconds_per_epoch")
-        print(f"{label:>{width}}: final val_acc {f.get('val_acc', float('nan')):.4f}  "
-              f"val_loss {f.get('val_loss', float('nan')):.4f}  (run {run}: {res['seconds']} s"
-              + (f", {per} s per epoch" if per is not None else "") + ")")
+        print(
+            f"{label:>{width}}: final val_acc {f.get('val_acc', float('nan')):.4f}  "
+            f"val_loss {f.get('val_loss', float('nan')):.4f}  (run {run}: {res['seconds']} s"
+            + (f", {per} s per epoch" if per is not None else "")
+            + ")"
+        )
     if len(results) > 1:
         print(TIMES_NOTE)
     return results
@@ -420,15 +471,18 @@ def plot(results: dict[str, Any]) -> Any:
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = [dict(marker="o", linestyle="-", markersize=7),
-              dict(marker="x", linestyle="--", markersize=9, linewidth=2)]
+    styles = [
+        dict(marker="o", linestyle="-", markersize=7),
+        dict(marker="x", linestyle="--", markersize=9, linewidth=2),
+    ]
     for i, (label, res) in enumerate(results.items()):
         epochs = [h["epoch"] + 1 for h in res["history"]]
         style = styles[i % len(styles)]
         ax_loss.plot(epochs, [h["val_loss"] for h in res["history"]], label=label, **style)
         ax_acc.plot(epochs, [h["val_acc"] for h in res["history"]], label=label, **style)
-    ax_loss.set(xlabel="epoch", ylabel="validation loss (log scale)", title="Validation loss",
-                yscale="log")
+    ax_loss.set(
+        xlabel="epoch", ylabel="validation loss (log scale)", title="Validation loss", yscale="log"
+    )
     ax_acc.set(xlabel="epoch", ylabel="validation accuracy", title="Validation accuracy")
     for ax in (ax_loss, ax_acc):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole epochs
@@ -436,8 +490,11 @@ def plot(results: dict[str, Any]) -> Any:
         ax.legend()
     histories = [res["history"] for res in results.values()]
     same = len(histories) > 1 and all(h == histories[0] for h in histories)
-    fig.suptitle("MobileNetV2-style net on scikit-learn digits: " + " vs ".join(results)
-                 + ("\n(the curves coincide: identical figures at every epoch)" if same else ""))
+    fig.suptitle(
+        "MobileNetV2-style net on scikit-learn digits: "
+        + " vs ".join(results)
+        + ("\n(the curves coincide: identical figures at every epoch)" if same else "")
+    )
     fig.tight_layout()
     return fig
 
@@ -476,8 +533,12 @@ def split_compare_args(args: Sequence[str]) -> list[str]:
             else:
                 passed.append(f"{a}={items[i + 1]}")
                 i += 1
-        elif key in LIST_OPTIONS and "=" not in a and i + 1 < len(items) \
-                and not items[i + 1].lstrip().startswith("["):
+        elif (
+            key in LIST_OPTIONS
+            and "=" not in a
+            and i + 1 < len(items)
+            and not items[i + 1].lstrip().startswith("[")
+        ):
             # --configs A.yaml B.yaml: the values up to the next option, as one list
             values = []
             while i + 1 < len(items) and not items[i + 1].startswith("--"):
@@ -509,8 +570,12 @@ def run_lightning_subcommand(args: list[str], from_sys_argv: bool) -> None:
         from jsonargparse import CLI
 
         try:
-            CLI(compare, args=split_compare_args(args[1:]), as_positional=False,
-                prog="bnswap compare")
+            CLI(
+                compare,
+                args=split_compare_args(args[1:]),
+                as_positional=False,
+                prog="bnswap compare",
+            )
         except CompareUsageError as e:  # refused before any run (not a run's own error)
             _usage_error("bnswap compare", str(e))
         return
@@ -539,6 +604,9 @@ def _end_process_group() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover - the entry point is the front door
-    print("bnswap.app.cli: error: no command of its own: run bnswap SUBCOMMAND (bnswap "
-          "--help lists them), or python -m _bnswap_command SUBCOMMAND", file=sys.stderr)
+    print(
+        "bnswap.app.cli: error: no command of its own: run bnswap SUBCOMMAND (bnswap "
+        "--help lists them), or python -m _bnswap_command SUBCOMMAND",
+        file=sys.stderr,
+    )
     sys.exit(2)

@@ -51,7 +51,7 @@ class EpochShuffleSampler(Sampler[int]):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.n, generator=g).tolist()
         if self._skip is not None and self._skip[0] == self.epoch:
-            order = order[self._skip[1]:]
+            order = order[self._skip[1] :]
         return iter(order)
 
     def __len__(self) -> int:
@@ -80,13 +80,23 @@ class DigitsDataModule(pl.LightningDataModule):
             below 1; num_workers below 0 (raised here, before any training starts).
     """
 
-    def __init__(self, batch_size: int = 64, val_batch_size: int = 256, image_size: int = 16,
-                 val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0):
+    def __init__(
+        self,
+        batch_size: int = 64,
+        val_batch_size: int = 256,
+        image_size: int = 16,
+        val_fraction: float = 0.2,
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size),
-                            ("image_size", image_size)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("val_batch_size", val_batch_size),
+            ("image_size", image_size),
+        ):
             if value < 1:  # torch's DataLoader / interpolate would refuse it mid-fit
                 raise ValueError(f"{name} should be a positive integer value, got {value}")
         if num_workers < 0:
@@ -114,16 +124,26 @@ class DigitsDataModule(pl.LightningDataModule):
         self._sampler = EpochShuffleSampler(len(self.train_set), self.seed)
         if self._resume is not None:
             self._sampler.set_epoch(self._resume["epoch"])
-            self._sampler.skip_in_epoch(self._resume["epoch"],
-                                        self._resume["batches"] * self.batch_size)
+            self._sampler.skip_in_epoch(
+                self._resume["epoch"], self._resume["batches"] * self.batch_size
+            )
             self._resume = None
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=self._sampler,
-                          drop_last=True, num_workers=self.num_workers)
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            sampler=self._sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None, "call setup() first"
-        return DataLoader(self.val_set, batch_size=self.val_batch_size, shuffle=False,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            self.val_set,
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+        )
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
@@ -143,5 +163,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "epoch" in state_dict and "batches" in state_dict:
-            self._resume = {"epoch": int(state_dict["epoch"]),
-                            "batches": int(state_dict["batches"])}
+            self._resume = {
+                "epoch": int(state_dict["epoch"]),
+                "batches": int(state_dict["batches"]),
+            }

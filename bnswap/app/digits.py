@@ -35,8 +35,9 @@ def load_digits_tensors(image_size: int = 16) -> tuple[torch.Tensor, torch.Tenso
     return x.contiguous(), y
 
 
-def digits_split(image_size: int = 16, val_fraction: float = 0.2, seed: int = 0
-                 ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def digits_split(
+    image_size: int = 16, val_fraction: float = 0.2, seed: int = 0
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """The fixed train / validation split used by the main job.
 
     A permutation drawn from ``torch.Generator().manual_seed(seed)`` puts the first

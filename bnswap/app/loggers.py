@@ -19,9 +19,18 @@ class CSVLogger(_CSVLogger):
         name, version, prefix, flush_logs_every_n_steps: as Lightning's ``CSVLogger``.
     """
 
-    def __init__(self, save_dir: str | None = None, name: str | None = "lightning_logs",
-                 version: int | str | None = None, prefix: str = "",
-                 flush_logs_every_n_steps: int = 100) -> None:
-        super().__init__(save_dir if save_dir is not None else ".", name=name,
-                         version=version, prefix=prefix,
-                         flush_logs_every_n_steps=flush_logs_every_n_steps)
+    def __init__(
+        self,
+        save_dir: str | None = None,
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+    ) -> None:
+        super().__init__(
+            save_dir if save_dir is not None else ".",
+            name=name,
+            version=version,
+            prefix=prefix,
+            flush_logs_every_n_steps=flush_logs_every_n_steps,
+        )

@@ -8,15 +8,19 @@ __all__ = ["short_error"]
 
 _KEY = re.compile(r'Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)')
 _CLASS_PATH = re.compile(r"Problem with given class_path '[^']*':\s*(?P<rest>.*)")
-_LITERAL = re.compile(r"Expected (?:a )?typing\.Literal\[(?P<choices>.*?)\]"
-                      r"(?:\. Got value: (?P<got>.*))?$")
+_LITERAL = re.compile(
+    r"Expected (?:a )?typing\.Literal\[(?P<choices>.*?)\]"
+    r"(?:\. Got value: (?P<got>.*))?$"
+)
 _EXPECTED = re.compile(r"Expected (?:a )?(?P<type>.+?)(?:\. Got value: (?P<got>.*))?$")
 _UNION = "Does not validate against any of the Union subtypes"
 #: jsonargparse refusing a class (or a function annotated to return one) whose required
 #: parameter has no annotation: it cannot tell how to parse the value.
-_UNTYPED = re.compile(r"With fail_untyped=(?:True|'all'), all (?:mandatory )?parameters must "
-                      r"have a supported type\. Parameter '(?P<name>[^']+)' from "
-                      r"'(?P<src>[^']+)' does not specify a type\.?")
+_UNTYPED = re.compile(
+    r"With fail_untyped=(?:True|'all'), all (?:mandatory )?parameters must "
+    r"have a supported type\. Parameter '(?P<name>[^']+)' from "
+    r"'(?P<src>[^']+)' does not specify a type\.?"
+)
 #: Longest line kept of a message jsonargparse builds from the user's input (a file
 #: that is not a config is quoted whole: "Unexpected config: <the file>").
 _MAX = 160
@@ -66,15 +70,17 @@ def short_error(message: str) -> str:
     if not lines:
         return message
     if lines[0].startswith("Unexpected config:"):  # the whole file follows
-        return ("config: not a config file (a YAML mapping of options: trainer:, model:, "
-                f"data: ...); it begins {lines[0].split(':', 1)[1].strip()[:40]!r}")
+        return (
+            "config: not a config file (a YAML mapping of options: trainer:, model:, "
+            f"data: ...); it begins {lines[0].split(':', 1)[1].strip()[:40]!r}"
+        )
     text = _explain(lines, [])
     return text if text is not None else _first_line(lines[0])
 
 
 def _first_line(line: str) -> str:
     line = line.strip()
-    return line if len(line) <= _MAX else line[:_MAX - 3] + "..."
+    return line if len(line) <= _MAX else line[: _MAX - 3] + "..."
 
 
 def _indent(line: str) -> int:
@@ -103,8 +109,9 @@ def _items(lines: list[str]) -> list[list[str]]:
 def _type_name(text: str) -> str:
     text = text.strip()
     if m := re.fullmatch(r"<class '(?P<path>[^']+)'>", text):
-        return {"NoneType": "None"}.get(m.group("path").rsplit(".", 1)[-1],
-                                        m.group("path").rsplit(".", 1)[-1])
+        return {"NoneType": "None"}.get(
+            m.group("path").rsplit(".", 1)[-1], m.group("path").rsplit(".", 1)[-1]
+        )
     if m := re.fullmatch(r"typing\.Literal\[(?P<choices>.*)\]", text):
         return f"one of {m.group('choices')}"
     return re.sub(r"\b(?:[a-z_][\w]*\.)+(?P<name>[A-Z]\w*)", r"\g<name>", text)
@@ -144,27 +151,39 @@ def _explain(lines: list[str], path: list[str]) -> str | None:
         return _union(lines, path)
     if m := _UNTYPED.fullmatch(head):
         name, src = m.group("name"), m.group("src").removesuffix(".__init__")
-        return (f"{_where(path)}parameter {name!r} of {src} has no type annotation, so its "
-                f"value cannot be parsed: annotate it (e.g. {name}: int)")
+        return (
+            f"{_where(path)}parameter {name!r} of {src} has no type annotation, so its "
+            f"value cannot be parsed: annotate it (e.g. {name}: int)"
+        )
     if m := _LITERAL.fullmatch(head):
         got = m.group("got") or _given(lines)
         return f"{_where(path)}expected one of {m.group('choices')}" + (
-            f", got {got.strip()!r}" if got is not None else "")
+            f", got {got.strip()!r}" if got is not None else ""
+        )
     if m := _EXPECTED.fullmatch(head):
         got = m.group("got") or _given(lines)
         return f"{_where(path)}expected {_type_name(m.group('type'))}" + (
-            f", got {got.strip()!r}" if got is not None else "")
+            f", got {got.strip()!r}" if got is not None else ""
+        )
     return f"{_where(path)}{_first_line(head)}" if path else None
 
 
 def _given(lines: list[str]) -> str | None:
-    return next((ln.split("Given value:", 1)[1].strip() for ln in lines
-                 if ln.strip().startswith("Given value:")), None)
+    return next(
+        (
+            ln.split("Given value:", 1)[1].strip()
+            for ln in lines
+            if ln.strip().startswith("Given value:")
+        ),
+        None,
+    )
 
 
 def _union(lines: list[str], path: list[str]) -> str:
-    subtypes = next((ln.split("Subtypes:", 1)[1].strip() for ln in lines
-                     if ln.strip().startswith("Subtypes:")), "[]")
+    subtypes = next(
+        (ln.split("Subtypes:", 1)[1].strip() for ln in lines if ln.strip().startswith("Subtypes:")),
+        "[]",
+    )
     errors_at = next((i for i, ln in enumerate(lines) if ln.strip() == "Errors:"), None)
     items = _items(_body(lines[errors_at:])) if errors_at is not None else []
     # The most specific reason first: a value refused inside a class, then what a
@@ -182,5 +201,4 @@ def _union(lines: list[str], path: list[str]) -> str:
     literal = [n for n in names if n.startswith("one of ")]
     expected = literal[0] if literal else " or ".join(names)  # None: the default, not a choice
     given = _given(lines)
-    return f"{_where(path)}expected {expected}" + (
-        f", got {given!r}" if given is not None else "")
+    return f"{_where(path)}expected {expected}" + (f", got {given!r}" if given is not None else "")

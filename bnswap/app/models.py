@@ -31,8 +31,9 @@ def _make_divisible(v: float, divisor: int = 8) -> int:
     return new_v
 
 
-def _conv_bn_act(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1,
-                 act: bool = True) -> nn.Sequential:
+def _conv_bn_act(
+    cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1, act: bool = True
+) -> nn.Sequential:
     layers: list[nn.Module] = [
         nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
         nn.BatchNorm2d(cout),
@@ -100,10 +101,16 @@ class MobileNetV2(nn.Module):
     Shape: (N, in_channels, H, W) -> (N, num_classes).
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, width_mult: float = 1.0,
-                 last_channel: int = 1280,
-                 setting: Sequence[Sequence[int]] = MOBILENETV2_SETTING,
-                 stem_stride: int = 1, dropout: float = 0.0):
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 1,
+        width_mult: float = 1.0,
+        last_channel: int = 1280,
+        setting: Sequence[Sequence[int]] = MOBILENETV2_SETTING,
+        stem_stride: int = 1,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         cin = _make_divisible(32 * width_mult)
         last = _make_divisible(last_channel * max(1.0, width_mult))
@@ -135,14 +142,21 @@ class ConvNet4(nn.Module):
     Shape: (N, in_channels, H, W) -> (N, num_classes); H, W >= 4.
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1,
-                 channels: Sequence[int] = (32, 64, 64, 128)):
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 1,
+        channels: Sequence[int] = (32, 64, 64, 128),
+    ):
         super().__init__()
         layers: list[nn.Module] = []
         cin = in_channels
         for i, c in enumerate(channels):
-            layers += [nn.Conv2d(cin, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
-                       nn.ReLU(inplace=True)]
+            layers += [
+                nn.Conv2d(cin, c, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c),
+                nn.ReLU(inplace=True),
+            ]
             if i % 2 == 1:
                 layers.append(nn.MaxPool2d(2))
             cin = c
@@ -163,8 +177,9 @@ class _BasicBlock(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                          nn.BatchNorm2d(cout))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -181,8 +196,11 @@ class ResNet18(nn.Module):
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 64):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False),
-                                  nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        )
         stages: list[nn.Module] = []
         cin = width
         for i, mult in enumerate((1, 2, 4, 8)):

@@ -57,8 +57,7 @@ from bnswap.app.configs import resolve as resolve_config
 from bnswap.app.messages import short_error
 from bnswap.extras import install_hint
 
-__all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "convert_main", "main",
-           "render"]
+__all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "convert_main", "main", "render"]
 
 EXIT_ALL_SWAPPED = 0
 EXIT_SOME_SKIPPED = 3
@@ -81,48 +80,89 @@ def _parser(factory: Any = None) -> ArgumentParser:
     """The options; with ``factory`` (an unannotated model function), ``--model`` is its
     dotted path and its arguments are ``--model_args.NAME`` (see :func:`main`)."""
     p = ArgumentParser(
-        prog="bnswap plan", exit_on_error=False, formatter_class=_HelpFormatter,
+        prog="bnswap plan",
+        exit_on_error=False,
+        formatter_class=_HelpFormatter,
         description="Show what bnswap would swap in a model (no training, no data). Exit "
-                    "status 0: every BatchNorm layer swapped or excluded on purpose "
-                    "(--include / --exclude); 3: some skipped that bnswap cannot swap, or "
-                    "the backend would refuse the model; 2: usage error.")
+        "status 0: every BatchNorm layer swapped or excluded on purpose "
+        "(--include / --exclude); 3: some skipped that bnswap cannot swap, or "
+        "the backend would refuse the model; 2: usage error.",
+    )
     if factory is not None:
         p.add_argument("--model", type=str)
         p.add_function_arguments(factory, "model_args", fail_untyped=False)
     else:
-        p.add_argument("--model", type=nn.Module | None, default=None,
-                       help="the model: an importable nn.Module class, or function that "
-                            "returns one (e.g. torchvision.models.resnet18, or "
-                            "mymodels.Net from the current folder), its arguments as "
-                            "--model.NAME VALUE or --model.init_args.NAME VALUE")
-    p.add_argument("--config", type=str | None, default=None,
-                   help="a `bnswap train` config (path, or the name of a config shipped "
-                        "with bnswap, e.g. digits_mobilenetv2.yaml): plan its model")
-    p.add_argument("--program", type=str | None, default=None,
-                   help="a torch.export program file (torch.export.save, .pt2): one row per "
-                        "batch-norm node, what `bnswap convert` does to it")
-    p.add_argument("--backend", type=Literal["aten", "ort"] | None, default=None,
-                   help="aten (PyTorch's consolidated ops) or ort (ONNX Runtime); default: "
-                        "the config's BNSwap callback, else aten")
-    p.add_argument("--include", type=str | list[str] | None, default=None,
-                   help="a glob pattern on qualified layer names to swap, or a list of "
-                        "them (--include 'backbone.*', --include '[\"a.*\", \"b\"]'); "
-                        "default: all")
-    p.add_argument("--exclude", type=str | list[str] | None, default=None,
-                   help="a glob pattern on qualified layer names to leave stock, or a "
-                        "list of them (--exclude 'head.*', or --exclude+ P once per "
-                        "pattern)")
-    p.add_argument("--device", type=str | None, default=None,
-                   help="the device for the kernel column (e.g. cuda); one that is not "
-                        "present here is predicted from torch's rule, and the output says so")
-    p.add_argument("--sync_batchnorm", type=bool, nargs="?", const=True, default=None,
-                   help="plan bnswap.plan(..., sync_batchnorm=True): every BatchNorm1d/2d/3d "
-                        "becomes a synchronized SyncBatchNorm (the sync column); "
-                        "--sync_batchnorm alone is true; default: the config's "
-                        "trainer.sync_batchnorm, else false")
-    p.add_argument("--format", type=Format, default="table",
-                   help="table (aligned text), json (one object per layer and a summary), "
-                        "markdown (for pull requests)")
+        p.add_argument(
+            "--model",
+            type=nn.Module | None,
+            default=None,
+            help="the model: an importable nn.Module class, or function that "
+            "returns one (e.g. torchvision.models.resnet18, or "
+            "mymodels.Net from the current folder), its arguments as "
+            "--model.NAME VALUE or --model.init_args.NAME VALUE",
+        )
+    p.add_argument(
+        "--config",
+        type=str | None,
+        default=None,
+        help="a `bnswap train` config (path, or the name of a config shipped "
+        "with bnswap, e.g. digits_mobilenetv2.yaml): plan its model",
+    )
+    p.add_argument(
+        "--program",
+        type=str | None,
+        default=None,
+        help="a torch.export program file (torch.export.save, .pt2): one row per "
+        "batch-norm node, what `bnswap convert` does to it",
+    )
+    p.add_argument(
+        "--backend",
+        type=Literal["aten", "ort"] | None,
+        default=None,
+        help="aten (PyTorch's consolidated ops) or ort (ONNX Runtime); default: "
+        "the config's BNSwap callback, else aten",
+    )
+    p.add_argument(
+        "--include",
+        type=str | list[str] | None,
+        default=None,
+        help="a glob pattern on qualified layer names to swap, or a list of "
+        "them (--include 'backbone.*', --include '[\"a.*\", \"b\"]'); "
+        "default: all",
+    )
+    p.add_argument(
+        "--exclude",
+        type=str | list[str] | None,
+        default=None,
+        help="a glob pattern on qualified layer names to leave stock, or a "
+        "list of them (--exclude 'head.*', or --exclude+ P once per "
+        "pattern)",
+    )
+    p.add_argument(
+        "--device",
+        type=str | None,
+        default=None,
+        help="the device for the kernel column (e.g. cuda); one that is not "
+        "present here is predicted from torch's rule, and the output says so",
+    )
+    p.add_argument(
+        "--sync_batchnorm",
+        type=bool,
+        nargs="?",
+        const=True,
+        default=None,
+        help="plan bnswap.plan(..., sync_batchnorm=True): every BatchNorm1d/2d/3d "
+        "becomes a synchronized SyncBatchNorm (the sync column); "
+        "--sync_batchnorm alone is true; default: the config's "
+        "trainer.sync_batchnorm, else false",
+    )
+    p.add_argument(
+        "--format",
+        type=Format,
+        default="table",
+        help="table (aligned text), json (one object per layer and a summary), "
+        "markdown (for pull requests)",
+    )
     return p
 
 
@@ -177,8 +217,12 @@ def _factory_help(parser: Any, path: str) -> str:
     them as ``--model_args.NAME``), under a title naming the factory, not its repr."""
     text = re.sub(r"\[--model_args CONFIG\]\s*", "", parser.format_help())
     text = re.sub(r"\n  --model_args CONFIG +[^\n]*", "", text)
-    text = re.sub(r"^<function [^\n]*>:$", f"arguments of {path} (--model.NAME VALUE):", text,
-                  flags=re.MULTILINE)
+    text = re.sub(
+        r"^<function [^\n]*>:$",
+        f"arguments of {path} (--model.NAME VALUE):",
+        text,
+        flags=re.MULTILINE,
+    )
     return text.replace("--model_args.", "--model.").rstrip("\n")
 
 
@@ -190,19 +234,25 @@ def _missing_factory_args(fn: Any, argv: Sequence[str], cfg: Any) -> str | None:
     given = getattr(cfg, "model_args", None)
     missing = []
     for p in inspect.signature(fn).parameters.values():
-        if (p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty
-                or p.annotation is not p.empty):
+        if (
+            p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            or p.default is not p.empty
+            or p.annotation is not p.empty
+        ):
             continue  # (jsonargparse itself requires an annotated one)
-        named = any(a == f"--model_args.{p.name}" or a.startswith(f"--model_args.{p.name}=")
-                    for a in argv)
+        named = any(
+            a == f"--model_args.{p.name}" or a.startswith(f"--model_args.{p.name}=") for a in argv
+        )
         if not named and getattr(given, p.name, None) is None:
             missing.append(p.name)
     if not missing:
         return None
     one = len(missing) == 1
-    return (f"model: {cfg.model} needs {' and '.join(missing)}, which "
-            f"{'has' if one else 'have'} no default: give {'it' if one else 'them'} as "
-            + " ".join(f"--model.{n} VALUE" for n in missing))
+    return (
+        f"model: {cfg.model} needs {' and '.join(missing)}, which "
+        f"{'has' if one else 'have'} no default: give {'it' if one else 'them'} as "
+        + " ".join(f"--model.{n} VALUE" for n in missing)
+    )
 
 
 class _FactoryError(ValueError):
@@ -252,17 +302,24 @@ def _models_in(module: ModuleType) -> list[str]:
     ``nn.Module`` classes and functions (its ``__all__``, else those defined in it or
     its submodules), a function annotated to return something else left out."""
     exported = getattr(module, "__all__", None)
-    names = list(exported) if exported is not None else [n for n in vars(module)
-                                                         if not n.startswith("_")]
+    names = (
+        list(exported)
+        if exported is not None
+        else [n for n in vars(module) if not n.startswith("_")]
+    )
     found = []
     for name in names:
         obj = getattr(module, name, None)
         home = getattr(obj, "__module__", None) or ""
-        if exported is None and home != module.__name__ and not home.startswith(
-                module.__name__ + "."):
+        if (
+            exported is None
+            and home != module.__name__
+            and not home.startswith(module.__name__ + ".")
+        ):
             continue  # imported into it (from torch import nn: nn.Module)
         if (inspect.isclass(obj) and issubclass(obj, nn.Module)) or (
-                inspect.isfunction(obj) and not _returns_no_module(obj)):
+            inspect.isfunction(obj) and not _returns_no_module(obj)
+        ):
             found.append(f"{module.__name__}.{name}")
     return found
 
@@ -277,15 +334,19 @@ def _module_error(argv: Sequence[str]) -> str | None:
     try:
         module = importlib.import_module(path)
     except Exception:  # noqa: BLE001 - not a module (mymodels.Net), or it fails to
-        return None   # import: jsonargparse reports it as for any path
+        return None  # import: jsonargparse reports it as for any path
     found = _models_in(module)
     if not found:
-        return (f"model: {path} is a module, not a model, and holds no nn.Module class or "
-                "function; give a class, or a function that returns a module: --model "
-                f"{path}.NAME")
+        return (
+            f"model: {path} is a module, not a model, and holds no nn.Module class or "
+            "function; give a class, or a function that returns a module: --model "
+            f"{path}.NAME"
+        )
     more = f", ... ({len(found)} in all)" if len(found) > _MAX_LISTED else ""
-    return (f"model: {path} is a module, not a model; give a class or function in it: "
-            f"{', '.join(found[:_MAX_LISTED])}{more}")
+    return (
+        f"model: {path} is a module, not a model; give a class or function in it: "
+        f"{', '.join(found[:_MAX_LISTED])}{more}"
+    )
 
 
 #: Device types named in the error for one torch does not know (torch lists 20).
@@ -299,8 +360,10 @@ def _device_error(device: str) -> str | None:
         torch.device(device)
     except RuntimeError as e:
         if str(e).startswith("Expected one of"):
-            return (f"device: {device.partition(':')[0]!r} is not a device type torch knows "
-                    f"(e.g. {_DEVICE_EXAMPLES})")
+            return (
+                f"device: {device.partition(':')[0]!r} is not a device type torch knows "
+                f"(e.g. {_DEVICE_EXAMPLES})"
+            )
         return f"device: {device!r}: {short_error(str(e))} (e.g. {_DEVICE_EXAMPLES})"
     return None
 
@@ -347,16 +410,37 @@ def _null(cell: str) -> str | None:
 def _render_program(plan: bnswap.ProgramPlan, fmt: str, note: str) -> str:
     rows = plan.to_dicts()
     if fmt == "json":
-        return json.dumps({"nodes": [{k: _null(v) for k, v in r.items()} for r in rows], "summary": {
-            "nodes": len(plan), "swapped": len(plan.swapped), "skipped": len(plan.skipped),
-            "backend": plan.backend, "text": plan.summary(), "note": note or None}}, indent=1)
+        return json.dumps(
+            {
+                "nodes": [{k: _null(v) for k, v in r.items()} for r in rows],
+                "summary": {
+                    "nodes": len(plan),
+                    "swapped": len(plan.swapped),
+                    "skipped": len(plan.skipped),
+                    "backend": plan.backend,
+                    "text": plan.summary(),
+                    "note": note or None,
+                },
+            },
+            indent=1,
+        )
     if fmt == "markdown":
         head = ["node", "op", "action", "becomes", "kernel_before", "kernel", "reason"]
-        lines = [f"**{plan.summary()}**", "", "| " + " | ".join(head) + " |",
-                 "|" + "---|" * len(head)]
+        lines = [
+            f"**{plan.summary()}**",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
         for r in rows:
-            lines.append("| " + " | ".join(f"`{r[k]}`" if k in ("node", "op", "becomes")
-                                           else r[k].replace("|", "\\|") for k in head) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    f"`{r[k]}`" if k in ("node", "op", "becomes") else r[k].replace("|", "\\|")
+                    for k in head
+                )
+                + " |"
+            )
         return "\n".join(lines + ([f"\n{note}"] if note else []))
     return str(plan) + (f"\n{note}" if note else "")
 
@@ -368,25 +452,50 @@ def render(plan: bnswap.Plan | bnswap.ProgramPlan, fmt: str, note: str = "") -> 
     if isinstance(plan, bnswap.ProgramPlan):
         return _render_program(plan, fmt, note)
     if fmt == "json":
-        return json.dumps({
-            "layers": [{"name": r.name, "class": r.cls, "action": r.action,
-                        "backend": _null(r.backend), "kernel": _null(r.kernel),
-                        "adapter": _null(r.adapter_name), "sync": _null(r.sync),
-                        "reason": _null(r.reason)}
-                       for r in plan],
-            "summary": {"layers": len(plan), "swapped": len(plan.swapped),
-                        "skipped": len(plan.skipped), "backend": plan.backend,
-                        "text": plan.summary(), "note": note or None},
-        }, indent=1)
+        return json.dumps(
+            {
+                "layers": [
+                    {
+                        "name": r.name,
+                        "class": r.cls,
+                        "action": r.action,
+                        "backend": _null(r.backend),
+                        "kernel": _null(r.kernel),
+                        "adapter": _null(r.adapter_name),
+                        "sync": _null(r.sync),
+                        "reason": _null(r.reason),
+                    }
+                    for r in plan
+                ],
+                "summary": {
+                    "layers": len(plan),
+                    "swapped": len(plan.swapped),
+                    "skipped": len(plan.skipped),
+                    "backend": plan.backend,
+                    "text": plan.summary(),
+                    "note": note or None,
+                },
+            },
+            indent=1,
+        )
     if fmt == "markdown":
         head = ["layer", "class", "action", "backend", "kernel", "adapter", "sync", "reason"]
-        lines = [f"**{plan.summary()}**", "", "| " + " | ".join(head) + " |",
-                 "|" + "---|" * len(head)]
+        lines = [
+            f"**{plan.summary()}**",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
         for r in plan:
-            cells = [r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.sync,
-                     r.reason]
-            lines.append("| " + " | ".join(f"`{c}`" if i in (0, 1, 5) else str(c).replace(
-                "|", "\\|") for i, c in enumerate(cells)) + " |")
+            cells = [r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.sync, r.reason]
+            lines.append(
+                "| "
+                + " | ".join(
+                    f"`{c}`" if i in (0, 1, 5) else str(c).replace("|", "\\|")
+                    for i, c in enumerate(cells)
+                )
+                + " |"
+            )
         return "\n".join(lines + ([f"\n{note}"] if note else []))
     return str(plan) + (f"\n{note}" if note else "")
 
@@ -405,9 +514,11 @@ def _pattern_error(cfg: Any) -> str | None:
             except yaml.YAMLError:
                 continue  # a glob such as '[ab]*'
             if isinstance(loaded, list):
-                return (f"{option}: expected a glob pattern or a list of patterns (str), "
-                        f"got {value!r}; a pattern that is itself a YAML list goes in one: "
-                        f"--{option} '{json.dumps([value])}'")
+                return (
+                    f"{option}: expected a glob pattern or a list of patterns (str), "
+                    f"got {value!r}; a pattern that is itself a YAML list goes in one: "
+                    f"--{option} '{json.dumps([value])}'"
+                )
     return None
 
 
@@ -424,11 +535,15 @@ def _untyped_hint(text: str) -> str | None:
     name, src = m.group("name"), m.group("src")
     if inspect.isclass(_import(src)):
         short = src.rsplit(".", 1)[-1]
-        return (f"{text}, or wrap the class in a function with no return annotation "
-                f"(def make({name}): return {short}({name})), which bnswap plan calls with "
-                f"--model.{name} VALUE")
-    return (f"{text}, or drop the function's return annotation: bnswap plan then calls it "
-            f"with --model.{name} VALUE as given")
+        return (
+            f"{text}, or wrap the class in a function with no return annotation "
+            f"(def make({name}): return {short}({name})), which bnswap plan calls with "
+            f"--model.{name} VALUE"
+        )
+    return (
+        f"{text}, or drop the function's return annotation: bnswap plan then calls it "
+        f"with --model.{name} VALUE as given"
+    )
 
 
 _WARNING_PREFIX = re.compile(r"^bnswap(?:\.convert)?: ")
@@ -448,9 +563,11 @@ def _usage_error(message: str, command: str = "plan") -> int:
 
 
 #: Why ``--sync_batchnorm`` takes no program (``bnswap plan --program``, ``bnswap convert``).
-_NO_SYNC_FOR_PROGRAMS = ("--sync_batchnorm converts a model's BatchNorm layers; a program's "
-                         "batch-norm nodes have no process group (convert the model with "
-                         "sync_batchnorm=True, then export it)")
+_NO_SYNC_FOR_PROGRAMS = (
+    "--sync_batchnorm converts a model's BatchNorm layers; a program's "
+    "batch-norm nodes have no process group (convert the model with "
+    "sync_batchnorm=True, then export it)"
+)
 
 
 def _left_out_on_purpose(row: Any) -> bool:
@@ -470,8 +587,9 @@ def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
     refused = getattr(plan, "refused", False)  # (a program plan has no backend to refuse)
     if refused or not all(_left_out_on_purpose(r) for r in plan.skipped):
         return EXIT_SOME_SKIPPED
-    if not plan.swapped and any(r.reason.startswith("not matched by include")
-                                for r in plan.skipped):
+    if not plan.swapped and any(
+        r.reason.startswith("not matched by include") for r in plan.skipped
+    ):
         return EXIT_SOME_SKIPPED  # an include that chose nothing: a typo, not a choice
     return EXIT_ALL_SWAPPED
 
@@ -504,8 +622,10 @@ def main(argv: Sequence[str]) -> int:
         return _usage_error(error)
     factory = _plain_factory(argv)
     if factory is not None:  # its arguments: --model.NAME VALUE, as for a class
-        argv = [a.replace("--model.", "--model_args.", 1) if a.startswith("--model.")
-                else a for a in argv]
+        argv = [
+            a.replace("--model.", "--model_args.", 1) if a.startswith("--model.") else a
+            for a in argv
+        ]
     parser = _parser(factory)
     if factory is not None and ("-h" in argv or "--help" in argv):
         print(_factory_help(parser, _model_path(argv) or ""))
@@ -516,24 +636,28 @@ def main(argv: Sequence[str]) -> int:
     except SystemExit as e:  # --help (0)
         return int(e.code or 0)
     except ArgumentError as e:
-        hint = ("(give an nn.Module class, or a function that returns a module; see "
-                "bnswap plan --help)"
-                if "does not correspond to a subclass of Module" in str(e)
-                else "(bnswap plan --help lists every option)")
-        text = short_error(str(e)).replace('model_args.', 'model.')
+        hint = (
+            "(give an nn.Module class, or a function that returns a module; see bnswap plan --help)"
+            if "does not correspond to a subclass of Module" in str(e)
+            else "(bnswap plan --help lists every option)"
+        )
+        text = short_error(str(e)).replace("model_args.", "model.")
         if (untyped := _untyped_hint(text)) is not None:  # the help would not help
             return _usage_error(untyped)
         return _usage_error(f"{text}\n{hint}")
     if (error := _pattern_error(cfg)) is not None:
         return _usage_error(f"{error}\n(bnswap plan --help lists every option)")
     if sum(v is not None for v in (cfg.model, cfg.config, cfg.program)) != 1:
-        return _usage_error("give exactly one of --model, --config or --program (see bnswap "
-                            "plan --help)")
+        return _usage_error(
+            "give exactly one of --model, --config or --program (see bnswap plan --help)"
+        )
     if factory is not None and (error := _missing_factory_args(factory, argv, cfg)):
         return _usage_error(error)
     if cfg.program is not None and cfg.backend not in (None, "aten"):
-        return _usage_error(f"--backend {cfg.backend} runs modules; a program converts to "
-                            "the aten backend's ops only")
+        return _usage_error(
+            f"--backend {cfg.backend} runs modules; a program converts to "
+            "the aten backend's ops only"
+        )
     if cfg.program is not None and cfg.sync_batchnorm:
         return _usage_error(_NO_SYNC_FOR_PROGRAMS)
     if cfg.device is not None and (error := _device_error(cfg.device)):
@@ -554,8 +678,10 @@ def main(argv: Sequence[str]) -> int:
         return _usage_error(f"{cfg.config}: {short_error(str(e))}")
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] in ("lightning", "pytorch_lightning", "sklearn"):
-            return _usage_error(f"{cfg.config or cfg.model} needs {e.name.split('.')[0]}, "
-                                "which is not installed: " + install_hint("lightning"))
+            return _usage_error(
+                f"{cfg.config or cfg.model} needs {e.name.split('.')[0]}, "
+                "which is not installed: " + install_hint("lightning")
+            )
         return _usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
     except (OSError, ValueError, TypeError, ImportError) as e:
         # building --model raised: jsonargparse's Union report holds the reason
@@ -565,33 +691,45 @@ def main(argv: Sequence[str]) -> int:
     backend = cfg.backend or swap.get("backend", "aten")
     include = cfg.include if cfg.include is not None else swap.get("include")
     exclude = cfg.exclude if cfg.exclude is not None else swap.get("exclude")
-    sync = {} if cfg.program is not None else {  # (programs.plan takes no such argument)
-        "sync_batchnorm": synced if cfg.sync_batchnorm is None else cfg.sync_batchnorm}
+    sync = (
+        {}
+        if cfg.program is not None
+        else {  # (programs.plan takes no such argument)
+            "sync_batchnorm": synced if cfg.sync_batchnorm is None else cfg.sync_batchnorm
+        }
+    )
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = bnswap.plan(model, backend, include=include, exclude=exclude,
-                               device=cfg.device, **sync)  # (a program: one row per node)
+            plan = bnswap.plan(
+                model, backend, include=include, exclude=exclude, device=cfg.device, **sync
+            )  # (a program: one row per node)
     except (RuntimeError, ValueError, TypeError) as e:
         return _usage_error(_WARNING_PREFIX.sub("", str(e)))  # (one "bnswap" prefix)
     _print_warnings(caught, "plan")  # a pattern that matches nothing: one line
     note = ""
     kernels = {r.kernel for r in plan.swapped}
     if any(k.endswith("(predicted)") for k in kernels):
-        note = (f"note: no {torch.device(cfg.device).type} device here; the kernel column "
-                "is what torch._C._select_batch_norm_backend picks on NVIDIA GPUs by its "
-                "rule (aten/src/ATen/native/Normalization.cpp), predicted")
+        note = (
+            f"note: no {torch.device(cfg.device).type} device here; the kernel column "
+            "is what torch._C._select_batch_norm_backend picks on NVIDIA GPUs by its "
+            "rule (aten/src/ATen/native/Normalization.cpp), predicted"
+        )
     elif unprobed := sorted(k for k in kernels if k.startswith("n/a")):
-        note = (f"note: the kernel for device {cfg.device or 'of the layers'!r} could not be "
-                f"probed here ({', '.join(unprobed)}): is the device present?")
+        note = (
+            f"note: the kernel for device {cfg.device or 'of the layers'!r} could not be "
+            f"probed here ({', '.join(unprobed)}): is the device present?"
+        )
     if backend == "ort" and not bnswap.ort.is_available():
         note = ((note + "\n") if note else "") + (
             "note: ONNX Runtime training is not installed here: converting with "
-            f"backend='ort' raises ORTNotAvailableError ({bnswap.ort.INSTALL})")
+            f"backend='ort' raises ORTNotAvailableError ({bnswap.ort.INSTALL})"
+        )
     if no_callback:  # (a stock config): say what training it really does
         note = ((note + "\n") if note else "") + (
             f"note: {cfg.config} has no BNSwap callback: `bnswap train` with it keeps stock "
-            "BatchNorm; the table is what adding one would swap")
+            "BatchNorm; the table is what adding one would swap"
+        )
     try:
         print(render(plan, cfg.format, note))
         sys.stdout.flush()
@@ -603,8 +741,9 @@ def main(argv: Sequence[str]) -> int:
 
 #: torch.export.load's pointer to the warnings it logged (silenced here: the traceback of
 #: its zip reader), which the one-line error would point to in vain
-_NO_WARNINGS_ABOVE = re.compile(r"\s*Please check the warnings above for possible errors\.?",
-                                re.IGNORECASE)
+_NO_WARNINGS_ABOVE = re.compile(
+    r"\s*Please check the warnings above for possible errors\.?", re.IGNORECASE
+)
 
 
 class ProgramFileError(ValueError):
@@ -625,36 +764,53 @@ def load_program(path: str) -> torch.export.ExportedProgram:
         return torch.export.load(path)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a foreign file
         first = _NO_WARNINGS_ABOVE.sub("", (str(e).strip().splitlines() or [""])[0])[:160]
-        raise ProgramFileError(f"{path}: not a torch.export program (torch.export.load: "
-                               f"{type(e).__name__}{': ' + first if first else ''})") from None
+        raise ProgramFileError(
+            f"{path}: not a torch.export program (torch.export.load: "
+            f"{type(e).__name__}{': ' + first if first else ''})"
+        ) from None
     finally:
         quiet.setLevel(level)
 
 
 def _convert_parser() -> ArgumentParser:
     p = ArgumentParser(
-        prog="bnswap convert", exit_on_error=False,
+        prog="bnswap convert",
+        exit_on_error=False,
         description="Convert a torch.export program file so that its batch-norm nodes run "
-                    "PyTorch's consolidated ops (cuDNN on CUDA); prints the plan. Exit "
-                    "status 0: every node converted or excluded on purpose (--include / "
-                    "--exclude); 3: some left as they were that bnswap cannot convert; 2: "
-                    "usage error.")
+        "PyTorch's consolidated ops (cuDNN on CUDA); prints the plan. Exit "
+        "status 0: every node converted or excluded on purpose (--include / "
+        "--exclude); 3: some left as they were that bnswap cannot convert; 2: "
+        "usage error.",
+    )
     p.add_argument("program", type=str, help="the program (torch.export.save, .pt2)")
-    p.add_argument("-o", "--output", type=str, required=True,
-                   help="where to write the converted program (.pt2)")
-    p.add_argument("--include", type=str | list[str] | None, default=None,
-                   help="a glob pattern on node names to convert, or a list of them "
-                        "(default: all)")
-    p.add_argument("--exclude", type=str | list[str] | None, default=None,
-                   help="a glob pattern on node names to leave as they are, or a list "
-                        "of them")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=str,
+        required=True,
+        help="where to write the converted program (.pt2)",
+    )
+    p.add_argument(
+        "--include",
+        type=str | list[str] | None,
+        default=None,
+        help="a glob pattern on node names to convert, or a list of them (default: all)",
+    )
+    p.add_argument(
+        "--exclude",
+        type=str | list[str] | None,
+        default=None,
+        help="a glob pattern on node names to leave as they are, or a list of them",
+    )
     return p
 
 
 _REQUIRED = "the following arguments are required: "
 #: how argparse names convert's arguments -> how they are typed
-_CONVERT_SPELLING = {"program": "the program to convert (a .pt2 file)",
-                     "output": "-o/--output (where to write the converted program)"}
+_CONVERT_SPELLING = {
+    "program": "the program to convert (a .pt2 file)",
+    "output": "-o/--output (where to write the converted program)",
+}
 _CONVERT_EXAMPLE = "bnswap convert model.pt2 -o model_bnswap.pt2"
 
 
@@ -681,27 +837,37 @@ def convert_main(argv: Sequence[str]) -> int:
         return int(e.code or 0)
     except ArgumentError as e:
         if str(e).startswith(_REQUIRED):  # name them as typed, with an example
-            missing = [_CONVERT_SPELLING.get(n.strip(), n.strip())
-                       for n in str(e)[len(_REQUIRED):].split(",")]
-            return _usage_error(f"missing {' and '.join(missing)}; e.g. {_CONVERT_EXAMPLE}",
-                                "convert")
-        return _usage_error(f"{short_error(str(e))}\n(bnswap convert --help lists every "
-                            "option)", "convert")
+            missing = [
+                _CONVERT_SPELLING.get(n.strip(), n.strip())
+                for n in str(e)[len(_REQUIRED) :].split(",")
+            ]
+            return _usage_error(
+                f"missing {' and '.join(missing)}; e.g. {_CONVERT_EXAMPLE}", "convert"
+            )
+        return _usage_error(
+            f"{short_error(str(e))}\n(bnswap convert --help lists every option)", "convert"
+        )
     if (error := _pattern_error(cfg)) is not None:
-        return _usage_error(f"{error}\n(bnswap convert --help lists every option)",
-                            "convert")
+        return _usage_error(f"{error}\n(bnswap convert --help lists every option)", "convert")
     if _same_file(cfg.program, cfg.output):
-        return _usage_error(f"-o/--output {cfg.output} is the input program ({cfg.program}): "
-                            "bnswap convert never overwrites its input; write to another "
-                            "file, e.g. -o model_bnswap.pt2", "convert")
+        return _usage_error(
+            f"-o/--output {cfg.output} is the input program ({cfg.program}): "
+            "bnswap convert never overwrites its input; write to another "
+            "file, e.g. -o model_bnswap.pt2",
+            "convert",
+        )
     if os.path.isdir(cfg.output):
-        return _usage_error(f"-o/--output {cfg.output} is a folder; give a file name, e.g. "
-                            f"-o {os.path.join(cfg.output, 'model_bnswap.pt2')}", "convert")
+        return _usage_error(
+            f"-o/--output {cfg.output} is a folder; give a file name, e.g. "
+            f"-o {os.path.join(cfg.output, 'model_bnswap.pt2')}",
+            "convert",
+        )
     parent = os.path.dirname(os.path.abspath(cfg.output))
     if not os.path.isdir(parent):  # before the program is loaded (a large file: seconds);
         # torch.export.save raised a RuntimeError with a traceback here
-        return _usage_error(f"{cfg.output}: no such folder: {os.path.dirname(cfg.output)}",
-                            "convert")
+        return _usage_error(
+            f"{cfg.output}: no such folder: {os.path.dirname(cfg.output)}", "convert"
+        )
     try:
         ep = load_program(cfg.program)
     except ProgramFileError as e:

@@ -45,12 +45,18 @@ class DigitsClassifier(pl.LightningModule):
             < 0; num_classes or in_channels < 1 (here, not mid-fit in torch.optim).
     """
 
-    def __init__(self, arch: Literal["mobilenetv2", "convnet4", "resnet18"] = "mobilenetv2",
-                 num_classes: int = 10, in_channels: int = 1,
-                 model_kwargs: dict[str, Any] | None = None,
-                 optimizer: Literal["sgd", "adamw"] = "sgd",
-                 lr: float = 0.05, weight_decay: float = 5e-4, momentum: float = 0.9,
-                 scheduler: Literal["onecycle", "cosine", "none"] = "onecycle"):
+    def __init__(
+        self,
+        arch: Literal["mobilenetv2", "convnet4", "resnet18"] = "mobilenetv2",
+        num_classes: int = 10,
+        in_channels: int = 1,
+        model_kwargs: dict[str, Any] | None = None,
+        optimizer: Literal["sgd", "adamw"] = "sgd",
+        lr: float = 0.05,
+        weight_decay: float = 5e-4,
+        momentum: float = 0.9,
+        scheduler: Literal["onecycle", "cosine", "none"] = "onecycle",
+    ):
         super().__init__()
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
@@ -58,15 +64,18 @@ class DigitsClassifier(pl.LightningModule):
             raise ValueError(f"scheduler must be 'onecycle', 'cosine' or 'none', got {scheduler!r}")
         # what torch.optim would refuse only in configure_optimizers, mid-fit
         for name, value, ok, rule in (
-                ("lr", lr, lr > 0, "> 0"), ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
-                ("momentum", momentum, momentum >= 0, ">= 0"),
-                ("num_classes", num_classes, num_classes >= 1, ">= 1"),
-                ("in_channels", in_channels, in_channels >= 1, ">= 1")):
+            ("lr", lr, lr > 0, "> 0"),
+            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+            ("momentum", momentum, momentum >= 0, ">= 0"),
+            ("num_classes", num_classes, num_classes >= 1, ">= 1"),
+            ("in_channels", in_channels, in_channels >= 1, ">= 1"),
+        ):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {value}")
         self.save_hyperparameters()
-        self.net = build_model(arch, num_classes=num_classes, in_channels=in_channels,
-                               **(model_kwargs or {}))
+        self.net = build_model(
+            arch, num_classes=num_classes, in_channels=in_channels, **(model_kwargs or {})
+        )
         self.history: list[dict[str, float]] = []
         self._val_sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
 
@@ -85,11 +94,13 @@ class DigitsClassifier(pl.LightningModule):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        self._val_sums += torch.stack([
-            F.cross_entropy(logits, y, reduction="sum").double(),
-            (logits.argmax(1) == y).sum().double(),
-            torch.tensor(float(len(y)), dtype=torch.float64, device=y.device),
-        ])
+        self._val_sums += torch.stack(
+            [
+                F.cross_entropy(logits, y, reduction="sum").double(),
+                (logits.argmax(1) == y).sum().double(),
+                torch.tensor(float(len(y)), dtype=torch.float64, device=y.device),
+            ]
+        )
 
     def on_validation_epoch_end(self) -> None:
         sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
@@ -102,8 +113,9 @@ class DigitsClassifier(pl.LightningModule):
         self.log("val_loss", val_loss, prog_bar=True, sync_dist=True, reduce_fx="max")
         self.log("val_acc", val_acc, prog_bar=True, sync_dist=True, reduce_fx="max")
         if not self.trainer.sanity_checking:
-            self.history.append({"epoch": int(self.current_epoch), "val_loss": val_loss,
-                                 "val_acc": val_acc})
+            self.history.append(
+                {"epoch": int(self.current_epoch), "val_loss": val_loss, "val_acc": val_acc}
+            )
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
@@ -123,8 +135,12 @@ class DigitsClassifier(pl.LightningModule):
         hp = self.hparams
         if hp.optimizer == "sgd":
             opt: torch.optim.Optimizer = torch.optim.SGD(
-                self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=True,
-                weight_decay=hp.weight_decay)
+                self.parameters(),
+                lr=hp.lr,
+                momentum=hp.momentum,
+                nesterov=True,
+                weight_decay=hp.weight_decay,
+            )
         else:
             opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         if hp.scheduler == "none":
@@ -133,8 +149,10 @@ class DigitsClassifier(pl.LightningModule):
         total = max(8, int(self.trainer.estimated_stepping_batches))
         if hp.scheduler == "onecycle":
             sched: Any = torch.optim.lr_scheduler.OneCycleLR(
-                opt, max_lr=hp.lr, total_steps=total, pct_start=0.25)
+                opt, max_lr=hp.lr, total_steps=total, pct_start=0.25
+            )
         else:
             sched = torch.optim.lr_scheduler.LambdaLR(
-                opt, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+                opt, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+            )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -44,14 +44,30 @@ from bnswap.ort.errors import (
 
 logger = logging.getLogger("bnswap.ort")
 
-__all__ = ["DEFAULT_SESSION_OPTIONS", "INSTALL", "LOG_LEVEL_ENV", "BuildError", "LayerRunsTwiceError",
-           "ORTBackendError", "ORTNotAvailableError", "ORTRunError", "StatsNotWrittenError",
-           "UnsupportedLayerError", "UnsupportedVersionError", "UnwrappedCallWarning", "build",
-           "check_python", "executed_ops", "is_available", "ort_log_level", "unwrap", "wrap"]
+__all__ = [
+    "DEFAULT_SESSION_OPTIONS",
+    "INSTALL",
+    "LOG_LEVEL_ENV",
+    "BuildError",
+    "LayerRunsTwiceError",
+    "ORTBackendError",
+    "ORTNotAvailableError",
+    "ORTRunError",
+    "StatsNotWrittenError",
+    "UnsupportedLayerError",
+    "UnsupportedVersionError",
+    "UnwrappedCallWarning",
+    "build",
+    "check_python",
+    "executed_ops",
+    "is_available",
+    "ort_log_level",
+    "unwrap",
+    "wrap",
+]
 
 #: The exact install commands for the CPU backend (torch first, pinned).
-INSTALL = ("pip install onnxruntime-training-cpu==1.19.2 && "
-           "pip install --no-deps torch-ort==1.19.2")
+INSTALL = "pip install onnxruntime-training-cpu==1.19.2 && pip install --no-deps torch-ort==1.19.2"
 
 #: ``onnxruntime.SessionOptions`` attributes bnswap sets on every ORT session; override per
 #: model with ``wrap(session_options=)``. Empty: ORT's defaults (intra-op threads = all
@@ -91,7 +107,8 @@ def check_python(version: tuple[int, ...] | None = None) -> None:
             "bnswap's ORT backend: ONNX Runtime training needs Python 3.10 or 3.11 (this is "
             f"Python {v[0]}.{v[1]}); onnxruntime-training 1.19.2 is its last release and "
             "has no wheels for Python 3.12 and newer. Use backend='aten' (the default), or "
-            "a Python 3.10 / 3.11 environment.")
+            "a Python 3.10 / 3.11 environment."
+        )
 
 
 def is_available() -> bool:
@@ -109,8 +126,10 @@ def is_available() -> bool:
         ort = importlib.util.find_spec("onnxruntime")
         if ort is None or importlib.util.find_spec("torch_ort") is None:
             return False
-        return any(os.path.isfile(os.path.join(p, "training", "ortmodule", "__init__.py"))
-                   for p in (ort.submodule_search_locations or []))
+        return any(
+            os.path.isfile(os.path.join(p, "training", "ortmodule", "__init__.py"))
+            for p in (ort.submodule_search_locations or [])
+        )
     except (ImportError, ValueError):
         return False
 
@@ -126,7 +145,8 @@ def _require() -> Any:
             f"with: {INSTALL}   (or bnswap's 'ort-cpu' extra: "
             f"{extra + ' && ' if extra else 'README, Install, then '}"
             "pip install --no-deps torch-ort==1.19.2). Never install plain `onnxruntime` "
-            "in the same environment: it replaces the training build.")
+            "in the same environment: it replaces the training build."
+        )
     from bnswap.ort import _compat
 
     return _compat.apply()
@@ -165,8 +185,13 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def wrap(module: nn.Module, *, fallback: str | None = None,
-         session_options: dict[str, Any] | None = None, debug_options: Any = None) -> nn.Module:
+def wrap(
+    module: nn.Module,
+    *,
+    fallback: str | None = None,
+    session_options: dict[str, Any] | None = None,
+    debug_options: Any = None,
+) -> nn.Module:
     """Wrap ``module`` in ONNX Runtime's ``ORTModule`` with bnswap's BatchNorm semantics.
 
     ``module``'s BatchNorm layers must already be bnswap layers (``bnswap.convert(model,
@@ -218,15 +243,19 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
     if fallback not in (None, "aten"):
         raise ValueError(f"fallback must be None or 'aten', got {fallback!r}")
     if type(module).__module__.startswith(("lightning", "pytorch_lightning")) or any(
-            c.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
-            for c in type(module).__mro__[1:]):
-        raise TypeError("ORTModule cannot wrap a LightningModule: wrap its child modules "
-                        "(bnswap.BNSwap(backend='ort') does this).")
+        c.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
+        for c in type(module).__mro__[1:]
+    ):
+        raise TypeError(
+            "ORTModule cannot wrap a LightningModule: wrap its child modules "
+            "(bnswap.BNSwap(backend='ort') does this)."
+        )
     check_layers(module)
     trace_constants(module, add=True)
     try:
         _require()
         from bnswap.ort._module import BNSwapORTModule
+
         if debug_options is None:
             from onnxruntime.training.ortmodule import DebugOptions, LogLevel
 
@@ -236,16 +265,20 @@ def wrap(module: nn.Module, *, fallback: str | None = None,
         import onnxruntime
 
         onnxruntime.set_seed(int(__import__("torch").initial_seed() % sys.maxsize))
-        return BNSwapORTModule(module, fallback=fallback, session_options=opts,
-                               debug_options=debug_options)
+        return BNSwapORTModule(
+            module, fallback=fallback, session_options=opts, debug_options=debug_options
+        )
     except BaseException as err:
         trace_constants(module, add=False)
         if not isinstance(err, Exception):
             raise
         if fallback == "aten":
-            warnings.warn(f"bnswap.ort: ONNX Runtime cannot be set up ({err}); using the "
-                          "eager 'aten' backend (fallback='aten').", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"bnswap.ort: ONNX Runtime cannot be set up ({err}); using the "
+                "eager 'aten' backend (fallback='aten').",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return module
         if isinstance(err, (ORTBackendError, TypeError, ValueError)):
             raise  # its own type: ORTNotAvailableError, UnsupportedVersionError, BuildError
@@ -274,8 +307,10 @@ def unwrap(wrapper: nn.Module) -> nn.Module:
     state = wrapper.__dict__.get(WRAPPER_STATE) if isinstance(wrapper, nn.Module) else None
     model = getattr(state, "model", None)
     if model is None:
-        raise TypeError("bnswap.ort.unwrap expects a model returned by bnswap.ort.wrap / "
-                        "bnswap.convert(..., backend='ort')")
+        raise TypeError(
+            "bnswap.ort.unwrap expects a model returned by bnswap.ort.wrap / "
+            "bnswap.convert(..., backend='ort')"
+        )
     _release(model)
     return model
 
@@ -313,8 +348,10 @@ def executed_ops(model: nn.Module, training: bool | None = None) -> collections.
     state = model.__dict__.get(WRAPPER_STATE) if isinstance(model, nn.Module) else None
     files = getattr(state, "graph_files", None)
     if files is None:
-        raise TypeError("executed_ops expects a model returned by bnswap.ort.wrap / "
-                        "bnswap.convert(..., backend='ort')")
+        raise TypeError(
+            "executed_ops expects a model returned by bnswap.ort.wrap / "
+            "bnswap.convert(..., backend='ort')"
+        )
     if training is None:
         training = model.training
     mode = "training" if training else "inference"
@@ -322,8 +359,10 @@ def executed_ops(model: nn.Module, training: bool | None = None) -> collections.
     if mode not in cache:
         path = files.get(mode)
         if path is None or not os.path.isfile(path):
-            raise ORTRunError(f"ONNX Runtime has not built its {mode} session for this model "
-                              "yet: run a forward in that mode first.")
+            raise ORTRunError(
+                f"ONNX Runtime has not built its {mode} session for this model "
+                "yet: run a forward in that mode first."
+            )
         import onnx
 
         model = onnx.load(path, load_external_data=False)

@@ -12,8 +12,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bnswap.ort",
-                                     description="bnswap ONNX Runtime backend tools")
+    parser = argparse.ArgumentParser(
+        prog="python -m bnswap.ort", description="bnswap ONNX Runtime backend tools"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="compile ORT's aten_op_executor extension (once)")
     b.add_argument("--force", action="store_true", help="rebuild even if it exists")
@@ -24,8 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     import bnswap.ort as ort
 
     if not ort.is_available():
-        print(f"bnswap.ort: ONNX Runtime training is not installed. Install: {ort.INSTALL}",
-              file=sys.stderr)
+        print(
+            f"bnswap.ort: ONNX Runtime training is not installed. Install: {ort.INSTALL}",
+            file=sys.stderr,
+        )
         return 1
     from bnswap.ort import _build, _compat
 

@@ -185,7 +185,12 @@ def ensure_extension(*, force: bool = False) -> Path:
         tv, ov = _versions()
         logger.warning(
             "bnswap.ort: building ONNX Runtime's %s extension for torch %s / onnxruntime %s "
-            "into %s (one time, about a minute on 2 cores)...", EXTENSION, tv, ov, out.parent)
+            "into %s (one time, about a minute on 2 cores)...",
+            EXTENSION,
+            tv,
+            ov,
+            out.parent,
+        )
         _log.info(logger, "bnswap.ort: %s", shlex.join(cmd))  # (once per job)
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -198,7 +203,8 @@ def ensure_extension(*, force: bool = False) -> Path:
         if proc.wait() != 0:
             raise BuildError(
                 f"Compiling {EXTENSION} failed (exit {proc.returncode}):\n"
-                f"$ {shlex.join(cmd)}\n{''.join(lines[-40:])}")
+                f"$ {shlex.join(cmd)}\n{''.join(lines[-40:])}"
+            )
         os.replace(out.with_name(out.name + ".tmp"), out)
         logger.warning("bnswap.ort: built %s in %.0f s", out, time.monotonic() - t0)
     return out

@@ -109,13 +109,17 @@ def check_versions() -> None:
     if _torch_version() < MIN_TORCH or importlib.util.find_spec(_TSE) is None:
         problems.append(
             f"torch {torch.__version__} (tested: >= {'.'.join(map(str, MIN_TORCH))} with "
-            f"the {_TSE} layout)")
+            f"the {_TSE} layout)"
+        )
     if not problems:
         return
-    msg = ("bnswap's ONNX Runtime compatibility layer was not tested with " + " and ".join(problems)
-           + f". Set {OVERRIDE_ENV}=1 to try anyway, or install the tested pair: "
-           "pip install torch==2.13.0 onnxruntime-training-cpu==1.19.2 && "
-           "pip install --no-deps torch-ort==1.19.2")
+    msg = (
+        "bnswap's ONNX Runtime compatibility layer was not tested with "
+        + " and ".join(problems)
+        + f". Set {OVERRIDE_ENV}=1 to try anyway, or install the tested pair: "
+        "pip install torch==2.13.0 onnxruntime-training-cpu==1.19.2 && "
+        "pip install --no-deps torch-ort==1.19.2"
+    )
     if os.environ.get(OVERRIDE_ENV) == "1":
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
     else:
@@ -145,7 +149,9 @@ def _registry():
 
 
 def _snapshot_registry() -> dict[str, dict]:
-    return {name: dict(group._functions._overrides) for name, group in _registry()._registry.items()}
+    return {
+        name: dict(group._functions._overrides) for name, group in _registry()._registry.items()
+    }
 
 
 def _restore_registry(snap: dict[str, dict]) -> None:
@@ -291,7 +297,8 @@ class _InteropUnavailable(types.ModuleType):
         raise RuntimeError(
             "ORT's torch_interop_utils extension (custom torch.autograd.Function support) "
             "does not build against torch >= 2.13; bnswap runs ORTModule with custom "
-            "autograd functions off (ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0).")
+            "autograd functions off (ORTMODULE_ENABLE_CUSTOM_AUTOGRAD=0)."
+        )
 
 
 def _load_extension() -> None:
@@ -362,16 +369,20 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
         try:
             with ort_scope():
                 pytorch_export_contrib_ops.register()
-                importlib.import_module(f"{_ORTM}._custom_op_symbolic_registry") \
-                    .CustomOpSymbolicRegistry.register_all(opset)
+                importlib.import_module(
+                    f"{_ORTM}._custom_op_symbolic_registry"
+                ).CustomOpSymbolicRegistry.register_all(opset)
                 ours = original_module is not None and original_module in BNSWAP_MODULES
                 if ours:
                     _symbolic.register(opset)
                     # The exporter makes graph inputs of state_dict entries only; a
                     # non-persistent buffer would be traced as a constant again.
-                    trace_bufs = [(m, name) for m in flattened_module.modules()
-                                  for name in (TRACE_WEIGHT, TRACE_BIAS)
-                                  if name in m._buffers and name in m._non_persistent_buffers_set]
+                    trace_bufs = [
+                        (m, name)
+                        for m in flattened_module.modules()
+                        for name in (TRACE_WEIGHT, TRACE_BIAS)
+                        if name in m._buffers and name in m._non_persistent_buffers_set
+                    ]
                     for m, name in trace_bufs:
                         m._non_persistent_buffers_set.discard(name)
                 if ours:
@@ -416,8 +427,11 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
 
     @functools.wraps(original_getstate)
     def __getstate__(self):
-        missing = [k for k in ("_torch_alloc", "_torch_free", "_torch_empty_cache")
-                   if k not in self.__dict__]
+        missing = [
+            k
+            for k in ("_torch_alloc", "_torch_free", "_torch_empty_cache")
+            if k not in self.__dict__
+        ]
         for k in missing:
             self.__dict__[k] = None
         try:
@@ -498,7 +512,8 @@ def apply() -> types.ModuleType:
         ortmodule = _import_ortmodule()
         init_error = ortmodule._FALLBACK_INIT_EXCEPTION
         if init_error is not None and not ortmodule.is_torch_cpp_extensions_installed(
-                ortmodule.ORTMODULE_TORCH_CPP_DIR):
+            ortmodule.ORTMODULE_TORCH_CPP_DIR
+        ):
             # ORT's own check (a glob of its package folder) failed, as it does whenever
             # the extension lives in bnswap's cache (loaded above): not an error here.
             ortmodule._FALLBACK_INIT_EXCEPTION = None
@@ -515,8 +530,10 @@ def lacks_remove_duplicate(ortmodule: types.ModuleType) -> bool:
     """Whether ORTModule's ``named_parameters`` / ``named_buffers`` lack torch's
     ``remove_duplicate`` argument (onnxruntime-training 1.19.2: they do)."""
     cls = ortmodule.ORTModule
-    return any("remove_duplicate" not in inspect.signature(getattr(cls, name)).parameters
-               for name in ("named_parameters", "named_buffers"))
+    return any(
+        "remove_duplicate" not in inspect.signature(getattr(cls, name)).parameters
+        for name in ("named_parameters", "named_buffers")
+    )
 
 
 def force_reexport(ortmodule: Any, training: bool) -> None:

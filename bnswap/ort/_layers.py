@@ -14,8 +14,14 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from bnswap._swap import add_internal_buffer, drop_internal_buffers, is_swapped
 from bnswap.ort.errors import UnsupportedLayerError
 
-__all__ = ["TRACE_BIAS", "TRACE_WEIGHT", "bn_layers", "check_layers", "trace_constants",
-           "trace_stand_ins"]
+__all__ = [
+    "TRACE_BIAS",
+    "TRACE_WEIGHT",
+    "bn_layers",
+    "check_layers",
+    "trace_constants",
+    "trace_stand_ins",
+]
 
 #: Names of the per-layer buffers holding an affine=False layer's constant ones / zeros
 #: (:func:`trace_constants`), which the core uses instead of freshly made ones / zeros
@@ -57,26 +63,34 @@ def check_layers(module: nn.Module) -> None:
                 "ORT would export it with a momentum frozen at trace time and "
                 "PyTorch's running statistics would be lost. Convert it, wrap only "
                 "submodules without it (BNSwap(backend='ort') keeps such children eager "
-                "itself), or use backend='aten'. See bnswap.plan(model, backend='ort').")
+                "itself), or use backend='aten'. See bnswap.plan(model, backend='ort')."
+            )
         if isinstance(m, nn.SyncBatchNorm):
             raise UnsupportedLayerError(
                 f"bnswap.ort.wrap: layer {label!r} is a SyncBatchNorm; the ONNX Runtime "
                 "backend cannot synchronize batch statistics across processes (its "
                 "BatchNormInternal kernel sees one process's batch). Use backend='aten' "
-                "(synchronized on every device), or wrap a module without it.")
+                "(synchronized on every device), or wrap a module without it."
+            )
         if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
             raise UnsupportedLayerError(
                 f"bnswap.ort.wrap: layer {label!r} is an uninitialized {type(m).__name__}: "
                 "ONNX Runtime exports the model as it is, and this layer has no parameters "
                 "yet. Run one forward of the model before wrapping it (the Lightning "
-                "callback wraps such a child once it has), or use backend='aten'.")
-        for pname, t in (("weight", m.weight), ("bias", m.bias),
-                         ("running_mean", m.running_mean), ("running_var", m.running_var)):
+                "callback wraps such a child once it has), or use backend='aten'."
+            )
+        for pname, t in (
+            ("weight", m.weight),
+            ("bias", m.bias),
+            ("running_mean", m.running_mean),
+            ("running_var", m.running_var),
+        ):
             if t is not None and t.dtype != torch.float32:
                 raise UnsupportedLayerError(
                     f"bnswap.ort.wrap: layer {label!r} has {pname} of dtype {t.dtype}; ONNX "
                     "Runtime's CPU BatchNormInternal kernel is float32 only. Use float32 "
-                    "parameters, or backend='aten'.")
+                    "parameters, or backend='aten'."
+                )
             if t is not None and t.device.type == "meta":
                 raise UnsupportedLayerError(
                     f"bnswap.ort.wrap: layer {label!r} is on the meta device; ORTModule "
@@ -84,10 +98,13 @@ def check_layers(module: nn.Module) -> None:
                     "to_empty would leave uninitialized. Materialize the model first "
                     "(model.to_empty(device=...), then load its weights), then call "
                     "bnswap.convert(model, backend='ort'); bnswap.convert(model) "
-                    "(backend='aten') works on the meta device.")
+                    "(backend='aten') works on the meta device."
+                )
             if t is not None and t.device.type != "cpu" and t.device.type != "cuda":
-                raise UnsupportedLayerError(f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
-                                "ORTModule runs on CPU or CUDA.")
+                raise UnsupportedLayerError(
+                    f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
+                    "ORTModule runs on CPU or CUDA."
+                )
 
 
 def trace_constants(module: nn.Module, add: bool) -> None:

@@ -32,8 +32,12 @@ def ort_log_level() -> str:
     if value not in _LOG_LEVELS:
         if value not in _warned:
             _warned.add(value)
-            warnings.warn(f"bnswap.ort: {LOG_LEVEL_ENV}={value!r} is not one of "
-                          f"{', '.join(_LOG_LEVELS)}; using WARNING", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"bnswap.ort: {LOG_LEVEL_ENV}={value!r} is not one of "
+                f"{', '.join(_LOG_LEVELS)}; using WARNING",
+                UserWarning,
+                stacklevel=2,
+            )
         return "WARNING"
     return value
 

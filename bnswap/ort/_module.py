@@ -50,7 +50,8 @@ logger = logging.getLogger("bnswap.ort")
 _ortmodule = _compat.apply()
 _NAMED_LACK_REMOVE_DUPLICATE = _compat.lacks_remove_duplicate(_ortmodule)
 _fallback_exceptions = __import__(
-    "onnxruntime.training.ortmodule._fallback_exceptions", fromlist=["_"])
+    "onnxruntime.training.ortmodule._fallback_exceptions", fromlist=["_"]
+)
 
 
 class Verification(enum.Enum):
@@ -91,8 +92,11 @@ class WrapperState:
         # a whole-model pickle leaves the layers' swap and internal buffers out (bnswap's
         # checkpoints patch, issue 32); a wrapper is bnswap's own object: it puts them
         # back when it is unpickled
-        state["adapters"] = {name: adapter_of(m) for name, m in self.model.named_modules()
-                             if adapter_of(m) is not None}
+        state["adapters"] = {
+            name: adapter_of(m)
+            for name, m in self.model.named_modules()
+            if adapter_of(m) is not None
+        }
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -121,15 +125,15 @@ def _recorded_elsewhere() -> bool:
     """Whether the call is being recorded for another runtime: ``torch.jit.trace`` /
     the TorchScript ONNX exporter, or ``torch.export`` (strict or not, which
     ``torch.onnx.export(dynamo=True)`` uses) / ``torch.compile``."""
-    return (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
-            or torch.compiler.is_compiling())
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
 
 
 def _is_ort_error(err: BaseException) -> bool:
     """An error raised by ONNX Runtime itself (by type: ORTModule's fallback exceptions
     and the classes of ORT's own modules, e.g. its C++ ``Fail`` / ``InvalidArgument``)."""
-    return (isinstance(err, _fallback_exceptions.ORTModuleFallbackException)
-            or type(err).__module__.startswith("onnxruntime"))
+    return isinstance(err, _fallback_exceptions.ORTModuleFallbackException) or type(
+        err
+    ).__module__.startswith("onnxruntime")
 
 
 class BNSwapORTModule(_ortmodule.ORTModule):
@@ -140,22 +144,34 @@ class BNSwapORTModule(_ortmodule.ORTModule):
     (ORT trains them in place).
     """
 
-    def __init__(self, module: nn.Module, *, fallback: str | None,
-                 session_options: dict[str, Any], debug_options: Any = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        fallback: str | None,
+        session_options: dict[str, Any],
+        debug_options: Any = None,
+    ):
         # ORTModule.__init__ ends with self.train(module.training), which resets the
         # flag of every submodule (a frozen BatchNorm inside a training model was
         # silently un-frozen): wrapping never changes a flag of the user's model.
         modes = [(m, m.training) for m in module.modules()]
         try:
-            with _compat.scoped_env("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE"), \
-                    _compat.ort_scope():
+            with (
+                _compat.scoped_env("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE"),
+                _compat.ort_scope(),
+            ):
                 super().__init__(module, debug_options)
         finally:
             for m, training in modes:
                 m.training = training
         self.__dict__[WRAPPER_STATE] = WrapperState(
-            model=module, fallback=fallback, session_options=dict(session_options),
-            stats=RunningStats(module), debug_options=debug_options)
+            model=module,
+            fallback=fallback,
+            session_options=dict(session_options),
+            stats=RunningStats(module),
+            debug_options=debug_options,
+        )
         self._bnswap_install()
 
     def _bnswap_state(self) -> WrapperState:
@@ -187,22 +203,22 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         """Called by ORT (patched ``_get_session_config``) for each new session: set
         bnswap's session options and record the graph file the session runs."""
         state = self._bnswap_state()
-        mode = ("training" if manager._export_mode == torch.onnx.TrainingMode.TRAINING
-                else "inference")
+        mode = (
+            "training" if manager._export_mode == torch.onnx.TrainingMode.TRAINING else "inference"
+        )
         path = os.path.join(state.tmp or tempfile.gettempdir(), f"{mode}.onnx")
         so.optimized_model_filepath = path
         # ORT's C++ logger: 0 verbose, 1 info, 2 warning, 3 error. At bnswap's default
         # (WARNING) it would warn at every new session about the optimized graph saved
         # just above for executed_ops: one level up.
-        so.log_severity_level = {"VERBOSE": 0, "INFO": 1, "WARNING": 3, "ERROR": 3}[
-            ort_log_level()]
+        so.log_severity_level = {"VERBOSE": 0, "INFO": 1, "WARNING": 3, "ERROR": 3}[ort_log_level()]
         state.graph_files[mode] = path
         if mode == "training":  # a new session: verify its in-place writes
             state.verification = Verification.NEXT_STEP
         state.ops.pop(mode, None)
         for key, value in state.session_options.items():
             if key.startswith("config:"):
-                so.add_session_config_entry(key[len("config:"):], str(value))
+                so.add_session_config_entry(key[len("config:") :], str(value))
             else:
                 setattr(so, key, value)
 
@@ -212,15 +228,19 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         # only; torch.export.export (and torch.onnx.export(dynamo=True), which uses it)
         # call them with remove_duplicate=False: TypeError. The wrapped model's own
         # methods, with torch's signature (same names as ORT's: no wrapper prefix).
-        def named_parameters(self, prefix: str = "", recurse: bool = True,
-                             remove_duplicate: bool = True):
+        def named_parameters(
+            self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+        ):
             yield from self.module.named_parameters(
-                prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+                prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+            )
 
-        def named_buffers(self, prefix: str = "", recurse: bool = True,
-                          remove_duplicate: bool = True):
+        def named_buffers(
+            self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+        ):
             yield from self.module.named_buffers(
-                prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+                prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+            )
 
     # -------------------------------------------------------------- containers
     # A wrapped container (nn.Sequential, ModuleList, ModuleDict) keeps its container
@@ -241,8 +261,11 @@ class BNSwapORTModule(_ortmodule.ORTModule):
 
     def __getitem__(self, idx: Any) -> Any:
         item = self.module[idx]
-        if not isinstance(idx, slice) or not isinstance(item, nn.Module) or not any(
-                isinstance(m, _BatchNorm) for m in item.modules()):
+        if (
+            not isinstance(idx, slice)
+            or not isinstance(item, nn.Module)
+            or not any(isinstance(m, _BatchNorm) for m in item.modules())
+        ):
             return item
         state = self._bnswap_state()
         key = (idx.start, idx.stop, idx.step, tuple(id(m) for m in item.children()))
@@ -252,9 +275,12 @@ class BNSwapORTModule(_ortmodule.ORTModule):
                 state.slices.clear()
             check_layers(item)  # as bnswap.ort.wrap does
             trace_constants(item, add=True)
-            wrapper = type(self)(item, fallback=state.fallback,
-                                 session_options=state.session_options,
-                                 debug_options=state.debug_options)
+            wrapper = type(self)(
+                item,
+                fallback=state.fallback,
+                session_options=state.session_options,
+                debug_options=state.debug_options,
+            )
             state.slices[key] = wrapper
         # the slice container is bnswap's own object: it follows the wrapped model's flag
         wrapper.module.training = self.module.training
@@ -280,8 +306,7 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         self._bnswap_sync_mode(training)
         self._bnswap_check_export(mods, layers, args, kwargs, training)
         if training:
-            return self._bnswap_train_step([(n, m) for n, m in layers if m.training],
-                                           args, kwargs)
+            return self._bnswap_train_step([(n, m) for n, m in layers if m.training], args, kwargs)
         self._bnswap_warn_eval_grad()
         return self._bnswap_eval_step(args, kwargs)
 
@@ -303,8 +328,9 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         if flat is not None and flat.training is not training:
             flat.training = training  # its only child is the wrapped model
 
-    def _bnswap_check_export(self, mods: list, layers: list, args: tuple, kwargs: dict,
-                      training: bool) -> None:
+    def _bnswap_check_export(
+        self, mods: list, layers: list, args: tuple, kwargs: dict, training: bool
+    ) -> None:
         """Re-export when something the exported graph baked in has changed.
 
         The graph fixes the module structure (and which forward each layer runs), the
@@ -327,7 +353,8 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         keys = state.export_keys
         old = keys.get(training)
         key = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
-            state.stats.empty_inputs(args, kwargs, layers),)
+            state.stats.empty_inputs(args, kwargs, layers),
+        )
         if old is None or old == key:
             keys[training] = key
             return
@@ -341,15 +368,20 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         mods = list(state.model.named_modules())
         layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
         keys[training] = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
-            state.stats.empty_inputs(args, kwargs, layers),)
-        _log.info(logger, "bnswap.ort: the model or its inputs changed in a way the exported "
-                  "graph depends on; ONNX Runtime exports again")  # (once per job)
+            state.stats.empty_inputs(args, kwargs, layers),
+        )
+        _log.info(
+            logger,
+            "bnswap.ort: the model or its inputs changed in a way the exported "
+            "graph depends on; ONNX Runtime exports again",
+        )  # (once per job)
         for mode in (True, False):
             _compat.force_reexport(self, mode)
 
     @staticmethod
-    def _bnswap_export_key(mods: list, layers: list, args: tuple, kwargs: dict,
-                    training: bool) -> tuple:
+    def _bnswap_export_key(
+        mods: list, layers: list, args: tuple, kwargs: dict, training: bool
+    ) -> tuple:
         """What the exported graph depends on, from one pass over ``mods`` (the model's
         ``named_modules()``): its structure, the identity of every Parameter / buffer
         slot (ORT feeds the tensors it found at export; a replaced one would be ignored),
@@ -368,26 +400,35 @@ class BNSwapORTModule(_ortmodule.ORTModule):
             tensors.extend(id(b) for b in m._buffers.values())
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key: tuple = (
-            tuple(structure), tuple(tensors),
+            tuple(structure),
+            tuple(tensors),
             tuple((m.track_running_stats, float(m.eps)) for _, m in layers),
             str(spec),
             tuple(None if isinstance(x, torch.Tensor) else leaf_key(x) for x in leaves),
         )
         if training:
-            key += (tuple(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)),
-                    tuple(grads))
+            key += (
+                tuple(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)),
+                tuple(grads),
+            )
         return key
 
     def _bnswap_warn_eval_grad(self) -> None:
         state = self._bnswap_state()
-        if (not state.warned_eval_grad and torch.is_grad_enabled()
-                and any(p.requires_grad for p in state.model.parameters())):
+        if (
+            not state.warned_eval_grad
+            and torch.is_grad_enabled()
+            and any(p.requires_grad for p in state.model.parameters())
+        ):
             state.warned_eval_grad = True
             warnings.warn(
                 "bnswap.ort: the model is in eval mode with gradients enabled; ORT runs its "
                 "inference graph, whose outputs carry no gradient (eager's would). Evaluate "
                 "under torch.no_grad(), or use backend='aten' to backpropagate through an "
-                "eval-mode model.", UserWarning, stacklevel=5)
+                "eval-mode model.",
+                UserWarning,
+                stacklevel=5,
+            )
 
     def _bnswap_train_step(self, layers: list, args: tuple, kwargs: dict) -> Any:
         """One training forward on ORT, the running statistics by PyTorch's rule."""
@@ -400,8 +441,9 @@ class BNSwapORTModule(_ortmodule.ORTModule):
                 # to torch (a returned ReLU activation was found overwritten with gradient
                 # values after backward, with stock BN under raw ORTModule too): return
                 # copies.
-                return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone,
-                                            self._bnswap_ort_call(args, kwargs))
+                return pytree.tree_map_only(
+                    torch.Tensor, torch.Tensor.clone, self._bnswap_ort_call(args, kwargs)
+                )
             # Eager BN in training mode normalizes with batch statistics and updates them
             # also under no_grad; ORT would pick its inference graph (running
             # statistics): run the training graph instead.
@@ -410,8 +452,14 @@ class BNSwapORTModule(_ortmodule.ORTModule):
 
         verify = state.verification is Verification.NEXT_STEP
         try:
-            out = state.stats.step(args, kwargs, run, verify=verify, layers=layers,
-                                   eager=lambda: state.model(*args, **kwargs))
+            out = state.stats.step(
+                args,
+                kwargs,
+                run,
+                verify=verify,
+                layers=layers,
+                eager=lambda: state.model(*args, **kwargs),
+            )
         except ORTRunError as err:  # StatsNotWrittenError, LayerRunsTwiceError included
             return self._bnswap_fallback(err, args, kwargs)
         if state.stats.verified:
@@ -432,7 +480,8 @@ class BNSwapORTModule(_ortmodule.ORTModule):
             if _is_ort_error(err):
                 raise ORTRunError(
                     "ONNX Runtime could not run this model (no fallback: pass "
-                    f"fallback='aten' to run it eagerly instead): {err}") from err
+                    f"fallback='aten' to run it eagerly instead): {err}"
+                ) from err
             raise
 
     def _bnswap_fallback(self, err: ORTRunError, args: tuple, kwargs: dict) -> Any:
@@ -442,7 +491,9 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         warnings.warn(
             "bnswap.ort: ONNX Runtime cannot run this model; falling back to the eager "
             f"'aten' backend (fallback='aten'). Cause: {err.__cause__ or err}",
-            RuntimeWarning, stacklevel=6)  # the user's call of the wrapper
+            RuntimeWarning,
+            stacklevel=6,
+        )  # the user's call of the wrapper
         state.eager = True
         return state.model(*args, **kwargs)
 

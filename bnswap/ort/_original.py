@@ -33,8 +33,7 @@ from torch import nn
 
 from bnswap._swap import INTERNAL_HOOK
 
-__all__ = ["UnwrappedCallWarning", "WarnUnwrappedCall", "register", "release",
-           "wrapper_call"]
+__all__ = ["UnwrappedCallWarning", "WarnUnwrappedCall", "register", "release", "wrapper_call"]
 
 
 class UnwrappedCallWarning(UserWarning):
@@ -65,8 +64,12 @@ class WarnUnwrappedCall:
     of the model (:data:`bnswap._swap.INTERNAL_HOOK`)."""
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or torch.jit.is_tracing() \
-                or torch.onnx.is_in_onnx_export() or getattr(_local, "depth", 0):
+        if (
+            torch.compiler.is_compiling()
+            or torch.jit.is_tracing()
+            or torch.onnx.is_in_onnx_export()
+            or getattr(_local, "depth", 0)
+        ):
             return None
         entry = _wrapped.get(module)
         if entry is None or entry[1] or entry[0]() is None:
@@ -78,7 +81,9 @@ class WarnUnwrappedCall:
             "(a BNSwapORTModule); calling the model itself runs it eagerly on the 'aten' "
             "backend, not on ONNX Runtime. Call the wrapper instead "
             "(`model = bnswap.convert(model, backend='ort')`). Warned once per model.",
-            UnwrappedCallWarning, stacklevel=_user_level())
+            UnwrappedCallWarning,
+            stacklevel=_user_level(),
+        )
         return None
 
 
@@ -107,8 +112,13 @@ class _PreHooks(collections.OrderedDict):
     def __reduce__(self) -> tuple:
         # stock's own reduction of an OrderedDict (class, no arguments, no state, the
         # items), so the bytes are those of the model never wrapped
-        return (collections.OrderedDict, (), None, None,
-                iter([(k, h) for k, h in self.items() if not getattr(h, INTERNAL_HOOK, False)]))
+        return (
+            collections.OrderedDict,
+            (),
+            None,
+            None,
+            iter([(k, h) for k, h in self.items() if not getattr(h, INTERNAL_HOOK, False)]),
+        )
 
 
 def register(model: nn.Module, wrapper: nn.Module) -> None:

@@ -52,9 +52,12 @@ def tracked_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, _Batc
     """The BatchNorm layers among ``layers`` ((name, module) pairs, e.g.
     ``root.named_modules()``) that have running statistics (tracked)."""
     return [
-        (name, m) for name, m in layers
-        if isinstance(m, _BatchNorm) and m.track_running_stats
-        and m.running_mean is not None and m.running_var is not None
+        (name, m)
+        for name, m in layers
+        if isinstance(m, _BatchNorm)
+        and m.track_running_stats
+        and m.running_mean is not None
+        and m.running_var is not None
     ]
 
 
@@ -66,9 +69,13 @@ def leaf_key(x: Any) -> Any:
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    return (str(spec), tuple(
-        (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else leaf_key(x)
-        for x in leaves))
+    return (
+        str(spec),
+        tuple(
+            (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else leaf_key(x)
+            for x in leaves
+        ),
+    )
 
 
 class RunningStats:
@@ -95,10 +102,14 @@ class RunningStats:
         def hook(name: str):
             def pre(_mod: nn.Module, inputs: tuple) -> None:
                 seen.setdefault(name, []).append(tuple(inputs[0].shape))
+
             return pre
 
-        handles = [m.register_forward_pre_hook(hook(name))
-                   for name, m in self.root.named_modules() if isinstance(m, _BatchNorm)]
+        handles = [
+            m.register_forward_pre_hook(hook(name))
+            for name, m in self.root.named_modules()
+            if isinstance(m, _BatchNorm)
+        ]
         try:
             with torch.no_grad():
                 forward()
@@ -117,7 +128,8 @@ class RunningStats:
             # num_batches_tracked stays real: momentum=None reads it as a float.
             state[name] = b.clone() if b.dtype == torch.long and b.dim() == 0 else b.to("meta")
         margs, mkwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs))
+            torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs)
+        )
         functional_call(self.root, state, margs, mkwargs)
 
     def _real_pass(self, args: tuple, kwargs: dict) -> None:
@@ -152,8 +164,9 @@ class RunningStats:
             self._shapes[key] = shapes
         return shapes
 
-    def reduction_sizes(self, args: tuple, kwargs: dict,
-                        layers: list[tuple[str, _BatchNorm]]) -> list[int | None]:
+    def reduction_sizes(
+        self, args: tuple, kwargs: dict, layers: list[tuple[str, _BatchNorm]]
+    ) -> list[int | None]:
         """Values per channel (``N * prod(spatial)``) each of ``layers`` sees for these
         inputs; None for a layer the forward does not run. ``layers``: (qualified name in
         ``root``, layer) pairs.
@@ -174,13 +187,15 @@ class RunningStats:
                     f"bnswap.ort: BatchNorm layer {name!r} runs {len(shapes)} times in one "
                     "forward; ONNX Runtime updates its running statistics once per call site "
                     "into the same buffers, which cannot reproduce PyTorch's sequential "
-                    "updates. Use one layer per call site, or backend='aten'.")
+                    "updates. Use one layer per call site, or backend='aten'."
+                )
             shape = shapes[0]
             sizes.append(math.prod(shape[:1] + shape[2:]))
         return sizes
 
-    def empty_inputs(self, args: tuple, kwargs: dict,
-                     layers: list[tuple[str, _BatchNorm]]) -> tuple[bool, ...]:
+    def empty_inputs(
+        self, args: tuple, kwargs: dict, layers: list[tuple[str, _BatchNorm]]
+    ) -> tuple[bool, ...]:
         """Per layer of ``layers``: whether a call of it gets an empty input for these
         inputs. A graph traced then holds no batch norm for that layer (the core's
         early return for empty input), so it must not serve non-empty batches."""
@@ -192,9 +207,16 @@ class RunningStats:
         self._shapes.clear()
 
     # -------------------------------------------------------------------- step
-    def step(self, args: tuple, kwargs: dict, run: Callable[[], T], *, verify: bool,
-             layers: list[tuple[str, nn.Module]],
-             eager: Callable[[], T] | None = None) -> T:
+    def step(
+        self,
+        args: tuple,
+        kwargs: dict,
+        run: Callable[[], T],
+        *,
+        verify: bool,
+        layers: list[tuple[str, nn.Module]],
+        eager: Callable[[], T] | None = None,
+    ) -> T:
         """Run ``run()`` (an ORT training forward of ``root`` on ``args``/``kwargs``) and
         leave every tracked layer's running_mean, running_var and num_batches_tracked
         exactly as an eager forward would. On error, the statistics are restored.
@@ -237,14 +259,18 @@ class RunningStats:
                 m.running_mean.fill_(_SENTINEL)
         try:
             out = run()
-            missed = [name for name, m in layers if any(m is c for c in checked)
-                      and bool((m.running_mean == _SENTINEL).any())]
+            missed = [
+                name
+                for name, m in layers
+                if any(m is c for c in checked) and bool((m.running_mean == _SENTINEL).any())
+            ]
             if missed:
                 raise StatsNotWrittenError(
                     "bnswap.ort: ONNX Runtime did not write the batch statistics of "
                     f"{missed} into their running_mean buffers (BatchNormInternal's "
                     "aliased outputs); their running statistics cannot follow PyTorch's "
-                    "rule. Use backend='aten' for this model.")
+                    "rule. Use backend='aten' for this model."
+                )
         except BaseException:
             with torch.no_grad():
                 torch._foreach_copy_(means, old_means)
@@ -263,9 +289,14 @@ class RunningStats:
                 torch._foreach_copy_([means[i] for i in empty], [old_means[i] for i in empty])
                 torch._foreach_copy_([vars_[i] for i in empty], [old_vars[i] for i in empty])
             if full:
-                ms = [float(exponential_average_factor(ran[i][0].momentum,
-                                                       ran[i][0].num_batches_tracked))
-                      for i in full]
+                ms = [
+                    float(
+                        exponential_average_factor(
+                            ran[i][0].momentum, ran[i][0].num_batches_tracked
+                        )
+                    )
+                    for i in full
+                ]
                 keep = [1.0 - w for w in ms]
                 scale_v = [w * ran[i][1] / (ran[i][1] - 1) for w, i in zip(ms, full)]
                 fm, fv = [means[i] for i in full], [vars_[i] for i in full]

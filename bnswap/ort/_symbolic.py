@@ -42,8 +42,8 @@ def _helpers():
 
 
 #: Fill values of the private statistics given to batch-statistics-only layers.
-_SCRATCH_MEAN = 2.0 ** -100
-_SCRATCH_VAR = 2.0 ** -99
+_SCRATCH_MEAN = 2.0**-100
+_SCRATCH_VAR = 2.0**-99
 
 
 def _private_stat(g, input, like, fill: float):
@@ -53,8 +53,9 @@ def _private_stat(g, input, like, fill: float):
     channels = _helpers()._get_tensor_dim_size(input, 1)
     dtype = tse.JitScalarType.from_value(like, tse.JitScalarType.FLOAT).dtype()
     if channels is None:
-        raise RuntimeError("bnswap.ort: batch-statistics-only BatchNorm needs a static "
-                           "channel count to export")
+        raise RuntimeError(
+            "bnswap.ort: batch-statistics-only BatchNorm needs a static channel count to export"
+        )
     return g.op("Constant", value_t=torch.full((channels,), fill, dtype=dtype))
 
 
@@ -62,7 +63,8 @@ def _batch_norm_with_update(g, input, weight, bias, running_mean, running_var, m
     sh = _helpers()
     eps = sh._maybe_get_const(eps, "f")
     weight, bias, running_mean, running_var = sh._batchnorm_helper(
-        g, input, weight, bias, running_mean, running_var)
+        g, input, weight, bias, running_mean, running_var
+    )
     if running_mean.node().kind() != "prim::Param" or running_var.node().kind() != "prim::Param":
         # Throw-away statistics (track_running_stats=False): BatchNormInternal writes the
         # batch statistics into them (aliased outputs). Zeros / ones could be merged by
@@ -71,8 +73,17 @@ def _batch_norm_with_update(g, input, weight, bias, running_mean, running_var, m
         running_mean = _private_stat(g, input, running_mean, _SCRATCH_MEAN)
         running_var = _private_stat(g, input, running_var, _SCRATCH_VAR)
     out, new_mean, new_var = g.op(
-        "BatchNormalization", input, weight, bias, running_mean, running_var,
-        epsilon_f=eps, momentum_f=ONNX_TRAINING_MOMENTUM, training_mode_i=1, outputs=3)
+        "BatchNormalization",
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        epsilon_f=eps,
+        momentum_f=ONNX_TRAINING_MOMENTUM,
+        training_mode_i=1,
+        outputs=3,
+    )
     new_mean.setType(running_mean.type())
     new_var.setType(running_var.type())
     return out, None, None, None
@@ -89,7 +100,8 @@ def _batch_norm_no_update(g, input, weight, bias, running_mean, running_var, mom
     sh = _helpers()
     eps = sh._maybe_get_const(eps, "f")
     weight, bias, running_mean, running_var = sh._batchnorm_helper(
-        g, input, weight, bias, running_mean, running_var)
+        g, input, weight, bias, running_mean, running_var
+    )
     if _exporting_for_training():
         # An eval-mode (frozen) layer inside ORT's training graph. ORT's training
         # transform turns every BatchNormalization into BatchNormInternal, which
@@ -98,10 +110,24 @@ def _batch_norm_no_update(g, input, weight, bias, running_mean, running_var, mom
         # Written out as element-wise ops (ORT differentiates each), the running-stat
         # normalization of aten's native CPU kernel: y = x * a + b with
         # a = weight / sqrt(running_var + eps), b = bias - running_mean * a.
-        return _frozen_batch_norm(g, sh, input, weight, bias, running_mean, running_var,
-                                  eps), None, None, None
-    out = g.op("BatchNormalization", input, weight, bias, running_mean, running_var,
-               epsilon_f=eps, momentum_f=1.0, training_mode_i=0, outputs=1)
+        return (
+            _frozen_batch_norm(g, sh, input, weight, bias, running_mean, running_var, eps),
+            None,
+            None,
+            None,
+        )
+    out = g.op(
+        "BatchNormalization",
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        epsilon_f=eps,
+        momentum_f=1.0,
+        training_mode_i=0,
+        outputs=1,
+    )
     return out, None, None, None
 
 
@@ -110,16 +136,18 @@ def _frozen_batch_norm(g, sh, input, weight, bias, running_mean, running_var, ep
 
     rank = sh._get_tensor_rank(input)
     if rank is None:
-        raise RuntimeError("bnswap.ort: an eval-mode BatchNorm in a training graph needs "
-                           "an input of known rank to export")
-    shape = g.op("Constant", value_t=torch.tensor([1, -1] + [1] * (rank - 2),
-                                                  dtype=torch.int64))
+        raise RuntimeError(
+            "bnswap.ort: an eval-mode BatchNorm in a training graph needs "
+            "an input of known rank to export"
+        )
+    shape = g.op("Constant", value_t=torch.tensor([1, -1] + [1] * (rank - 2), dtype=torch.int64))
     eps_c = g.op("Constant", value_t=torch.tensor(eps, dtype=torch.float32))
     invstd = g.op("Reciprocal", g.op("Sqrt", g.op("Add", running_var, eps_c)))
     scale = g.op("Mul", weight, invstd)
     shift = g.op("Sub", bias, g.op("Mul", running_mean, scale))
-    return g.op("Add", g.op("Mul", input, g.op("Reshape", scale, shape)),
-                g.op("Reshape", shift, shape))
+    return g.op(
+        "Add", g.op("Mul", input, g.op("Reshape", scale, shape)), g.op("Reshape", shift, shape)
+    )
 
 
 def register(opset: int) -> None:
@@ -164,8 +192,9 @@ def keep_running_stat_aliases(model) -> int:
         users = consumers.get(name, [])
         if depth > 8 or (not users and name not in outputs):
             return False
-        return all(u.op_type == "Identity" and reaches_only_outputs(u.output[0], depth + 1)
-                   for u in users)
+        return all(
+            u.op_type == "Identity" and reaches_only_outputs(u.output[0], depth + 1) for u in users
+        )
 
     rewritten = 0
     new_nodes = []

@@ -30,9 +30,16 @@ Examples::
 
 from __future__ import annotations
 
-__all__ = ["BuildError", "LayerRunsTwiceError", "ORTBackendError", "ORTNotAvailableError",
-           "ORTRunError", "StatsNotWrittenError", "UnsupportedLayerError",
-           "UnsupportedVersionError"]
+__all__ = [
+    "BuildError",
+    "LayerRunsTwiceError",
+    "ORTBackendError",
+    "ORTNotAvailableError",
+    "ORTRunError",
+    "StatsNotWrittenError",
+    "UnsupportedLayerError",
+    "UnsupportedVersionError",
+]
 
 
 class ORTBackendError(Exception):

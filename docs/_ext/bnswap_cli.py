@@ -60,8 +60,9 @@ def differences(text: str, base: str, base_name: str) -> str:
     usage = text.splitlines()[0].rstrip()
     shared = set(_sections(base))
     own = [block for block in _sections(text) if block not in shared]
-    return "\n\n".join([f"{usage} ...",
-                          f"(every option of `bnswap {base_name} --help`; these differ:)", *own])
+    return "\n\n".join(
+        [f"{usage} ...", f"(every option of `bnswap {base_name} --help`; these differ:)", *own]
+    )
 
 
 def _start() -> None:

@@ -19,8 +19,7 @@ from importlib import resources
 __all__ = ["NAMES", "path", "resolve"]
 
 #: The shipped configs' file names.
-NAMES = ("digits_mobilenetv2.yaml", "digits_mobilenetv2_stock.yaml",
-         "digits_mobilenetv2_ort.yaml")
+NAMES = ("digits_mobilenetv2.yaml", "digits_mobilenetv2_stock.yaml", "digits_mobilenetv2_ort.yaml")
 
 
 def path(name: str) -> str:
@@ -36,7 +35,8 @@ def path(name: str) -> str:
         if ref.is_file():
             return str(ref)
     raise FileNotFoundError(
-        f"no config {name!r}: not a file here, and not one of bnswap's ({', '.join(NAMES)})")
+        f"no config {name!r}: not a file here, and not one of bnswap's ({', '.join(NAMES)})"
+    )
 
 
 def resolve(value: str) -> str:
