@@ -73,6 +73,7 @@ import importlib.abc
 import importlib.machinery
 import inspect
 import logging
+import operator
 import os
 import sys
 import threading
@@ -206,6 +207,127 @@ def _patch_torchscript() -> bool:
         return original(nn_module, stubs_fn, *args, **kwargs)
 
     rec.create_script_module = _mark(create_script_module)
+    return True
+
+
+# ------------------------------------------------------------------ torch.compile (dynamo)
+def patch_dynamo_trace_rules(mod: Any) -> bool:
+    """Tell dynamo to treat the file of bnswap's dispatcher (:mod:`bnswap._swap`) as it
+    treats torch.nn's: skipped where a frame of its own starts there, traced where traced
+    code calls it. Stock's ``_BatchNorm.forward`` is never a compiled frame of its own
+    (``nn.BatchNorm2d(4).compile()`` and ``nn.Sequential(...).compile()`` of torch's
+    modules run eagerly), so the dispatcher that now stands in every BatchNorm class's
+    ``forward`` must not be one either: a model bnswap never touched compiles the same
+    frames, graphs and bits as in a process without bnswap. Inlined from a user's
+    ``forward``, it is traced as before (a swapped layer's graph holds the consolidated
+    ops). Two of dynamo's lists: ``SKIP_DIRS`` (through ``trace_rules.add``) and
+    ``BUILTIN_INLINE_WHEN_CALLED`` (read for inlined calls before ``SKIP_DIRS``)."""
+    add = getattr(mod, "add", None)
+    inline_when_called = getattr(mod, "BUILTIN_INLINE_WHEN_CALLED", None)
+    skip_dirs = getattr(mod, "SKIP_DIRS", None)
+    if (
+        not callable(add)
+        or not isinstance(inline_when_called, set)
+        or not isinstance(skip_dirs, list)
+    ):
+        logger.debug("bnswap: torch._dynamo.trace_rules lacks add / BUILTIN_INLINE_WHEN_CALLED")
+        return False
+    path = _dispatcher_file()
+    if path in inline_when_called:
+        return True
+    inline_when_called.add(path)  # first: a traced caller must never see it skipped
+    add(_swap_module.__name__)
+    return True
+
+
+def _dispatcher_file() -> str:
+    """The dispatcher's source file as dynamo spells paths (posix, absolute)."""
+    return os.path.abspath(_swap_module.__file__ or "").replace(os.sep, "/")
+
+
+#: The convolutions torch's own eval conv-BN pass folds into (its list, for traced graphs).
+_FOLDED_INPUTS = (
+    "linear",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+)
+
+
+def patch_inductor_conv_bn_eval(mod: Any) -> bool:
+    """Let inductor's opt-in eval conv-BN pass
+    (``torch._inductor.config.efficient_conv_bn_eval_fx_passes``) fold swapped layers:
+    it matches ``F.batch_norm`` / ``aten.batch_norm`` / BatchNorm modules, and a swapped
+    eval layer's traced graph holds ``aten._batch_norm_no_update`` (its output 0 read by
+    ``getitem``). A pattern of the same pass for that op hands the same arguments to
+    torch's own ``efficient_conv_bn_eval_decomposed``: the same graph, memory and outputs
+    as stock's layer in that pass."""
+    decomposed = getattr(mod, "efficient_conv_bn_eval_decomposed", None)
+    pass_dict = getattr(mod, "efficient_conv_bn_eval_pass", None)
+    pm = sys.modules.get("torch._inductor.pattern_matcher")
+    if decomposed is None or pass_dict is None or pm is None:
+        return False
+    if getattr(mod, _PATCHED, False):
+        return True
+    params = list(inspect.signature(decomposed).parameters)
+    if params[:5] != ["bn_weight", "bn_bias", "bn_running_mean", "bn_running_var", "bn_eps"]:
+        return False
+    config = sys.modules["torch._inductor.config"]
+    op = _aten._batch_norm_no_update.default
+    inputs = (*(getattr(torch, n, None) for n in _FOLDED_INPUTS), torch._C._nn.linear)
+
+    def enabled(match: Any) -> bool:
+        return bool(not config.freezing and config.efficient_conv_bn_eval_fx_passes)
+
+    def fold(match: Any, *args: Any, **kwargs: Any) -> None:
+        bn = match.nodes[0]
+        graph = match.graph
+        users = list(bn.users)
+        if len(bn.args) != 7 or bn.kwargs or len(users) != 1:
+            return
+        out = users[0]
+        if out.target is not operator.getitem or out.args[1] != 0:
+            return
+        conv = bn.args[0]
+        if not isinstance(conv, torch.fx.Node) or conv.op != "call_function":
+            return
+        if not any(conv.target is f for f in inputs if f is not None) or len(conv.users) > 1:
+            return
+        if len(conv.args) < 2:
+            return
+        counters = sys.modules["torch._dynamo.utils"].counters
+        counters["inductor"]["efficient_conv_bn_eval"] += 1
+        _, weight, bias, running_mean, running_var, _momentum, eps = bn.args
+        with graph.inserting_before(bn):
+            new = graph.create_node(
+                op="call_function",
+                target=decomposed,
+                args=(
+                    weight,
+                    bias,
+                    running_mean,
+                    running_var,
+                    eps,
+                    conv.target,
+                    conv.args[1],
+                    conv.args[2] if len(conv.args) >= 3 else None,
+                    conv.args[0],
+                    conv.args[3:],
+                ),
+                name="efficient_conv_bn_eval",
+            )
+        out.replace_all_uses_with(new)
+        graph.erase_node(out)
+        graph.erase_node(bn)
+        graph.erase_node(conv)
+
+    pm.register_graph_pattern(pm.CallFunctionVarArgs(op), pass_dict=pass_dict, extra_check=enabled)(
+        fold
+    )
+    setattr(mod, _PATCHED, True)
     return True
 
 
@@ -863,6 +985,26 @@ PATCHES: tuple[Patch, ...] = (
         "2.4.1, 2.9.1, 2.13, 2.14, 2.15.0",
     ),
     Patch(
+        "dynamo",
+        "torch._dynamo.trace_rules",
+        patch_dynamo_trace_rules,
+        "torch._dynamo.trace_rules.SKIP_DIRS / BUILTIN_INLINE_WHEN_CALLED (bnswap/_swap.py added)",
+        "torch.compile treats bnswap's dispatcher (every BatchNorm class's forward from the "
+        "first swap on) as torch.nn's own code: traced where a traced forward calls it, never "
+        "a compiled frame of its own, so models bnswap never touched compile as without it",
+        "trace_rules.add and the set BUILTIN_INLINE_WHEN_CALLED exist; tested on torch 2.13 / 2.14",
+    ),
+    Patch(
+        "inductor",
+        "torch._inductor.fx_passes.efficient_conv_bn_eval",
+        patch_inductor_conv_bn_eval,
+        "torch._inductor.fx_passes.pre_grad.efficient_conv_bn_eval_pass (a pattern added)",
+        "inductor's opt-in eval conv-BN pass (efficient_conv_bn_eval_fx_passes) folds a "
+        "swapped eval layer's aten._batch_norm_no_update as it folds stock's F.batch_norm",
+        "efficient_conv_bn_eval_decomposed(bn_weight, bn_bias, bn_running_mean, "
+        "bn_running_var, bn_eps, ...) and the pass exist; tested on torch 2.13 / 2.14",
+    ),
+    Patch(
         "onnx",
         "torch.onnx._internal.exporter._fx_passes",
         patch_onnx_exporter,
@@ -924,9 +1066,9 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-#: Environment variable: ``all``, or patch names (``torchscript``, ``onnx``,
-#: ``torchao``, ``ddp``, ``checkpoints``, ``core_aten``), comma-separated, that
-#: :func:`install` leaves out.
+#: Environment variable: ``all``, or patch names (``torchscript``, ``dynamo``,
+#: ``inductor``, ``onnx``, ``torchao``, ``ddp``, ``checkpoints``, ``core_aten``),
+#: comma-separated, that :func:`install` leaves out.
 DISABLE_ENV = "BNSWAP_DISABLE_PATCHES"
 _NAMES = {p.name for p in PATCHES}
 _applied: set[str] = set()

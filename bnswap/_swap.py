@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -42,21 +43,23 @@ import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 
+from bnswap._warn import warn
 from bnswap.functional import records_consolidated_ops
 
 __all__ = [
-    "Adapter",
     "INTERNAL_BUFFER_PREFIX",
     "INTERNAL_HOOK",
     "SWAP",
-    "Swap",
     "WRAPPER_STATE",
+    "Adapter",
+    "Swap",
     "adapter_of",
     "add_internal_buffer",
     "class_forward",
     "dispatch_on",
     "dispatches",
     "drop_internal_buffers",
+    "forget_compiled_code",
     "forward_owner",
     "internal_buffer_names",
     "is_swapped",
@@ -264,8 +267,51 @@ def dispatch_on(owner: type) -> None:
         if not hasattr(owner, SWAP):
             setattr(owner, SWAP, None)
         owner.forward = forward
+    # Code torch.compile cached before this moment inlined the class's own forward with
+    # no guard on it: it would keep running stock's ops, silently, for swapped layers.
+    forget_compiled_code(owner)
     if not _swapped_once:
         _first_swap()
+
+
+def forget_compiled_code(owner: type) -> int:
+    """Invalidate the code ``torch.compile`` (dynamo) has cached in this process, after
+    ``owner.forward`` changed (:func:`dispatch_on`); return how many code objects had a
+    cache (0: nothing compiled yet, nothing done, dynamo not imported).
+
+    Dynamo guards a module's instance attributes, not its class's ``forward``: a frame
+    compiled before the change keeps the inlined stock forward for every layer, swapped
+    or not, and a new model of the same structure reuses it. This runs once per class
+    and process (the first swap, or the first swapped layer unpickled); each frame
+    compiled before recompiles at its next call (the cost: one compile, on the same
+    graph for models bnswap never touched). ``torch._dynamo.reset_code_caches`` drops
+    the compiled code only (dynamo's counters and configuration stay). A warning says so,
+    naming the fix: convert before compiling.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if dynamo is None or convert_frame is None:
+        return 0
+    seen = getattr(getattr(convert_frame, "input_codes", None), "seen", None)
+    codes = [c for c in (w() for w in (seen or ())) if c is not None]
+    entries = getattr(
+        sys.modules.get("torch._dynamo.eval_frame"), "_debug_get_cache_entry_list", None
+    )
+    if entries is not None:  # the frames that hold compiled code (the rest were skipped)
+        codes = [c for c in codes if entries(c)]
+    if not codes:
+        return 0
+    reset = getattr(dynamo, "reset_code_caches", None) or dynamo.reset
+    reset()
+    warn(
+        f"bnswap: {owner.__name__}.forward changed at this process's first swap of such a "
+        f"layer, after torch.compile had compiled {len(codes)} frame(s): their cached code "
+        "was invalidated and recompiles at its next call, on bnswap's ops for swapped "
+        "layers and stock's for the rest. Convert models before compiling anything to "
+        "avoid the recompile.",
+        RuntimeWarning,
+    )
+    return len(codes)
 
 
 def _takes_one_input(fn: Callable[..., Any]) -> bool:

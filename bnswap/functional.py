@@ -478,10 +478,20 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
 
     if not compiling and torch._C._are_functorch_transforms_active():
         # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
-        # rules for aten::batch_norm but none for the consolidated ops, so run exactly
-        # what stock runs (same results, same errors).
-        return torch.nn.functional.batch_norm(
-            input, running_mean, running_var, weight, bias, use_batch_stats, factor, bn.eps
+        # rules for aten::batch_norm but none for the consolidated ops, so run the op
+        # stock's F.batch_norm ends in, with its arguments (same results, same errors:
+        # F.batch_norm's checks ran above). Not F.batch_norm itself: a user's patch of it
+        # reaches stock layers only, in every mode (docs/kernels.md, "torch.compile").
+        return torch.batch_norm(
+            input,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            use_batch_stats,
+            factor,
+            bn.eps,
+            torch.backends.cudnn.enabled,
         )
     if input.numel() == 0:
         return _empty_batch(input, weight, bias)

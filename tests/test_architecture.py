@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "_rows": set(),
     "_log": set(),
     "extras": set(),
-    "_swap": {"functional"},
+    "_swap": {"functional", "_warn"},
     "_graph": {"functional"},
     "layers": {"functional", "_swap"},
     "sync": {"functional", "_swap"},
