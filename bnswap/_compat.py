@@ -19,6 +19,16 @@ training", docs/after-training.md).
   class's ``forward`` (``aten::batch_norm``, whose kernel TorchScript's runtime picks) is
   compiled, and the user's model is never touched, not even briefly. Gate: the function
   exists with torch's signature (tested on torch 2.4.1, 2.9.1, 2.13, 2.14, 2.15.0).
+* **torch.compile** (``dynamo``): dynamo's trace rules treat the dispatcher's file
+  (:mod:`bnswap._swap`) as torch.nn's: traced where traced code calls it, skipped as a
+  frame of its own (:func:`patch_dynamo_trace_rules`), so a model bnswap never touched
+  compiles the same frames and graphs as without bnswap. Gate: ``trace_rules.add`` and
+  ``BUILTIN_INLINE_WHEN_CALLED`` exist (tested on torch 2.13, 2.14).
+* **inductor's eval conv-BN pass** (``inductor``): a pattern for
+  ``aten._batch_norm_no_update`` in ``efficient_conv_bn_eval_pass``, so the opt-in pass
+  folds swapped eval layers as it folds stock's (:func:`patch_inductor_conv_bn_eval`).
+  Gate: torch's ``efficient_conv_bn_eval_decomposed`` and the pass exist (torch 2.13,
+  2.14).
 * **torch.onnx, dynamo exporter**, given an exported program:
   ``torch.onnx._internal.exporter._fx_passes.decompose_with_registry`` decomposes it
   (into a new program, as before) keeping the consolidated ops, then rewrites them into

@@ -105,7 +105,9 @@ def test_unpickled_model_applies_no_patch_and_converts_again(tmp_path):
     assert err == 0.0
 
 
-@pytest.mark.parametrize("value", ["all", "torchscript, TORCHAO,onnx,core_aten,ddp,checkpoints"])
+@pytest.mark.parametrize(
+    "value", ["all", "torchscript, TORCHAO,onnx,core_aten,ddp,checkpoints,Dynamo,inductor"]
+)
 def test_disable_all(value):
     out = _run(
         """
@@ -157,7 +159,8 @@ def test_disable_some_and_unknown_name_warns():
     assert (ao + "._get_node_name_to_scope" in st["applied"]) == (ao in present)
     assert warned == [
         "bnswap: BNSWAP_DISABLE_PATCHES names unknown patches ['cuda']; known: "
-        "'all', 'checkpoints', 'core_aten', 'ddp', 'onnx', 'torchao', 'torchscript'"
+        "'all', 'checkpoints', 'core_aten', 'ddp', 'dynamo', 'inductor', 'onnx', 'torchao', "
+        "'torchscript'"
     ]
 
 
