@@ -29,7 +29,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import ROOT
+from _helpers import ROOT, TORCH
 from torch import nn
 
 import bnswap
@@ -92,18 +92,23 @@ def test_a_model_bnswap_never_touched_compiles_as_without_bnswap(backend):
 
 
 def test_torchs_own_modules_compiled_whole_still_compile_no_frame():
-    """``nn.Sequential(...).compile()`` and ``nn.BatchNorm2d(...).compile()``: dynamo skips
-    torch.nn's frames, and after a swap it skips the dispatcher's too (bnswap's
-    ``dynamo`` patch): no frame, the same bits as without bnswap."""
+    """``nn.Sequential(...).compile()`` and ``nn.BatchNorm2d(...).compile()`` after a swap:
+    the same frames, graphs and bits as without bnswap. On torch 2.13 dynamo skips
+    torch.nn's frames (no frame at all), and the dispatcher's too (bnswap's ``dynamo``
+    patch); torch 2.14 compiles such modules whole, the dispatcher inlined."""
     ref, _ = run("neighbours", "aot_eager")
     got, _ = run("neighbours_after_swap", "aot_eager")
-    assert [s["graphs"] for s in ref] == [0, 0, 0]
+    if TORCH <= (2, 13):  # torch 2.14 compiles torch's own modules whole: frames either way
+        assert [s["graphs"] for s in ref] == [0, 0, 0]
     assert got == ref
 
 
 def test_without_the_dynamo_patch_the_dispatcher_would_be_compiled():
     """The control for the test above: with the ``dynamo`` patch off, dynamo compiles the
     dispatcher's frame for torch's own modules (what the patch prevents)."""
+    ref, _ = run("neighbours", "aot_eager")
+    if ref[-1]["graphs"] != 0:
+        pytest.skip("this torch compiles torch's own modules whole: no frame to keep skipped")
     got, _ = run("neighbours_after_swap", "aot_eager", disable="dynamo")
     assert got[-1]["graphs"] > 0
 
