@@ -179,8 +179,8 @@ def convert(
         "%s",
         todo,
         unconfigured_line=(
-            f"bnswap.convert: {todo.summary().partition(': ')[2]} (the table: "
-            "logging.basicConfig(level=logging.INFO))"
+            f"bnswap.convert: {todo.summary().partition(': ')[2]}; for the per-layer "
+            "table call logging.basicConfig(level=logging.INFO)"
         ),
     )
     return out

@@ -29,6 +29,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "myst_parser",
     "bnswap_cli",
+    "bnswap_wrap",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -83,5 +84,7 @@ nitpick_ignore_regex = [
 
 html_theme = "furo"
 html_title = f"bnswap {release}"
-html_static_path: list[str] = []
+# _static/bnswap.css: tables fit the text column (their cells wrap), so no column hides
+html_static_path = ["_static"]
+html_css_files = ["bnswap.css"]
 html_show_sourcelink = False
