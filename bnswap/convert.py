@@ -228,7 +228,7 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
         if any(r.reason.partition("; ")[0].endswith(" overrides forward") for r in left):
             parts.append(
                 "a subclass that overrides forward needs an adapter "
-                "(bnswap.register, docs/adapters.md)"
+                "(bnswap.register; the 'Adapters' guide of bnswap's documentation)"
             )
     if unsynced:
         n = len(unsynced)

@@ -443,3 +443,17 @@ def test_every_page_fits_the_window_at_1280_px(served, site):
         finally:
             browser.close()
     assert bad == {}, bad
+
+
+def test_links_read_as_words_not_file_names(site):
+    """A link on the site names its target in words (``[Recipes](recipes.md)``), not by
+    its file (``[recipes.md](recipes.md)``, ``[docs/qat.md](docs/qat.md)``), which means
+    nothing to a reader of the site or of the installed wheel."""
+    named = re.compile(r"^[\w./-]+\.(md|py|rst|html)$")
+    found = []
+    for f in sorted(site.glob("*.html")):
+        for text in re.findall(r"<a [^>]*>(.*?)</a>", f.read_text(encoding="utf-8"), re.S):
+            text = html.unescape(re.sub(r"<[^>]+>", "", text)).strip()
+            if named.match(text):
+                found.append(f"{f.name}: {text}")
+    assert found == []
