@@ -88,3 +88,14 @@ html_title = f"bnswap {release}"
 html_static_path = ["_static"]
 html_css_files = ["bnswap.css"]
 html_show_sourcelink = False
+
+
+def _public_bases(app: object, name: str, obj: object, options: object, bases: list) -> None:
+    """``Bases:`` lists public classes only: ``bnswap.lightning.BNSwap`` shows
+    ``Callback``, not the private ``_BNSwapBase`` it shares with its
+    ``pytorch_lightning`` twin."""
+    bases[:] = [b for b in bases if not getattr(b, "__name__", "").startswith("_")]
+
+
+def setup(app: object) -> None:
+    app.connect("autodoc-process-bases", _public_bases)  # type: ignore[attr-defined]
