@@ -15,12 +15,14 @@ Lightning's ``ddp`` launcher sets in the processes it starts, as Lightning's own
 sets neither: a script that converts before ``init_process_group`` logs on every rank
 (convert after it, or set ``RANK``).
 
-bnswap never ``print``s and adds no handler (a script shows INFO with
-``logging.basicConfig(level=logging.INFO)``). Where nothing is configured at all (no
+bnswap adds no handler to any logger (a script shows the INFO lines, the plan's table,
+with ``logging.basicConfig(level=logging.INFO)``). Where nothing is configured at all (no
 handler on the ``bnswap`` logger or above it, no level of its own: Python then drops INFO,
-its ``logging.lastResort`` shows WARNING and above), a line that must not go unseen (the
-swap's one-line summary, :func:`bnswap.convert`) goes to ``sys.stderr`` on rank zero, once
-per process, as ``lastResort`` would write it: a trainer that configures only its own logger
+its ``logging.lastResort`` shows WARNING and above), one line that must not go unseen (the
+swap's one-line summary, :func:`bnswap.convert`) goes to ``sys.stderr`` on rank zero (or
+in a single process), once per process, as ``lastResort`` would write it, e.g. ``bnswap.convert:
+1 of 1 BatchNorm layers swapped, 0 skipped; for the per-layer table call
+logging.basicConfig(level=logging.INFO)``: a trainer that configures only its own logger
 (Ultralytics') shows that bnswap swapped (issue 32).
 """
 

@@ -179,8 +179,8 @@ def convert(
         "%s",
         todo,
         unconfigured_line=(
-            f"bnswap.convert: {todo.summary().partition(': ')[2]} (the table: "
-            "logging.basicConfig(level=logging.INFO))"
+            f"bnswap.convert: {todo.summary().partition(': ')[2]}; for the per-layer "
+            "table call logging.basicConfig(level=logging.INFO)"
         ),
     )
     return out
@@ -228,7 +228,7 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
         if any(r.reason.partition("; ")[0].endswith(" overrides forward") for r in left):
             parts.append(
                 "a subclass that overrides forward needs an adapter "
-                "(bnswap.register, docs/adapters.md)"
+                "(bnswap.register; the 'Adapters' guide of bnswap's documentation)"
             )
     if unsynced:
         n = len(unsynced)

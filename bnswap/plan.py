@@ -924,7 +924,7 @@ def _plan_layers(
                     "skip",
                     f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
                     f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
-                    "see docs/adapters.md",
+                    "see the 'Adapters' guide of bnswap's documentation",
                 )
             )
         by_name[name] = rows[-1]

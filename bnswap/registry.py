@@ -118,8 +118,8 @@ def register(source_cls: type, adapter: Adapter) -> None:
     if isinstance(adapter, type) or not callable(adapter):
         raise TypeError(
             "adapter must be a function adapter(layer, input) that does what "
-            f"{source_cls.__name__}.forward does on bnswap's kernel, got {adapter!r}; see "
-            "docs/adapters.md"
+            f"{source_cls.__name__}.forward does on bnswap's kernel, got {adapter!r}; see the "
+            "'Adapters' guide of bnswap's documentation"
         )
     _ADAPTERS[source_cls] = adapter
     _FOUND.clear()

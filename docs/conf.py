@@ -29,6 +29,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "myst_parser",
     "bnswap_cli",
+    "bnswap_wrap",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -83,5 +84,18 @@ nitpick_ignore_regex = [
 
 html_theme = "furo"
 html_title = f"bnswap {release}"
-html_static_path: list[str] = []
+# _static/bnswap.css: tables fit the text column (their cells wrap), so no column hides
+html_static_path = ["_static"]
+html_css_files = ["bnswap.css"]
 html_show_sourcelink = False
+
+
+def _public_bases(app: object, name: str, obj: object, options: object, bases: list) -> None:
+    """``Bases:`` lists public classes only: ``bnswap.lightning.BNSwap`` shows
+    ``Callback``, not the private ``_BNSwapBase`` it shares with its
+    ``pytorch_lightning`` twin."""
+    bases[:] = [b for b in bases if not getattr(b, "__name__", "").startswith("_")]
+
+
+def setup(app: object) -> None:
+    app.connect("autodoc-process-bases", _public_bases)  # type: ignore[attr-defined]

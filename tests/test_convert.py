@@ -528,7 +528,8 @@ def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
     none = (
         "bnswap.convert: none of the model's 2 BatchNorm layers can be swapped: "
         "BatchNormTimesTwo overrides forward: '0', '1'; a subclass that overrides forward "
-        "needs an adapter (bnswap.register, docs/adapters.md); bnswap.plan(model) shows "
+        "needs an adapter (bnswap.register; the 'Adapters' guide of bnswap's documentation); "
+        "bnswap.plan(model) shows "
         "each layer and why"
     )
     assert _warnings_of(bnswap.convert, only_sync) == [(UserWarning, none, True)]
@@ -540,7 +541,8 @@ def test_convert_warnings_say_exactly_what_happened_at_the_callers_line():
             UserWarning,
             "bnswap.convert: 1 of the model's 2 BatchNorm layers was not swapped "
             "(kept its own forward): BatchNormTimesTwo overrides forward: '1'; a subclass that "
-            "overrides forward needs an adapter (bnswap.register, docs/adapters.md); "
+            "overrides forward needs an adapter (bnswap.register; the 'Adapters' guide of "
+            "bnswap's documentation); "
             "bnswap.plan(model) shows each layer and why",
             True,
         )
@@ -575,8 +577,8 @@ def test_convert_warns_once_per_call_about_layers_it_left_that_were_not_excluded
         "bnswap.convert: 2 of the model's 4 BatchNorm layers were not swapped (kept their "
         "own forward): its forward is set on the instance (by a library's hook, e.g. "
         "accelerate's, or by hand): '2'; BatchNormTimesTwo overrides forward: '3'; a "
-        "subclass that overrides forward needs an adapter (bnswap.register, "
-        "docs/adapters.md); bnswap.plan(model) shows each layer and why"
+        "subclass that overrides forward needs an adapter (bnswap.register; the 'Adapters' "
+        "guide of bnswap's documentation); bnswap.plan(model) shows each layer and why"
     )
     for _ in range(2):  # once per call, again on the next (convert is idempotent)
         assert _warnings_of(bnswap.convert, model) == [(UserWarning, both, True)]
@@ -819,7 +821,7 @@ def test_plan_rows_of_every_kind_hold_every_field():
     subclass = (
         "BatchNormTimesTwo overrides forward; swapping would drop it (pytorch issue "
         "187298); register an adapter: bnswap.register(BatchNormTimesTwo, "
-        "<function>), see docs/adapters.md"
+        "<function>), see the 'Adapters' guide of bnswap's documentation"
     )
     reasons = [
         "-",

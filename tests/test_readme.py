@@ -164,3 +164,36 @@ def test_readme_lightning_quick_start_trains_like_stock(caplog):
     for (k, a), (_, b) in zip(trained.state_dict().items(), ref.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
     assert not torch.equal(trained[1].running_mean, torch.zeros(8))  # it did train
+
+
+def test_every_page_quotes_converts_stderr_line_as_it_is_printed():
+    """Where nothing configures logging, ``bnswap.convert`` prints one line to stderr; each
+    quote of it in README.md and docs/*.md (inline code or a line of a code block) reads as
+    a fresh interpreter prints it, the layer counts aside."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    code = "import torch, bnswap; bnswap.convert(torch.nn.Sequential(torch.nn.BatchNorm2d(2)))"
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert p.returncode == 0 and p.stdout == "", p.stderr[-2000:]
+    (line,) = p.stderr.splitlines()
+    assert line.startswith("bnswap.convert: 1 of 1 BatchNorm layers swapped, 0 skipped"), line
+    text = _texts()
+    quotes = [
+        " ".join(q.split()) for q in re.findall(r"`(bnswap\.convert: [^`]*swapped[^`]*)`", text)
+    ]
+    quotes += re.findall(r"^\s*(bnswap\.convert: .*swapped.*)$", text, flags=re.M)
+    assert len(quotes) >= 4, quotes  # README, convert, recipes, training-scripts
+    assert [q for q in quotes if re.sub(r"\d+", "N", q) != re.sub(r"\d+", "N", line)] == []
+
+
+def test_kernel_guide_plan_prints_what_it_shows(capsys):
+    """docs/kernels.md's example: ``bnswap.plan(model, device="cuda")`` prints the table
+    the guide shows under it (predicted on a machine without CUDA)."""
+    if torch.cuda.is_available():
+        pytest.skip("the guide shows the prediction made without a CUDA device")
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    block, shown = re.search(r"```python\n(.*?)```\n\n```text\n(.*?)```", text, re.S).groups()
+    exec(compile(block, "docs/kernels.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == shown.strip()

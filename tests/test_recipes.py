@@ -136,8 +136,8 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
             assert proc.returncode == (3 if phase == "first" else 0), proc.stderr[-4000:]
             # Ultralytics configures its own logger only: bnswap's line shows regardless
             line = (
-                "bnswap.convert: 57 of 57 BatchNorm layers swapped, 0 skipped (the table: "
-                "logging.basicConfig(level=logging.INFO))\n"
+                "bnswap.convert: 57 of 57 BatchNorm layers swapped, 0 skipped; for the "
+                "per-layer table call logging.basicConfig(level=logging.INFO)\n"
             )
             assert (proc.stderr + proc.stdout).count(line) == (kind != "stock")  # once
             seen[kind] += json.loads(proc.stdout.strip().splitlines()[-1])
@@ -170,8 +170,8 @@ for _ in range(2):   # the line once per process
                                        torch.nn.BatchNorm1d(2)))
 """
 _LINE = (
-    "bnswap.convert: 2 of 2 BatchNorm layers swapped, 0 skipped (the table: "
-    "logging.basicConfig(level=logging.INFO))\n"
+    "bnswap.convert: 2 of 2 BatchNorm layers swapped, 0 skipped; for the per-layer table "
+    "call logging.basicConfig(level=logging.INFO)\n"
 )
 
 

@@ -95,8 +95,8 @@ def test_custom_subclass_skipped_until_registered(clean_registry):
         assert by_name[name].action == "skip"
         assert "BatchNormSiLU2d overrides forward" in by_name[name].reason
         assert (
-            "bnswap.register(BatchNormSiLU2d, <function>), see docs/adapters.md"
-            in by_name[name].reason
+            "bnswap.register(BatchNormSiLU2d, <function>), see the 'Adapters' guide of "
+            "bnswap's documentation" in by_name[name].reason
         )
         assert by_name[name].adapter_name == "-"
     # a subclass that keeps torch's forward needs no registration

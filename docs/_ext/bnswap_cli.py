@@ -7,7 +7,10 @@ jsonargparse's ``plan`` / ``convert`` parsers, LightningCLI's for the Trainer
 subcommands), so it cannot drift from them. ``:same-as: train`` shows only what differs
 from ``bnswap train --help``: the first line of the usage, then the sections (the
 description, an option group) that ``train``'s help does not hold word for word (the
-Trainer subcommands share some 450 lines of Lightning's Trainer options). The first directive starts every help at
+Trainer subcommands share some 450 lines of Lightning's Trainer options). The reST markup
+that Lightning's docstrings bring into the Trainer options' help (``:class:`datetime.timedelta```,
+``:paramref:`~lightning.pytorch.trainer.trainer.Trainer.logger```, ````"auto"````) is
+shown as the plain text it stands for (:func:`plain_text`). The first directive starts every help at
 once, four at a time (each imports torch, the Lightning ones Lightning: 2-7 s apiece); a
 build that uses none starts none. A subcommand whose help fails is a build error.
 """
@@ -15,6 +18,7 @@ build that uses none starts none. A subcommand whose help fails is a build error
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +44,35 @@ def _help(sub: str) -> str:
     if p.returncode != 0:
         raise ExtensionError(f"`bnswap {sub} --help` exited {p.returncode}: {p.stderr[-2000:]}")
     return p.stdout.rstrip()
+
+
+#: a reST role, ``:name:`target``` or ``:name:`~target```, as argparse wrapped it: the
+#: target may hold a line break and the next line's indent
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+#: a reST inline literal, ````text````
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def _role_text(m: re.Match[str]) -> str:
+    """What a role shows: the target (its last part after ``~``), a line break inside it
+    kept in front, with its indent."""
+    target = "".join(m.group(2).split())
+    shown = target.rsplit(".", 1)[-1] if m.group(1) else target
+    brk = re.search(r"\n[ ]*", m.group(2))
+    return (brk.group(0) if brk else "") + shown
+
+
+def plain_text(text: str) -> str:
+    r"""``text`` (one ``--help``) with reST roles and inline literals as plain text.
+
+    Examples::
+
+        >>> plain_text("a :class:`datetime.timedelta`, ``'auto'``")
+        "a datetime.timedelta, 'auto'"
+        >>> plain_text("in :paramref:`~lightning.Trainer.call\n      backs`. Default:")
+        'in \n      callbacks. Default:'
+    """
+    return _LITERAL.sub(r"\1", _ROLE.sub(_role_text, text))
 
 
 def _sections(text: str) -> list[str]:
@@ -85,12 +118,12 @@ class BnswapHelp(SphinxDirective):
             raise self.error(f"bnswap-help: no subcommand {sub!r} (one of {HELPS[1:]})")
         if not _RUNS:
             _start()
-        text = _RUNS[sub].result()
+        text = plain_text(_RUNS[sub].result())
         base = self.options.get("same-as")
         if base is not None:
             if base not in HELPS[1:]:
                 raise self.error(f"bnswap-help: :same-as: {base!r} is no subcommand")
-            text = differences(text, _RUNS[base].result(), base)
+            text = differences(text, plain_text(_RUNS[base].result()), base)
         block = nodes.literal_block(text, text)
         block["language"] = "text"
         return [block]
