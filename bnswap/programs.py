@@ -499,7 +499,7 @@ def convert(
         the ``GraphModule`` itself. A program with no stock batch-norm node (none at all,
         or only consolidated ones: converted already, e.g. a ``.pt2`` that ``bnswap
         convert`` wrote, loaded) is returned itself. A program holding consolidated nodes
-        applies bnswap's patches (:mod:`bnswap._compat`), as a first swap does, even when
+        applies bnswap's patches (``docs/patches.md``), as a first swap does, even when
         nothing in it changes: torchao's pt2e flow (``docs/qat.md``) and
         ``run_decompositions()`` then treat it as stock's. So does :func:`plan` of it.
 

@@ -359,3 +359,48 @@ def test_qat_example_gives_stocks_figures():
     assert (s["float_acc"], s["int8_acc"]) == (b["float_acc"], b["int8_acc"])
     n = s["batch_norm_ops"]["batch_norm"]
     assert n > 0 and b["batch_norm_ops"] == {"_batch_norm_with_update": n}
+
+
+def _guide_snippets() -> list[str]:
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "qat.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_the_guides_snippets_run_as_written_and_give_stocks_quantized_model(tmp_path, monkeypatch):
+    """docs/qat.md's flow as written (on the CPU: its device is "cpu" without CUDA) gives
+    the quantized model stock's flow gives, the same snippet with the model left stock
+    (its one bnswap call removed): the same quantized graph and outputs, bit for bit; its
+    prepared graph trained on the consolidated op. Its loaded-program snippet runs as
+    written after it, on the program of the snippet's model saved where it says."""
+    flow, loaded = _guide_snippets()
+    assert "bnswap.convert(Net().train())" in flow and ".to(device)" in flow
+    runs = {}
+    for name, source in (
+        ("bnswap", flow),
+        ("stock", flow.replace("bnswap.convert(Net().train())", "Net().train()")),
+    ):
+        torch.manual_seed(0)
+        ns: dict = {}
+        # in two parts, to see the prepared graph before convert_pt2e (which rewrites it)
+        cut = source.index("move_exported_model_to_eval(prepared)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exec(compile(source[:cut], f"docs/qat.md ({name})", "exec"), ns)
+            ns["trained_on"] = bn_ops(ns["prepared"])
+            exec(compile("\n" * source[:cut].count("\n") + source[cut:], "docs/qat.md", "exec"), ns)
+        runs[name] = ns
+    b, s = runs["bnswap"], runs["stock"]
+    assert str(b["device"]) == "cpu" or torch.cuda.is_available()
+    assert b["trained_on"] == [WITH_UPDATE] * 2 and s["trained_on"] == [STOCK] * 2
+    assert graph_of(b["quantized"]) == graph_of(s["quantized"]) and bn_ops(b["quantized"]) == []
+    assert torch.equal(b["quantized"](b["x"]), s["quantized"](s["x"]))
+    assert state_diff(b["quantized"], s["quantized"]) == []
+    monkeypatch.chdir(tmp_path)
+    torch.export.save(torch.export.export(b["model"], (b["x"],)), "model_bnswap.pt2")
+    exec(compile(loaded, "docs/qat.md (loaded program)", "exec"), b)
+    assert bn_ops(b["prepared"]) == [WITH_UPDATE] * 2
+    # the fold, as in the flow above: torchao's QAT pattern scales each conv's weight
+    assert sum(n.target is torch.ops.aten.sqrt.default for n in b["prepared"].graph.nodes) == 2
