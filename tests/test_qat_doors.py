@@ -19,6 +19,7 @@ torchao's patterns once: ~1 min of CPU each).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -171,3 +172,77 @@ def test_a_graph_switched_to_eval_before_bnswap_met_it_never_updates_statistics(
         assert _same_state(r["q_after"], r["q_before"]) == []
     for y, y_ref in zip(late["q_ys"], ref["q_ys"], strict=True):
         assert torch.equal(y, y_ref)
+
+
+_ENTRY_POINTS = """
+import json, os, sys, warnings
+import torch
+import bnswap
+from bnswap import _compat
+
+warnings.simplefilter("ignore")
+ep = torch.export.load(sys.argv[1])
+stock = torch.export.load(sys.argv[2])
+calls = {
+    "load": lambda: None,
+    "plan(stock program)": lambda: bnswap.plan(stock),
+    "plan(program)": lambda: bnswap.plan(ep),
+    "plan(graph)": lambda: bnswap.plan(ep.module()),
+    "convert(program)": lambda: bnswap.convert(ep),
+    "convert(graph)": lambda: bnswap.convert(ep.module()),
+    "revert(graph)": lambda: bnswap.revert(ep.module()),
+    "to_stock_ops(graph)": lambda: bnswap.to_stock_ops(ep.module()),
+}
+out = {}
+for name, call in calls.items():  # each in a child: this process stays unpatched
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        call()
+        os.write(w, json.dumps(_compat._installed).encode())
+        os._exit(0)
+    os.close(w)
+    out[name] = json.loads(os.read(r, 100) or b"null")
+    os.waitpid(pid, 0)
+print(json.dumps(out))
+"""
+
+
+def test_each_entry_point_that_meets_the_consolidated_ops_applies_the_patches(tmp_path):
+    """In a process where bnswap swapped nothing: plan / convert / revert of a loaded
+    program on the consolidated ops (or its module) apply bnswap's patches; loading it,
+    planning a stock program and bnswap.to_stock_ops (which turns the graph stock's)
+    apply none. Each call in a forked child of one fresh interpreter."""
+    stock = _model()
+    x = torch.randn(4, 3, 8, 8)
+    torch.export.save(torch.export.export(stock, (x,)), tmp_path / "stock.pt2")
+    swapped = bnswap.convert(copy.deepcopy(stock))
+    torch.export.save(torch.export.export(swapped, (x,)), tmp_path / "bnswap.pt2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env.pop("BNSWAP_DISABLE_PATCHES", None)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _ENTRY_POINTS,
+            str(tmp_path / "bnswap.pt2"),
+            str(tmp_path / "stock.pt2"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {
+        "load": False,
+        "plan(stock program)": False,
+        "plan(program)": True,
+        "plan(graph)": True,
+        "convert(program)": True,
+        "convert(graph)": True,
+        "revert(graph)": True,
+        "to_stock_ops(graph)": False,
+    }
