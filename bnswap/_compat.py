@@ -1,7 +1,9 @@
 """Every patch bnswap applies to torch and torchao, in one place (a backend's own live
 in its package, e.g. :mod:`bnswap.ort._compat`). ``import bnswap`` applies none of them: they are
 applied once, by :func:`install`, when the process first holds a swapped layer (the
-first swap, or a swapped layer unpickled: :func:`bnswap._swap.on_first_swap`); a module
+first swap, or a swapped layer unpickled: :func:`bnswap._swap.on_first_swap`) or a bnswap
+entry point first meets a program holding the consolidated ops (:func:`install_for`:
+``bnswap.convert`` / ``plan`` / ``revert`` of a loaded ``.pt2`` program); a module
 not imported by then is patched when it is, by an import hook, so bnswap imports none of
 them. Each is version-gated, listed in :data:`PATCHES` (and ``docs/patches.md``), can be
 turned off with ``BNSWAP_DISABLE_PATCHES`` (``all`` or names, comma-separated), and
@@ -124,7 +126,9 @@ __all__ = [
     "PATCHES",
     "Patch",
     "applied",
+    "holds_consolidated",
     "install",
+    "install_for",
     "patch_core_aten_decompositions",
     "stock_view",
 ]
@@ -513,12 +517,57 @@ def _after_prepare(prepare: Callable) -> Callable:
     return _mark(patched)
 
 
+#: torchao's mark of a graph's mode (``export_utils._EXPORTED_TRAINING_ATTR``): False once
+#: ``move_exported_model_to_eval`` switched it
+_EXPORTED_TRAINING = "_exported_training"
+_UPDATING = (
+    _aten._batch_norm_with_update.default,
+    _aten._batch_norm_with_update_functional.default,
+)
+
+
+def _eval_missed(gm: torch.fx.GraphModule) -> None:
+    """convert_pt2e of a graph that ``move_exported_model_to_eval`` switched (torchao's mark
+    says eval) yet whose consolidated nodes still update their statistics: that switch ran
+    where torchao was not patched (a graph prepared and moved to eval before bnswap met
+    a program in that process) and matched none of them. Stock's nodes would have been
+    switched: these are too (torchao's own ``_replace_batchnorm`` on the stock view of
+    the graph, which convert_pt2e then sees), with one warning, so that the quantized
+    model never updates running statistics at inference."""
+    if getattr(gm, _EXPORTED_TRAINING, True) is not False:
+        return
+    missed = [n for n in batch_norm_nodes(gm) if n.target in _UPDATING]
+    if not missed:
+        return
+    utils = sys.modules.get("torchao.quantization.pt2e.export_utils")
+    switch = getattr(utils, "_replace_batchnorm", None)
+    switch = getattr(switch, "__wrapped__", switch)  # torchao's own (the graph is stock's)
+    if not callable(switch):
+        return
+    n = len(missed)
+    warn(
+        f"bnswap: convert_pt2e: {n} batch-norm node{'s' if n != 1 else ''} ({_names(missed)}) "
+        "of a graph moved to eval (move_exported_model_to_eval) still updated the running "
+        "statistics on every call: that switch ran before bnswap's patches were applied in "
+        "this process and did not see bnswap's ops. They are switched to evaluation now, as "
+        "stock's would have been; if the graph was prepared there too, torchao's conv-BN "
+        "fold did not run either: call bnswap.convert(program) on the loaded program before "
+        "prepare_qat_pt2e (docs/qat.md)",
+        UserWarning,
+    )
+    _stock_for_torchao(gm, mark=False)
+    switch(gm, train_to_eval=True)
+
+
 def _stock_first(helper: Callable) -> Callable:
-    """convert_pt2e's first helper: the graph as stock's (the quantized graph is stock's)."""
+    """convert_pt2e's first helper: the graph as stock's (the quantized graph is stock's);
+    a graph moved to eval whose nodes the switch missed is switched first
+    (:func:`_eval_missed`)."""
 
     @functools.wraps(helper)
     def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(model, torch.fx.GraphModule):
+            _eval_missed(model)
             _stock_for_torchao(model, mark=False)
         return helper(model, *args, **kwargs)
 
@@ -1160,7 +1209,9 @@ class _ImportHook(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Apply the patches of :data:`PATCHES` but those ``BNSWAP_DISABLE_PATCHES`` names
     (idempotent, thread-safe; a no-op after the first call). Called when the process
-    first holds a swapped layer, never by ``import bnswap``."""
+    first holds a swapped layer, or when a bnswap entry point first meets a program
+    holding the consolidated batch-norm ops (:func:`install_for`); never by
+    ``import bnswap``."""
     global _installed
     with _lock:
         if _installed:
@@ -1178,6 +1229,37 @@ def install() -> None:
                 _PATCHES[p.module] = functools.partial(_apply, p)
         if _PATCHES and not any(isinstance(f, _ImportHook) for f in sys.meta_path):
             sys.meta_path.insert(0, _ImportHook())
+
+
+def holds_consolidated(program: object) -> bool:
+    """Whether ``program`` (a ``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule``,
+    nested graphs included) has a node on a consolidated batch-norm op
+    (:data:`bnswap._graph.CONSOLIDATED_TARGETS`); False for anything else."""
+    gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
+    if not isinstance(gm, torch.fx.GraphModule):
+        return False
+    graphs = [
+        g
+        for g in (getattr(m, "graph", None) for m in gm.modules())
+        if isinstance(g, torch.fx.Graph)
+    ]
+    return any(
+        n.op == "call_function" and n.target in CONSOLIDATED_TARGETS
+        for g in graphs
+        for n in g.nodes
+    )
+
+
+def install_for(program: object) -> None:
+    """:func:`install` when ``program`` holds a consolidated batch-norm node
+    (:func:`holds_consolidated`). Every bnswap entry point that takes a program calls it
+    (``bnswap.convert`` / ``plan`` / ``revert`` of an ``ExportedProgram`` or a
+    ``GraphModule``): a program that ``bnswap convert`` wrote, loaded with
+    ``torch.export.load``, swaps no layer when it loads, yet torchao's pt2e flow needs the
+    patches for it (:func:`patch_torchao_pt2e`); ``bnswap.convert`` of it changes nothing
+    in the graph and applies them. A no-op once installed."""
+    if not _installed and holds_consolidated(program):
+        install()
 
 
 on_first_swap(install)

@@ -23,6 +23,9 @@ class Rows(Sequence, Generic[Row]):
 
     #: What :meth:`summary` counts ("BatchNorm layers", "batch-norm nodes").
     counted = "rows"
+    #: What :meth:`summary` calls the ``keep`` rows ("already swapped" layers, nodes
+    #: "already on the consolidated ops").
+    kept_as = "already swapped"
     rows: tuple[Any, ...]
     #: Whether ``apply`` has carried the plan out (set by a successful ``apply``): the
     #: summary then says what was done, not what would be.
@@ -70,10 +73,10 @@ class Rows(Sequence, Generic[Row]):
     def summary(self) -> str:
         """What the plan would do, before ``apply``: ``"bnswap plan: N of M <counted> would
         be swapped, K skipped"``; when some are swapped already, ``"; J already swapped
-        (keep)"``, and ``": nothing would change"`` when ``apply`` would swap none. After a
-        successful ``apply`` (``applied``), what was done: ``"bnswap: N of M <counted>
-        swapped, K skipped"`` (``": nothing changed"``). N counts the rows that run bnswap's
-        ops (:attr:`swapped`: action ``swap`` or ``keep``)."""
+        (keep)"`` (:attr:`kept_as`), and ``": nothing would change"`` when ``apply`` would
+        swap none. After a successful ``apply`` (``applied``), what was done: ``"bnswap: N
+        of M <counted> swapped, K skipped"`` (``": nothing changed"``). N counts the rows
+        that run bnswap's ops (:attr:`swapped`: action ``swap`` or ``keep``)."""
         done = self.applied
         text = (
             f"{'bnswap' if done else 'bnswap plan'}: {len(self.swapped)} of "
@@ -82,7 +85,7 @@ class Rows(Sequence, Generic[Row]):
         )
         kept = len(self.kept)
         if kept:
-            text += f"; {kept} already swapped (keep)"
+            text += f"; {kept} {self.kept_as} (keep)"
             if kept == len(self.swapped):
                 text += ": nothing changed" if done else ": nothing would change"
         return text

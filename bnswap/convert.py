@@ -56,7 +56,10 @@ def convert(
     Given a ``torch.export.ExportedProgram``, returns a new program whose batch-norm
     nodes run the consolidated ops (:func:`bnswap.programs.convert`); given a
     ``torch.fx.GraphModule``, its BatchNorm submodules are swapped and its batch-norm
-    ``call_function`` nodes rewritten, in place.
+    ``call_function`` nodes rewritten, in place. A program or graph that holds the
+    consolidated ops already (a ``.pt2`` that ``bnswap convert`` wrote, loaded with
+    ``torch.export.load``) is left as it is and applies bnswap's patches, as a first swap
+    does: torchao's pt2e flow then treats it as stock's (``docs/qat.md``).
 
     Args:
         module: any ``nn.Module``; a BatchNorm layer itself is converted too; or a
@@ -126,6 +129,8 @@ def convert(
         return programs.convert(module, backend, include=include, exclude=exclude)
     check_module(module, "convert")
     be = check_backend(backend)
+    if isinstance(module, GraphModule):  # a loaded program's graph: torchao needs the
+        programs.install_patches_for(module)  # patches even when nothing is swapped
     graph = isinstance(module, GraphModule) and programs.stock_nodes(module) > 0
     nodes = None
     if graph and any(isinstance(m, _BatchNorm) for m in module.modules()):
@@ -275,6 +280,8 @@ def revert(module: nn.Module) -> nn.Module:
             "bnswap.to_stock_ops(program) (in place)"
         )
     check_module(module, "revert")
+    if isinstance(module, GraphModule):
+        programs.install_patches_for(module)  # (as convert and plan do)
     modules = list(module.modules())  # an ORT wrapper's modules() include the model's
     for parent in modules:
         for key, child in parent._modules.items():

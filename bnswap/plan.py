@@ -747,6 +747,10 @@ def plan(
         ...  for r in bnswap.plan(model, sync_batchnorm=True)]
         ['BatchNorm2d -> SyncBatchNorm', 'SyncBatchNorm']
     """
+    if isinstance(module, torch.fx.GraphModule) and not _has_stock_nodes(module):
+        from bnswap import programs  # a graph with BatchNorm layers: planned by layer,
+
+        programs.install_patches_for(module)  # and its consolidated nodes need the patches
     if isinstance(module, torch.export.ExportedProgram) or (
         isinstance(module, torch.fx.GraphModule) and _has_stock_nodes(module)
     ):

@@ -58,6 +58,13 @@ def is_program(obj: object) -> bool:
     return isinstance(obj, torch.export.ExportedProgram)
 
 
+def install_patches_for(program: object) -> None:
+    """Apply bnswap's patches (:func:`bnswap._compat.install`) when ``program`` (an
+    ``ExportedProgram`` or a ``GraphModule``) holds a consolidated batch-norm node: what
+    every bnswap entry point that takes a program does (:func:`bnswap._compat.install_for`)."""
+    _compat.install_for(program)
+
+
 def _graph_module(program: object, fn: str) -> GraphModule:
     if isinstance(program, torch.export.ExportedProgram):
         return program.graph_module
@@ -251,6 +258,7 @@ class ProgramPlan(Rows[NodeRow]):
         self._patterns = (include, exclude)
 
     counted = "batch-norm nodes"
+    kept_as = "already on the consolidated ops"
 
     def apply(self) -> Program:
         """:func:`convert` the program with the plan's patterns: a new ExportedProgram
@@ -422,6 +430,10 @@ def _plan_nodes(
                     device=dev,
                 )
             )
+    if any(r.already for r in rows):
+        # a program that holds bnswap's ops (a .pt2 that `bnswap convert` wrote, loaded):
+        # torchao's pt2e flow needs the patches for it, though nothing is swapped here
+        _compat.install()
     unmatched = [
         (kind, p)
         for kind, pats in (("include", inc), ("exclude", exc))
@@ -485,7 +497,11 @@ def convert(
         The new ``ExportedProgram`` (``torch.export.save`` / ``load`` round-trip it,
         ``.module()`` runs it, ``run_decompositions({})`` keeps the consolidated ops), or
         the ``GraphModule`` itself. A program with no stock batch-norm node (none at all,
-        or only consolidated ones: converted already) is returned itself.
+        or only consolidated ones: converted already, e.g. a ``.pt2`` that ``bnswap
+        convert`` wrote, loaded) is returned itself. A program holding consolidated nodes
+        applies bnswap's patches (``docs/patches.md``), as a first swap does, even when
+        nothing in it changes: torchao's pt2e flow (``docs/qat.md``) and
+        ``run_decompositions()`` then treat it as stock's. So does :func:`plan` of it.
 
     Raises:
         TypeError: ``program`` is neither; a pattern is not a str.

@@ -10,17 +10,13 @@ identical converted copy and compares bit for bit on the CPU: parameters, gradie
 running statistics, observer / fake-quant state after several steps, eval outputs, the
 quantized graph, its constants and outputs.
 
-torchao's pt2e exports the same pattern functions on every call (convert_pt2e's conv-BN
-fold exports 96 of them: 17 s per call on 2 cores): a module-wide fixture memoizes
-``_get_aten_graph_module_for_pattern`` by the pattern's code, closure values and the
-example inputs' shapes, returning a deep copy of the exported pattern each time, so
-every call sees the graph a fresh export gives.
+torchao's pattern exports are memoized module-wide (:func:`tests._pt2e.memoize_patterns`:
+each call sees the graph a fresh export gives).
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import warnings
 
 import pytest
@@ -29,6 +25,18 @@ from torch import nn
 
 import bnswap
 from tests._helpers import outcome, state_diff
+from tests._pt2e import (
+    NO_UPDATE,
+    QUANTIZERS,
+    STOCK,
+    WITH_UPDATE,
+    bn_ops,
+    graph_of,
+    memoize_patterns,
+    train,
+    visible_bn,
+    xnnpack,
+)
 
 pytest.importorskip("torchao")
 from torchao.quantization.pt2e import (  # noqa: E402
@@ -42,92 +50,13 @@ from torchao.quantization.pt2e.quantize_pt2e import (  # noqa: E402
 )
 
 
-def _key(obj: object, values: bool = False) -> object:
-    """A hashable key of a pattern export's arguments (tensors by shape and dtype; by
-    value too inside a closure, where they may become constants)."""
-    if isinstance(obj, torch.Tensor):
-        return (
-            "T",
-            tuple(obj.shape),
-            obj.dtype,
-            obj.device.type,
-            tuple(obj.flatten().tolist()) if values else None,
-        )
-    if isinstance(obj, (tuple, list)):
-        return tuple(_key(o, values) for o in obj)
-    if isinstance(obj, dict):
-        return tuple(sorted((k, _key(v, values)) for k, v in obj.items()))
-    if isinstance(obj, nn.Module) and callable(getattr(obj, "fn", None)):
-        return ("M", type(obj), _key(obj.fn, values))
-    if inspect.isfunction(obj):
-        return (
-            "F",
-            obj.__code__,
-            tuple(_key(c.cell_contents, True) for c in obj.__closure__ or ()),
-        )
-    hash(obj)
-    return obj
-
-
 @pytest.fixture(scope="module", autouse=True)
 def memoized_patterns():
-    from torchao.quantization.pt2e import qat_utils, utils
-
-    real = utils._get_aten_graph_module_for_pattern
-    cache: dict = {}
-
-    def memoized(pattern, example_inputs, is_cuda=False, **kwargs):
-        try:
-            key = _key((pattern, example_inputs, is_cuda, kwargs))
-        except TypeError:  # unhashable: not memoized
-            return real(pattern, example_inputs, is_cuda, **kwargs)
-        if key not in cache:
-            cache[key] = real(pattern, example_inputs, is_cuda, **kwargs)
-        return copy.deepcopy(cache[key])
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(utils, "_get_aten_graph_module_for_pattern", memoized)
-        mp.setattr(qat_utils, "_get_aten_graph_module_for_pattern", memoized)
+    with memoize_patterns():
         yield
 
 
-WITH_UPDATE = "aten._batch_norm_with_update.default"
-NO_UPDATE = "aten._batch_norm_no_update.default"
-STOCK = "aten.batch_norm.default"
-
-
-def xnnpack(qat: bool = True):
-    from torchao.testing.pt2e._xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "XNNPACKQuantizer is deprecated!" (torchao 0.18)
-        return XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=qat))
-
-
-def x86(qat: bool = True):
-    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-        X86InductorQuantizer,
-        get_default_x86_inductor_quantization_config,
-    )
-
-    return X86InductorQuantizer().set_global(
-        get_default_x86_inductor_quantization_config(is_qat=qat)
-    )
-
-
-QUANTIZERS = {"xnnpack": xnnpack, "x86": x86}
-
-
-def _bn(bn: nn.Module) -> nn.Module:
-    with torch.no_grad():  # statistics and affine parameters that make a fold visible
-        bn.weight.uniform_(0.5, 1.5)
-        bn.bias.uniform_(-0.5, 0.5)
-        bn.running_mean.uniform_(-0.3, 0.3)
-        bn.running_var.uniform_(0.5, 2.0)
-    return bn
+_bn = visible_bn
 
 
 def conv_bn():
@@ -165,44 +94,6 @@ def build(name: str) -> tuple[nn.Module, nn.Module, tuple[int, ...]]:
 def batches(shape: tuple[int, ...], n: int, dtype: torch.dtype = torch.float32) -> list:
     g = torch.Generator().manual_seed(5)
     return [torch.randn(shape, generator=g, dtype=dtype) for _ in range(n)]
-
-
-def bn_ops(gm: torch.fx.GraphModule) -> list[str]:
-    return [
-        str(n.target)
-        for n in gm.graph.nodes
-        if n.op == "call_function" and "batch_norm" in str(n.target)
-    ]
-
-
-def graph_of(gm: torch.fx.GraphModule) -> list[tuple]:
-    """The graph node for node, nodes named by position (a rewrite renames them)."""
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    def arg(a):
-        return f"%{index[a]}" if isinstance(a, torch.fx.Node) else repr(a)
-
-    return [
-        (
-            n.op,
-            str(n.target),
-            tuple(torch.fx.node.map_aggregate(n.args, arg)),
-            tuple(
-                sorted((k, str(torch.fx.node.map_aggregate(v, arg))) for k, v in n.kwargs.items())
-            ),
-        )
-        for n in gm.graph.nodes
-    ]
-
-
-def train(p: torch.fx.GraphModule, xs: list[torch.Tensor]) -> torch.Tensor:
-    opt = torch.optim.SGD(p.parameters(), lr=0.05, momentum=0.9)
-    for x in xs:
-        opt.zero_grad()
-        y = p(x)
-        y.square().mean().backward()
-        opt.step()
-    return y.detach()
 
 
 def prepared(model: nn.Module, shape: tuple[int, ...], quantizer: str) -> torch.fx.GraphModule:
@@ -347,7 +238,7 @@ def test_plan_of_a_graph_module_lists_its_batch_norm_nodes():
         assert [r.kernel for r in bnswap.plan(program, device="cpu")] == ["Native"] * 2
         assert p.summary() == (
             "bnswap plan: 2 of 2 batch-norm nodes would be swapped, 0 skipped; "
-            "2 already swapped (keep): nothing would change"
+            "2 already on the consolidated ops (keep): nothing would change"
         )
     mixed = bnswap.plan(prepared(stock, shape, "xnnpack"))
     assert [r.action for r in mixed] == ["swap", "swap"]
@@ -468,3 +359,48 @@ def test_qat_example_gives_stocks_figures():
     assert (s["float_acc"], s["int8_acc"]) == (b["float_acc"], b["int8_acc"])
     n = s["batch_norm_ops"]["batch_norm"]
     assert n > 0 and b["batch_norm_ops"] == {"_batch_norm_with_update": n}
+
+
+def _guide_snippets() -> list[str]:
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "qat.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_the_guides_snippets_run_as_written_and_give_stocks_quantized_model(tmp_path, monkeypatch):
+    """docs/qat.md's flow as written (on the CPU: its device is "cpu" without CUDA) gives
+    the quantized model stock's flow gives, the same snippet with the model left stock
+    (its one bnswap call removed): the same quantized graph and outputs, bit for bit; its
+    prepared graph trained on the consolidated op. Its loaded-program snippet runs as
+    written after it, on the program of the snippet's model saved where it says."""
+    flow, loaded = _guide_snippets()
+    assert "bnswap.convert(Net().train())" in flow and ".to(device)" in flow
+    runs = {}
+    for name, source in (
+        ("bnswap", flow),
+        ("stock", flow.replace("bnswap.convert(Net().train())", "Net().train()")),
+    ):
+        torch.manual_seed(0)
+        ns: dict = {}
+        # in two parts, to see the prepared graph before convert_pt2e (which rewrites it)
+        cut = source.index("move_exported_model_to_eval(prepared)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exec(compile(source[:cut], f"docs/qat.md ({name})", "exec"), ns)
+            ns["trained_on"] = bn_ops(ns["prepared"])
+            exec(compile("\n" * source[:cut].count("\n") + source[cut:], "docs/qat.md", "exec"), ns)
+        runs[name] = ns
+    b, s = runs["bnswap"], runs["stock"]
+    assert str(b["device"]) == "cpu" or torch.cuda.is_available()
+    assert b["trained_on"] == [WITH_UPDATE] * 2 and s["trained_on"] == [STOCK] * 2
+    assert graph_of(b["quantized"]) == graph_of(s["quantized"]) and bn_ops(b["quantized"]) == []
+    assert torch.equal(b["quantized"](b["x"]), s["quantized"](s["x"]))
+    assert state_diff(b["quantized"], s["quantized"]) == []
+    monkeypatch.chdir(tmp_path)
+    torch.export.save(torch.export.export(b["model"], (b["x"],)), "model_bnswap.pt2")
+    exec(compile(loaded, "docs/qat.md (loaded program)", "exec"), b)
+    assert bn_ops(b["prepared"]) == [WITH_UPDATE] * 2
+    # the fold, as in the flow above: torchao's QAT pattern scales each conv's weight
+    assert sum(n.target is torch.ops.aten.sqrt.default for n in b["prepared"].graph.nodes) == 2
