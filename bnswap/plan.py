@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, overload
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,6 +31,9 @@ from bnswap.backends import BACKENDS, Backend, backend_named
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.registry import qualified_name
 from bnswap.sync import describe_group, sync_class, sync_kernel, to_sync_batch_norm
+
+if TYPE_CHECKING:
+    from bnswap.programs import ProgramPlan
 
 __all__ = [
     "BACKENDS",
@@ -137,13 +141,13 @@ def _probe_args(m: nn.Module, dev: torch.device) -> tuple:
     (N, C) input), weight ones, bias zeros, running_mean zeros, running_var ones, all (C,)
     in :func:`_probe_dtype`, training True, the layer's eps: what the bnswap core always
     passes (defined weight, bias and statistics)."""
-    c = int(m.num_features)
+    c = int(m.num_features)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
     rank = 5 if isinstance(m, nn.BatchNorm3d) else 4 if isinstance(m, nn.BatchNorm2d) else 3
     dtype = _probe_dtype(m)
     x = torch.empty((2, c) + (1,) * (rank - 2), device=dev, dtype=dtype)
     ones = torch.ones(c, device=dev, dtype=dtype)
     zeros = torch.zeros(c, device=dev, dtype=dtype)
-    return x, ones, zeros, zeros, ones, True, float(m.eps)
+    return x, ones, zeros, zeros, ones, True, float(m.eps)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
 
 
 def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str:
@@ -164,7 +168,8 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
     if dev.type == "meta":
         return "n/a (meta)"
     if dev.type == "cuda" and not torch.cuda.is_available():
-        return _by_rank(m, _predicted_cuda_kernel(_probe_dtype(m), float(m.eps)))
+        eps = float(m.eps)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
+        return _by_rank(m, _predicted_cuda_kernel(_probe_dtype(m), eps))
     try:
         backend = select(*_probe_args(m, dev))
     except Exception as e:  # noqa: BLE001 - a device this torch cannot probe: RuntimeError,
@@ -467,7 +472,7 @@ class Plan(Rows[PlanRow]):
             "adapter",
             "reason",
         )
-        body = [
+        body: list[tuple[str, ...]] = [
             (r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.reason)
             for r in self.rows
         ]
@@ -595,11 +600,11 @@ def _row(
     m: nn.Module,
     cls: type,
     backend: Backend,
-    device,
+    device: torch.device | str | None,
     action: str,
     reason: str,
     adapter: Adapter | None = None,
-    **kw: object,
+    **kw: Any,
 ) -> PlanRow:
     if (
         action == "skip"
@@ -666,6 +671,31 @@ def _place(
     return [placed.get(id(r), r) for r in rows], to_wrap
 
 
+@overload
+def plan(
+    module: torch.export.ExportedProgram,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> ProgramPlan: ...
+@overload
+def plan(  # type: ignore[overload-overlap]  # a GraphModule is an nn.Module: it matches first
+    module: torch.fx.GraphModule,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> Plan | ProgramPlan: ...
+@overload
 def plan(
     module: nn.Module,
     backend: str = "aten",
@@ -676,7 +706,18 @@ def plan(
     sync_batchnorm: bool = False,
     process_group: object = None,
     wrap: str = "model",
-) -> Plan:
+) -> Plan: ...
+def plan(
+    module: nn.Module | torch.export.ExportedProgram,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> Plan | ProgramPlan:
     """What :func:`bnswap.convert` would do to ``module``, without changing it.
 
     A layer is swapped unless it is excluded or overrides ``forward`` with no registered
@@ -752,13 +793,8 @@ def plan(
     ):
         from bnswap import programs  # a program: one row per batch-norm node
 
-        return programs.plan(
-            module,
-            backend,
-            include=include,  # type: ignore[return-value]
-            exclude=exclude,
-            device=device,
-        )  # type: ignore[arg-type]
+        # a class as a pattern: programs.plan raises its TypeError (patterns are node names)
+        return programs.plan(module, backend, include=include, exclude=exclude, device=device)  # type: ignore[arg-type]  # see above
     todo, unmatched = _plan_layers(
         module,
         backend,
@@ -936,10 +972,10 @@ def _plan_layers(
     ]
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
     if any(r.sync_class is not None for r in rows):
-        for parent in module.modules():
-            for key, child in parent._modules.items():
+        for holder in module.modules():
+            for key, child in holder._modules.items():
                 if child is not None:
-                    parents.setdefault(id(child), []).append((parent, key))
+                    parents.setdefault(id(child), []).append((holder, key))
     to_wrap: list[str] = []
     if be.wraps and wrap == "children":
         rows, to_wrap = _place(rows, module, be)
