@@ -36,7 +36,7 @@ TRACE_WEIGHT = "_bnswap_trace_weight"
 TRACE_BIAS = "_bnswap_trace_bias"
 
 
-def bn_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def bn_layers(module: nn.Module) -> list[tuple[str, _BatchNorm]]:
     """``(name, layer)`` for every ``_BatchNorm`` of ``module``, in ``named_modules()`` order."""
     return [(n, m) for n, m in module.named_modules() if isinstance(m, _BatchNorm)]
 
