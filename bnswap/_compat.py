@@ -205,6 +205,7 @@ def _patch_torchscript() -> bool:
             nn_module = stock_view(nn_module)
         return original(nn_module, stubs_fn, *args, **kwargs)
 
+    assert rec is not None  # it holds original
     rec.create_script_module = _mark(create_script_module)
     return True
 
@@ -461,7 +462,7 @@ def _torchao_too_old() -> bool:
     return False
 
 
-def _patchable(mod: Any, name: str, callers: tuple[str, ...]) -> Callable | bool:
+def _patchable(mod: Any, name: str, callers: tuple[str, ...]) -> Callable[..., Any] | bool:
     """``mod``'s helper ``name`` when bnswap is to wrap it; True when it is wrapped
     already; False (with the one warning of :func:`_unpatched`) when torchao is older
     than :data:`MIN_TORCHAO` or one of ``callers`` no longer calls it by name."""
@@ -473,7 +474,7 @@ def _patchable(mod: Any, name: str, callers: tuple[str, ...]) -> Callable | bool
     if not _calls(mod, name, callers):
         _unpatched(f"torchao's {mod.__name__}.{' / '.join(callers)} no longer call {name}")
         return False
-    return helper
+    return helper if helper is not None else False
 
 
 def patch_torchao_pt2e(mod: Any) -> bool:
@@ -571,7 +572,7 @@ def _backward(
     reserve: torch.Tensor,
 ) -> tuple:
     # (native_batch_norm_backward is in the core table: it decomposes on, as stock's)
-    return _aten.native_batch_norm_backward.default(
+    grads: tuple[Any, ...] = _aten.native_batch_norm_backward.default(
         grad_out,
         input,
         weight,
@@ -583,6 +584,7 @@ def _backward(
         eps,
         output_mask,
     )
+    return grads
 
 
 #: What bnswap adds to the core ATen decomposition table: each consolidated op as the
@@ -636,7 +638,7 @@ def patch_core_aten_decompositions() -> bool:
 
     @functools.wraps(original)
     def _core_aten_decompositions_post_autograd() -> dict:
-        table = original()
+        table: dict[Any, Any] = original()
         for op, fn in CORE_ATEN_DECOMPOSITIONS.items():
             table.setdefault(op, fn)
         return table
@@ -685,7 +687,7 @@ def _patch_ddp_syncbn_check() -> bool:
             self._log_and_throw(ValueError, _unswapped_sync_message(left))
         stock(self, module)
 
-    ddp._passing_sync_batchnorm_handle = _mark(_passing_sync_batchnorm_handle)
+    ddp._passing_sync_batchnorm_handle = _mark(_passing_sync_batchnorm_handle)  # type: ignore[method-assign]  # the patch
     return True
 
 
@@ -736,6 +738,7 @@ def _stock_state(state: Any) -> Any:
         return state
     state = {k: v for k, v in state.items() if k not in own}
     if internal:
+        assert isinstance(buffers, dict)  # internal names came from it
         state["_buffers"] = type(buffers)((k, v) for k, v in buffers.items() if k not in internal)
         nonpersistent = state.get("_non_persistent_buffers_set")
         if isinstance(nonpersistent, set):
@@ -748,7 +751,7 @@ def _forking_codes() -> frozenset:
 
     return frozenset(
         f.__code__
-        for f in (reduction.ForkingPickler.dumps.__func__, reduction.dump)
+        for f in (reduction.ForkingPickler.dumps.__func__, reduction.dump)  # type: ignore[attr-defined]  # typeshed: dumps is a classmethod
         if hasattr(f, "__code__")
     )
 
@@ -826,13 +829,14 @@ def _patch_checkpoints() -> bool:
             rv = self.__reduce_ex__(4)
         finally:
             _keep.active = depth
-        return copy._reconstruct(self, memo, *rv)
+        new: nn.Module = copy._reconstruct(self, memo, *rv)  # type: ignore[attr-defined]  # typeshed omits it
+        return new
 
     global _FORKING_CODES
     _FORKING_CODES = _forking_codes()
     _swap_module.pickle_keeps_swap = _pickle_keeps_swap
-    cls.__getstate__ = __getstate__
-    cls.__deepcopy__ = __deepcopy__
+    cls.__getstate__ = __getstate__  # type: ignore[method-assign]  # the patch
+    cls.__deepcopy__ = __deepcopy__  # type: ignore[attr-defined]  # the patch (none before)
     return True
 
 

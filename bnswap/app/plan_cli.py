@@ -42,7 +42,7 @@ import os
 import re
 import sys
 import warnings
-from argparse import ArgumentError
+from argparse import Action, ArgumentError
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, Literal, get_type_hints
@@ -70,7 +70,7 @@ class _HelpFormatter(DefaultHelpFormatter):
     """jsonargparse's help without the "known subclasses" list of ``--model``: for
     ``nn.Module`` it names every module class imported (hundreds of lines)."""
 
-    def _get_help_string(self, action) -> str:
+    def _get_help_string(self, action: Action) -> str:
         text = super()._get_help_string(action)
         cut = text.find(", known subclasses: ")
         return text if cut < 0 else text[:cut] + ")"
@@ -385,9 +385,9 @@ def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None, bool]:
             raise ValueError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise ValueError(f"{path}: no 'model' section (is it a `bnswap train` config?)")
-    path = cfg["model"].get("class_path") if isinstance(cfg["model"], dict) else None
-    if isinstance(path, str) and "." in path:  # a missing package (Lightning) said plainly
-        importlib.import_module(path.rsplit(".", 1)[0])
+    class_path = cfg["model"].get("class_path") if isinstance(cfg["model"], dict) else None
+    if isinstance(class_path, str) and "." in class_path:  # a missing package said plainly
+        importlib.import_module(class_path.rsplit(".", 1)[0])
     parser = _parser()
     built = _instantiate(parser, parser.parse_object({"model": cfg["model"]}))
     model = built.model
@@ -575,7 +575,7 @@ def _left_out_on_purpose(row: Any) -> bool:
     ``NodeRow``) was left out by the patterns given (``--include`` / ``--exclude``, a
     config callback's; a backward node whose forward node was): the row's ``excluded``;
     not a layer bnswap cannot swap."""
-    return row.excluded
+    return bool(row.excluded)
 
 
 def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
@@ -663,6 +663,8 @@ def main(argv: Sequence[str]) -> int:
     if cfg.device is not None and (error := _device_error(cfg.device)):
         return _usage_error(error)  # (before the model is built)
     synced = False
+    model: nn.Module | torch.export.ExportedProgram
+    swap: dict[str, Any] | None
     try:
         if cfg.program is not None:
             model, swap = load_program(cfg.program), {}
@@ -691,7 +693,7 @@ def main(argv: Sequence[str]) -> int:
     backend = cfg.backend or swap.get("backend", "aten")
     include = cfg.include if cfg.include is not None else swap.get("include")
     exclude = cfg.exclude if cfg.exclude is not None else swap.get("exclude")
-    sync = (
+    sync: dict[str, Any] = (
         {}
         if cfg.program is not None
         else {  # (programs.plan takes no such argument)
@@ -876,6 +878,7 @@ def convert_main(argv: Sequence[str]) -> int:
         warnings.simplefilter("always")
         plan = bnswap.plan(ep, include=cfg.include, exclude=cfg.exclude)
         new = plan.apply()
+    assert isinstance(new, torch.export.ExportedProgram)  # as ep is
     # bnswap's own (no batch-norm node, a pattern that matches none), each once: plan and
     # apply (which plans again) both warn of a pattern that matches nothing
     _print_warnings([w for w in caught if str(w.message).startswith("bnswap")], "convert")
