@@ -85,6 +85,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from bnswap import _swap as _swap_module
 from bnswap._graph import (
     CONSOLIDATED_TARGETS,
     batch_norm_nodes,
@@ -103,7 +104,6 @@ from bnswap._swap import (
     on_first_swap,
     wrapped_model,
 )
-from bnswap import _swap as _swap_module
 from bnswap._warn import warn
 
 __all__ = [
@@ -296,7 +296,7 @@ def _stock_for_torchao(gm: torch.fx.GraphModule, mark: bool) -> list[bool] | Non
     if not any(flags):
         return None
     if mark:
-        for n, f in zip(nodes, flags):
+        for n, f in zip(nodes, flags, strict=True):
             n.meta[_ORIGIN] = f  # (to_stock_ops copies the meta to the new node)
     to_stock_ops(gm)
     return flags
@@ -329,9 +329,9 @@ def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str)
     nodes = [n for n in batch_norm_nodes(gm) if n.target not in CONSOLIDATED_TARGETS]
     marks = [n.meta.pop(_ORIGIN, None) for n in nodes]
     if all(m is not None for m in marks):
-        chosen = [n for n, m in zip(nodes, marks) if m]
+        chosen = [n for n, m in zip(nodes, marks, strict=True) if m]
     elif len(nodes) == len(flags):
-        chosen = [n for n, f in zip(nodes, flags) if f]
+        chosen = [n for n, f in zip(nodes, flags, strict=True) if f]
     elif all(flags):
         chosen = nodes
     else:

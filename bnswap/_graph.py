@@ -239,7 +239,10 @@ def _signature_renames(ep: torch.export.ExportedProgram) -> list[tuple[Node, str
         return []
     taken = {n.name: n for n in graph.nodes}
     renames = []
-    for node, spec in (*zip(placeholders, sig.input_specs), *zip(outs, sig.output_specs)):
+    for node, spec in (
+        *zip(placeholders, sig.input_specs, strict=True),
+        *zip(outs, sig.output_specs, strict=True),
+    ):
         name = getattr(spec.arg, "name", None)
         if not isinstance(node, Node) or not isinstance(name, str) or node.name == name:
             continue
@@ -350,10 +353,13 @@ def to_stock_ops(
             continue
         changed = False
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in _TARGETS:
-                if _rewrite(graph, node, core_aten, renamed if sub is gm else None):
-                    count += 1
-                    changed = True
+            if (
+                node.op == "call_function"
+                and node.target in _TARGETS
+                and _rewrite(graph, node, core_aten, renamed if sub is gm else None)
+            ):
+                count += 1
+                changed = True
         before = len(graph.nodes)
         _drop_empty_batch_asserts(graph)
         if changed or len(graph.nodes) != before:
@@ -415,7 +421,7 @@ def consolidated_target(node: Node) -> tuple[OpOverload | None, str]:
     call = stock_call(node)
     if call is None:
         return None, "not a batch-norm node"
-    (x, w, b, mean, var, training, momentum, eps), functional = call
+    (x, w, b, mean, var, training, momentum, _eps), functional = call
     if (
         any(u.op != "call_function" or u.target is not operator.getitem for u in node.users)
         and node.target is not _aten.batch_norm.default
@@ -566,7 +572,7 @@ def _to_consolidated(
 ) -> Node:
     call = stock_call(node)
     assert call is not None  # consolidated_target chose it
-    (x, w, b, mean, var, training, momentum, eps), _ = call
+    (x, w, b, mean, var, _training, momentum, eps), _ = call
     # constants: consolidated_target checked momentum; eps is the schema's float literal
     assert isinstance(momentum, (int, float)) and isinstance(eps, (int, float))
     meta = dict(node.meta)
@@ -618,7 +624,7 @@ def _backward_to_consolidated(
     assert isinstance(node.target, OpOverload)  # native_batch_norm_backward
     schema = node.target._schema
     args = list(node.args) + [node.kwargs[a.name] for a in schema.arguments[len(node.args) :]]
-    grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask = args[:10]
+    grad, x, _w, mean, var, save_mean, save_invstd, train, eps, mask = args[:10]
     meta = dict(node.meta)
     with graph.inserting_before(node):
         reserve = _getitem(graph, fwd, 3, meta)

@@ -45,12 +45,12 @@ from torch.nn.utils import parametrize
 from bnswap.functional import records_consolidated_ops
 
 __all__ = [
-    "Adapter",
     "INTERNAL_BUFFER_PREFIX",
     "INTERNAL_HOOK",
     "SWAP",
-    "Swap",
     "WRAPPER_STATE",
+    "Adapter",
+    "Swap",
     "adapter_of",
     "add_internal_buffer",
     "class_forward",

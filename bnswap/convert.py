@@ -65,10 +65,10 @@ def convert(
     INFO, once per job (on global rank zero; at DEBUG on the other ranks: a
     ``torchrun`` job of N processes logs it once, not N times), and a layer left on its
     own forward that the user did not exclude (a subclass that overrides ``forward``
-    with no registered adapter, pytorch issue 187298) warns. ``nn.SyncBatchNorm`` layers are swapped onto bnswap's
-    synchronized forward (:mod:`bnswap.sync`: global batch statistics over their
-    ``process_group`` in training, on any device and backend; the unsynchronized path
-    otherwise).
+    with no registered adapter, pytorch issue 187298) warns. ``nn.SyncBatchNorm`` layers are
+    swapped onto bnswap's synchronized forward (:mod:`bnswap.sync`: global batch statistics
+    over their ``process_group`` in training, on any device and backend; the
+    unsynchronized path otherwise).
 
     A swapped layer keeps its class (``type(layer) is nn.BatchNorm2d``) and runs
     ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` (pytorch PR 116092) in

@@ -26,13 +26,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
-    "module_batch_norm",
+    "StandIns",
     "check_batch_norm_input",
     "check_momentum",
+    "consolidated_ops_while_tracing",
     "exponential_average_factor",
     "mixed_precision_params",
-    "StandIns",
-    "consolidated_ops_while_tracing",
+    "module_batch_norm",
     "records_consolidated_ops",
 ]
 

@@ -22,8 +22,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap.functional import module_batch_norm
 from bnswap._swap import is_swapped, swap
+from bnswap.functional import module_batch_norm
 
 __all__ = [
     "BatchNorm1d",

@@ -8,9 +8,9 @@ kernel); :meth:`Plan.apply` carries the plan out, atomically. :func:`bnswap.conv
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from bnswap import registry
+from bnswap._rows import Rows
 from bnswap._swap import (
     Adapter,
     adapter_of,
@@ -26,9 +27,8 @@ from bnswap._swap import (
     undo_of,
     wrapped_model,
 )
-from bnswap._rows import Rows
-from bnswap.backends import BACKENDS, Backend, backend_named
 from bnswap._warn import UnmatchedPatternWarning, warn
+from bnswap.backends import BACKENDS, Backend, backend_named
 from bnswap.registry import qualified_name
 from bnswap.sync import describe_group, sync_class, sync_kernel, to_sync_batch_norm
 
@@ -37,12 +37,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS",
+    "WRAP_SCOPES",
     "Pattern",
     "Patterns",
     "Plan",
     "PlanRow",
     "UnmatchedPatternWarning",
-    "WRAP_SCOPES",
     "check_backend",
     "check_module",
     "check_patterns",
@@ -172,7 +172,7 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
         return _by_rank(m, _predicted_cuda_kernel(_probe_dtype(m), eps))
     try:
         backend = select(*_probe_args(m, dev))
-    except Exception as e:  # noqa: BLE001 - a device this torch cannot probe: RuntimeError,
+    except Exception as e:  # a device this torch cannot probe: RuntimeError,
         # TypeError, AssertionError ("not compiled with XPU"), ModuleNotFoundError (torch.hpu)
         return f"n/a ({type(e).__name__})"
     return _by_rank(m, backend.name)
@@ -477,15 +477,17 @@ class Plan(Rows[PlanRow]):
             for r in self.rows
         ]
         if any(r.synchronized for r in self.rows):  # the sync column only when it says something
-            header = header[:-1] + ("sync", header[-1])
-            body = [b[:-1] + (r.sync, b[-1]) for b, r in zip(body, self.rows)]
+            header = (*header[:-1], "sync", header[-1])
+            body = [(*b[:-1], r.sync, b[-1]) for b, r in zip(body, self.rows, strict=True)]
         if not body:
             return self.summary() + " (the model has no BatchNorm layers)"
         # Every column but the last (the reason, not padded) as wide as its widest cell.
         widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header) - 1)]
 
         def line(cells: Sequence[str]) -> str:
-            return "  ".join([*(str(c).ljust(w) for c, w in zip(cells, widths)), str(cells[-1])])
+            return "  ".join(
+                [*(str(c).ljust(w) for c, w in zip(cells, widths, strict=False)), str(cells[-1])]
+            )
 
         rule = line(["-" * w for w in widths] + ["-" * len(header[-1])])
         return "\n".join([self.summary(), line(header), rule, *(line(b) for b in body)])

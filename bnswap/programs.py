@@ -25,7 +25,7 @@ import copy
 import dataclasses
 import fnmatch
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -146,7 +146,7 @@ def _kernel(x: object, w: object, mean: object, eps: float, device: torch.device
         return torch._C._select_batch_norm_backend(
             probe, ones, zeros, zeros, ones, True, float(eps)
         ).name
-    except Exception as e:  # noqa: BLE001 - a device this torch cannot probe
+    except Exception as e:  # a device this torch cannot probe
         return f"n/a ({type(e).__name__})"
 
 
@@ -295,7 +295,9 @@ class ProgramPlan(Rows[NodeRow]):
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header) - 1)]
 
         def line(cells: Sequence[str]) -> str:
-            return "  ".join([*(c.ljust(w) for c, w in zip(cells, widths)), cells[-1]])
+            return "  ".join(
+                [*(c.ljust(w) for c, w in zip(cells, widths, strict=False)), cells[-1]]
+            )
 
         rule = line(["-" * w for w in widths] + ["-" * len(header[-1])])
         return "\n".join([self.summary(), line(header), rule, *(line(b) for b in body)])

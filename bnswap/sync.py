@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap._swap import SWAP, is_swapped
+from bnswap._swap import SWAP
 from bnswap.functional import (
     check_batch_norm_input,
     check_momentum,

@@ -47,8 +47,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
-from bnswap.app.messages import short_error
 from bnswap.app.data import DigitsDataModule
+from bnswap.app.messages import short_error
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["MobileNetV2", "InvertedResidual", "ConvNet4", "ResNet18", "build_model", "MODELS"]
+__all__ = ["MODELS", "ConvNet4", "InvertedResidual", "MobileNetV2", "ResNet18", "build_model"]
 
 
 def _make_divisible(v: float, divisor: int = 8) -> int:
@@ -55,7 +55,7 @@ class InvertedResidual(nn.Module):
         super().__init__()
         if stride not in (1, 2):
             raise ValueError(f"stride must be 1 or 2, got {stride}")
-        hidden = int(round(cin * expand_ratio))
+        hidden = round(cin * expand_ratio)
         self.use_res = stride == 1 and cin == cout
         layers: list[nn.Module] = []
         if expand_ratio != 1:

@@ -275,7 +275,7 @@ def _build_factory(fn: Any, args: Any) -> nn.Module:
         model = fn(**kwargs)
     except ImportError:
         raise
-    except Exception as e:  # noqa: BLE001 - say which call: its values may be unparsed
+    except Exception as e:  # say which call: its values may be unparsed
         call = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise _FactoryError(f"{args.model}({call}) raised {type(e).__name__}: {e}") from e
     if not isinstance(model, nn.Module):
@@ -292,7 +292,7 @@ def _returns_no_module(fn: Any) -> bool:
     unannotated or unresolvable one may return a module)."""
     try:
         ret = get_type_hints(fn).get("return")
-    except Exception:  # noqa: BLE001 - a string annotation that does not resolve
+    except Exception:  # a string annotation that does not resolve
         return False
     return inspect.isclass(ret) and not issubclass(ret, nn.Module)
 
@@ -333,7 +333,7 @@ def _module_error(argv: Sequence[str]) -> str | None:
         return None
     try:
         module = importlib.import_module(path)
-    except Exception:  # noqa: BLE001 - not a module (mymodels.Net), or it fails to
+    except Exception:  # not a module (mymodels.Net), or it fails to
         return None  # import: jsonargparse reports it as for any path
     found = _models_in(module)
     if not found:
@@ -764,7 +764,7 @@ def load_program(path: str) -> torch.export.ExportedProgram:
     quiet.setLevel(logging.CRITICAL)
     try:
         return torch.export.load(path)
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a foreign file
+    except Exception as e:  # torch raises many kinds for a foreign file
         first = _NO_WARNINGS_ABOVE.sub("", (str(e).strip().splitlines() or [""])[0])[:160]
         raise ProgramFileError(
             f"{path}: not a torch.export program (torch.export.load: "

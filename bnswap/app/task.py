@@ -11,8 +11,8 @@ import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.data import AttributeDict
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from torch import Tensor
 from torch.nn import functional as F
 

@@ -43,7 +43,7 @@ from bnswap.ort.errors import BuildError
 
 logger = logging.getLogger("bnswap.ort")
 
-__all__ = ["cache_dir", "extension_path", "ensure_extension", "BuildError", "EXTENSION"]
+__all__ = ["EXTENSION", "BuildError", "cache_dir", "ensure_extension", "extension_path"]
 
 EXTENSION = "aten_op_executor"
 

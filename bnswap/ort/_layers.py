@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from bnswap._swap import add_internal_buffer, drop_internal_buffers, is_swapped

@@ -354,7 +354,8 @@ class BNSwapORTModule(_ORTModule):
         state = self._bnswap_state()
         keys = state.export_keys
         old = keys.get(training)
-        key = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
+        key = (
+            *self._bnswap_export_key(mods, layers, args, kwargs, training),
             state.stats.empty_inputs(args, kwargs, layers),
         )
         if old is None or old == key:
@@ -369,7 +370,8 @@ class BNSwapORTModule(_ORTModule):
         keys.clear()  # the other mode's graph is stale too
         mods = list(state.model.named_modules())
         layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
-        keys[training] = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
+        keys[training] = (
+            *self._bnswap_export_key(mods, layers, args, kwargs, training),
             state.stats.empty_inputs(args, kwargs, layers),
         )
         _log.info(

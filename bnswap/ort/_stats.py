@@ -45,7 +45,7 @@ T = TypeVar("T")
 # with the batch mean (sentinel * 0 + mean), so a survivor means no write happened.
 _SENTINEL = 1.0e30
 
-__all__ = ["RunningStats", "tracked_layers", "leaf_key"]
+__all__ = ["RunningStats", "leaf_key", "tracked_layers"]
 
 
 def tracked_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, _BatchNorm]]:
@@ -156,7 +156,7 @@ class RunningStats:
         if shapes is None:
             try:
                 shapes = self._shapes_of(lambda: self._meta_pass(args, kwargs))
-            except Exception as err:  # noqa: BLE001 - any meta failure: use a real pass
+            except Exception as err:  # any meta failure: use a real pass
                 logger.debug("bnswap.ort: meta shape pass failed (%s); using a real pass", err)
                 shapes = self._shapes_of(lambda: self._real_pass(args, kwargs))
             if len(self._shapes) > 64:
@@ -177,7 +177,7 @@ class RunningStats:
         """
         seen = self.input_shapes(args, kwargs)
         sizes: list[int | None] = []
-        for name, m in layers:
+        for name, _m in layers:
             shapes = seen.get(name)
             if shapes is None:
                 sizes.append(None)  # not run by this forward: no update, as in eager
@@ -240,7 +240,7 @@ class RunningStats:
         """
         tracked = tracked_layers(layers)
         sizes = self.reduction_sizes(args, kwargs, tracked) if tracked else []
-        ran = [(m, n) for (_, m), n in zip(tracked, sizes) if n is not None]
+        ran = [(m, n) for (_, m), n in zip(tracked, sizes, strict=True) if n is not None]
         # verified: every layer that ran was checked (an empty batch proves nothing about
         # ORT's write, so the next step verifies again)
         self.verified = verify and all(n > 0 for _, n in ran)
@@ -259,7 +259,7 @@ class RunningStats:
             old_means = torch._foreach_mul(means, 1.0)
             old_vars = torch._foreach_mul(vars_, 1.0)
             checked = [m for m, n in ran if n > 0] if verify else []
-            for mean, (_, n) in zip(means, ran):
+            for mean, (_, n) in zip(means, ran, strict=True):
                 if verify and n > 0:
                     mean.fill_(_SENTINEL)
         try:
@@ -305,7 +305,7 @@ class RunningStats:
                     for i in full
                 ]
                 keep = [1.0 - w for w in ms]
-                scale_v = [w * ran[i][1] / (ran[i][1] - 1) for w, i in zip(ms, full)]
+                scale_v = [w * ran[i][1] / (ran[i][1] - 1) for w, i in zip(ms, full, strict=True)]
                 fm, fv = [means[i] for i in full], [vars_[i] for i in full]
                 # running = m * batch + (1 - m) * old   (the batch's are in the buffer)
                 torch._foreach_mul_(fm, ms)

@@ -40,7 +40,7 @@ _V = Any
 
 _TSE = "torch.onnx._internal.torchscript_exporter"
 
-__all__ = ["register", "ONNX_TRAINING_MOMENTUM"]
+__all__ = ["ONNX_TRAINING_MOMENTUM", "register"]
 
 #: ONNX momentum emitted for training-mode batch norm: running stats := batch stats.
 ONNX_TRAINING_MOMENTUM = 0.0
