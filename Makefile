@@ -2,8 +2,9 @@
 # environment on first use. torch is always installed FIRST and pinned, so pip never
 # resolves a newer (multi-GB CUDA) build.
 #   make demo   - set up .venv and train the MobileNetV2-style net on the digits data
-#   make test   - set up .venv and .venv-zoo and run the whole suite in both (in .venv
-#                 it builds the docs site too: tests/test_site.py)
+#   make lint   - ruff (lint and format check) over the tree, mypy over the package
+#   make test   - lint, then set up .venv and .venv-zoo and run the whole suite in both
+#                 (in .venv it builds the docs site too: tests/test_site.py)
 #   make docs   - build the docs site into build/docs/html (warnings are errors) and run
 #                 the docstrings' examples (tests/test_docs.py)
 #   make dist   - build the sdist and the wheel into dist/ and check them (twine --strict)
@@ -23,7 +24,7 @@ PIP := -m pip install -q --disable-pip-version-check
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 export MPLBACKEND ?= Agg
 
-.PHONY: setup setup-zoo demo test test-main test-zoo docs docs-html dist compat bench mutation clean
+.PHONY: setup setup-zoo demo lint test test-main test-zoo docs docs-html dist compat bench mutation clean
 
 # After torch, every install runs with a constraints file pinning it, so no package's
 # own torch requirement can make pip fetch another build.
@@ -76,7 +77,14 @@ dist: setup
 	$(VENV)/bin/python -m build --no-isolation --outdir dist .
 	$(VENV)/bin/python -m twine check --strict dist/*
 
-test: test-main test-zoo
+# Lint and types (docs/development.md, "Checks"; configured in pyproject.toml). mypy
+# keeps its cache in .mypy_cache: a rerun after a small change takes seconds.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy bnswap
+
+test: lint test-main test-zoo
 
 # The oldest torch bnswap supports (pyproject.toml's floor), one between, the newest.
 # Each venv: torch from PyPI first, then bnswap's core dependencies and the test tools,

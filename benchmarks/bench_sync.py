@@ -190,14 +190,22 @@ def summarize(times: dict) -> dict:
 
     def extra_ratio(t: dict) -> list[float]:
         return [
-            (s - u) / (f - u) for s, f, u in zip(t["sync"], t["floor"], t["unsync"]) if f - u > 0
+            (s - u) / (f - u)
+            for s, f, u in zip(t["sync"], t["floor"], t["unsync"], strict=True)
+            if f - u > 0
         ]
 
     out["extra_over_floor_extra"] = _median_ci(extra_ratio(wall))
     out["cpu_extra_over_floor_extra"] = _median_ci(extra_ratio(cpu))
-    out["cpu_sync_over_floor"] = _median_ci([s / f for s, f in zip(cpu["sync"], cpu["floor"])])
-    out["sync_over_unsync"] = _median_ci([s / u for s, u in zip(wall["sync"], wall["unsync"])])
-    out["floor_over_unsync"] = _median_ci([f / u for f, u in zip(wall["floor"], wall["unsync"])])
+    out["cpu_sync_over_floor"] = _median_ci(
+        [s / f for s, f in zip(cpu["sync"], cpu["floor"], strict=True)]
+    )
+    out["sync_over_unsync"] = _median_ci(
+        [s / u for s, u in zip(wall["sync"], wall["unsync"], strict=True)]
+    )
+    out["floor_over_unsync"] = _median_ci(
+        [f / u for f, u in zip(wall["floor"], wall["unsync"], strict=True)]
+    )
     m = out["ms"]
     out["extra_ms"] = {"floor": m["floor"] - m["unsync"], "sync": m["sync"] - m["unsync"]}
     # the same figure from the medians (less noisy than the per-round ratio's median)
@@ -303,7 +311,9 @@ def alternatives(times: dict) -> dict:
     for k in times["wall"]:
         if k.startswith("sync, "):
             out[k.removeprefix("sync, ")] = {
-                part: _median_ci([a / b for a, b in zip(times[part][k], times[part]["sync"])])
+                part: _median_ci(
+                    [a / b for a, b in zip(times[part][k], times[part]["sync"], strict=True)]
+                )
                 for part in ("wall", "cpu")
             }
     return out
@@ -325,9 +335,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         world_size=world,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     import bnswap
     from bnswap import sync
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     group = dist.group.WORLD
     own = dist.new_group(list(range(world)))  # (every rank creates it, in the same order)
@@ -354,7 +365,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             ddp = DDP(model)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
 
-            def step(ddp=ddp, opt=opt) -> None:
+            def step(ddp=ddp, opt=opt, x=x, y=y) -> None:
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(ddp(x), y).backward()
                 opt.step()

@@ -345,17 +345,18 @@ def p3_overhead(s: Settings) -> dict:
         tiny = size == "tiny"
         min_sample = 0.02 if tiny else 0.0
 
-        def raw_fwd():
+        # (the loop's values bound as defaults: each closure is timed in its own iteration)
+        def raw_fwd(x=x, w=w, b=b, rm=rm, rv=rv, mom=mom, eps=eps):
             return op(x, w, b, rm, rv, mom, eps)[0]
 
-        def layer_fwd():
+        def layer_fwd(layer=layer, x=x):
             return layer(x)
 
-        def raw_fb():
+        def raw_fb(xg=xg, w=w, b=b, rm=rm, rv=rv, mom=mom, eps=eps, g=g):
             out = op(xg, w, b, rm, rv, mom, eps)[0]
             return torch.autograd.grad(out, (xg, w, b), g)
 
-        def layer_fb():
+        def layer_fb(layer=layer, xg=xg, w=w, b=b, g=g):
             return torch.autograd.grad(layer(xg), (xg, w, b), g)
 
         for mode, fa, fb in (
@@ -389,14 +390,15 @@ def p3_overhead(s: Settings) -> dict:
             s.log(
                 f"  P3 {size:6s} {mode:16s} layer {row['a_median_us']:10.1f} us  op "
                 f"{row['b_median_us']:10.1f} us  overhead {row['overhead_pct']:+6.2f} % "
-                f"[{(row['ratio_ci95'][0] - 1) * 100:+.2f}, {(row['ratio_ci95'][1] - 1) * 100:+.2f}]"
+                f"[{(row['ratio_ci95'][0] - 1) * 100:+.2f}, "
+                f"{(row['ratio_ci95'][1] - 1) * 100:+.2f}]"
             )
         stock = nn.BatchNorm2d(shape[1]).train()
 
-        def stock_fwd():
+        def stock_fwd(stock=stock, x=x):
             return stock(x)
 
-        def stock_fb():
+        def stock_fb(stock=stock, xg=xg, g=g):
             return torch.autograd.grad(stock(xg), (xg, stock.weight, stock.bias), g)
 
         for mode, fa, fb in (
@@ -478,7 +480,7 @@ def p3_hot_path(s: Settings) -> list[dict]:
             with torch.no_grad():
                 cmp = interleaved(
                     lambda fa=fa: fa(x),
-                    lambda: stock(x),
+                    lambda stock=stock: stock(x),
                     pairs=s.n_pairs(30, 5),
                     warmup=3,
                     min_sample_s=0.02,
@@ -733,7 +735,8 @@ def p5_convert(s: Settings) -> dict:
         s.log(
             f"  P5 {n:6d} layers  convert {row['convert_ms']:9.2f} ms  revert "
             f"{row['revert_ms']:9.2f} ms  ({row['convert_us_per_layer']:.1f} / "
-            f"{row['revert_us_per_layer']:.1f} us per layer; modules() {row['traversal_ms']:.2f} ms)"
+            f"{row['revert_us_per_layer']:.1f} us per layer; "
+            f"modules() {row['traversal_ms']:.2f} ms)"
         )
     # linear growth: per-layer cost at the largest size against the size 10x smaller.
     by_n = {r["layers"]: r for r in rows}

@@ -143,10 +143,9 @@ def profile_names(fn: Callable[[], object], device: str, all_kernels: bool = Fal
                 kernels[kind].add(name)
         elif "batch_norm" in name and name.startswith("aten::"):
             ops.add(name)
-    if device == "cuda" and not (kernels["cudnn"] or kernels["native"]):
-        # fall back on the aten ops the CPU side dispatched to
-        if ops & _ATEN_CUDNN:
-            kernels["cudnn"].add("(from aten ops) " + ", ".join(sorted(ops & _ATEN_CUDNN)))
+    # fall back on the aten ops the CPU side dispatched to
+    if device == "cuda" and not (kernels["cudnn"] or kernels["native"]) and ops & _ATEN_CUDNN:
+        kernels["cudnn"].add("(from aten ops) " + ", ".join(sorted(ops & _ATEN_CUDNN)))
     kinds = sorted(k for k, v in kernels.items() if v)
     out = {
         "aten_ops": sorted(ops),
@@ -268,7 +267,7 @@ class JointStep:
         outs = self.gm(*self.params, *self.buffers, x, y)
         loss = None
         with torch.no_grad():
-            for (kind, i), t in zip(self.layout, outs):
+            for (kind, i), t in zip(self.layout, outs, strict=False):
                 if kind == "buffer":
                     self.buffers[i].copy_(t)
                 elif kind == "grad":
@@ -293,7 +292,7 @@ def _time_pairs(fa, fb, pairs: int, inner: int, device: str) -> dict:
                 f()
             _sync(device)
             acc.append((time.perf_counter() - t0) / inner)
-    ratios = sorted(a / b for a, b in zip(ta, tb))
+    ratios = sorted(a / b for a, b in zip(ta, tb, strict=True))
     return {
         "bnswap_ms": statistics.median(ta) * 1e3,
         "stock_ms": statistics.median(tb) * 1e3,
@@ -480,12 +479,12 @@ class Check:
             fwd = ep.module().to(self.target)  # bnswap's ops kept by the empty table
             with torch.no_grad():
                 fwd(x)
-                r = self._profile_on_target(lambda: fwd(x))
+                r = self._profile_on_target(lambda fwd=fwd: fwd(x))
                 r["ran_on"] = fwd(x).device.type
             res["forward_decomposed"][name] = r
             js = JointStep(m, x_cpu, y_cpu, self.target, key=self._joint_key(name))
             js.step(x, y)
-            r = self._profile_on_target(lambda: js.step(x, y))
+            r = self._profile_on_target(lambda js=js: js.step(x, y))
             r["ran_on"] = js.step(x, y).device.type
             r["graph_ops"] = js.ops
             res["joint"][name] = r
@@ -525,7 +524,7 @@ class Check:
         for name, prog in (("bnswap", converted), ("stock", original)):
             run = move_to_device_pass(prog, self.target).module()
             run(x)
-            res[name] = self._profile_on_target(lambda: run(x))
+            res[name] = self._profile_on_target(lambda run=run: run(x))
             res[name]["ran_on"] = run(x).device.type
         self._expect_moved(res, "cudnn", "native")
         res["ok"] = bool(res["ok"]) and ops_ok
@@ -566,11 +565,13 @@ class Check:
                         nn.Linear(c, 10),
                     ).train(train)
                     makers = {
-                        "stock": lambda: torch.export.export(copy.deepcopy(stock), (x_cpu,)),
-                        "bnswap_exported": lambda: torch.export.export(
+                        "stock": lambda stock=stock: torch.export.export(
+                            copy.deepcopy(stock), (x_cpu,)
+                        ),
+                        "bnswap_exported": lambda stock=stock: torch.export.export(
                             bnswap.convert(copy.deepcopy(stock)), (x_cpu,)
                         ),
-                        "bnswap_converted": lambda: bnswap.convert(
+                        "bnswap_converted": lambda stock=stock: bnswap.convert(
                             torch.export.export(copy.deepcopy(stock), (x_cpu,))
                         ),
                     }
@@ -587,7 +588,7 @@ class Check:
                             )
                             with torch.no_grad():
                                 run(x)
-                                row[name] = self._profile_on_target(lambda: run(x))
+                                row[name] = self._profile_on_target(lambda run=run: run(x))
                                 outs[(move, name)] = run(x)
                             row[name]["ran_on"] = outs[(move, name)].device.type
                         self._expect_moved(row, "cudnn", "native", keys)
@@ -600,7 +601,7 @@ class Check:
                         ):
                             js = JointStep(m, x_cpu, y_cpu, self.target)
                             js.step(x, y)
-                            row[name] = self._profile_on_target(lambda: js.step(x, y))
+                            row[name] = self._profile_on_target(lambda js=js: js.step(x, y))
                             row[name]["ran_on"] = js.step(x, y).device.type
                         self._expect_moved(row, "cudnn", "native", ("bnswap_exported", "stock"))
                         case["joint"] = row
@@ -790,8 +791,10 @@ class Check:
             summary[name] = {
                 "first_loss": c[0],
                 "final_loss_mean_last": statistics.mean(c[-k:]),
-                "max_abs_diff_vs_eager": max(abs(u - v) for u, v in zip(c, ref)),
-                "mean_abs_diff_vs_eager": statistics.mean(abs(u - v) for u, v in zip(c, ref)),
+                "max_abs_diff_vs_eager": max(abs(u - v) for u, v in zip(c, ref, strict=True)),
+                "mean_abs_diff_vs_eager": statistics.mean(
+                    abs(u - v) for u, v in zip(c, ref, strict=True)
+                ),
                 "seconds": secs[name],
                 "finite": all(v == v and abs(v) != float("inf") for v in c),
             }
@@ -851,7 +854,7 @@ class Check:
             "aten._batch_norm_with_update.default"
         ] and res["graph_ops"]["stock"] == ["aten.batch_norm.default"]
         res["max_abs_loss_diff"] = max(
-            abs(u - v) for u, v in zip(res["losses"]["bnswap"], res["losses"]["stock"])
+            abs(u - v) for u, v in zip(res["losses"]["bnswap"], res["losses"]["stock"], strict=True)
         )
         if self.device != "cuda":
             res["ok"] = res["ops_ok"] and res["max_abs_loss_diff"] == 0.0
@@ -1069,7 +1072,7 @@ def _kinds(r: dict) -> str:
 def summary_line(name: str, s: dict, dry: bool) -> str:
     status = s["status"]
     mark = {True: "PASS", False: "FAIL", None: "info"}.get(s.get("ok"), "info")
-    if not status == "ok":
+    if status != "ok":
         mark = "SKIP" if status.startswith("skipped") else "ERROR"
         return f"[{mark:5s}] {name:18s} {status} ({s.get('seconds', 0)} s)"
     if name == "backend":
@@ -1131,7 +1134,8 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
     elif name == "training":
         sm = s["summary"]
         detail = f"{s['steps']} steps: " + "; ".join(
-            f"{k} final {v['final_loss_mean_last']:.4f} (max |d| vs eager {v['max_abs_diff_vs_eager']:.2e})"
+            f"{k} final {v['final_loss_mean_last']:.4f} "
+            f"(max |d| vs eager {v['max_abs_diff_vs_eager']:.2e})"
             for k, v in sm.items()
         )
     elif name == "qat_pt2e":
@@ -1149,8 +1153,11 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
     elif name == "fsdp2_bf16":
         r = s["reference"]
         detail = (
-            f"{s['process_group']}: bnswap {_kinds(s['bnswap']) if 'error' not in s['bnswap'] else s['bnswap']['error']}; "
-            f"stock {s['stock'].get('error', _kinds(s['stock']))}; out {r['out_dtype']}, running_var "
+            f"{s['process_group']}: "
+            "bnswap "
+            f"{_kinds(s['bnswap']) if 'error' not in s['bnswap'] else s['bnswap']['error']}; "
+            f"stock {s['stock'].get('error', _kinds(s['stock']))}; "
+            f"out {r['out_dtype']}, running_var "
             f"{r['running_var_dtype']}, max |d| vs float32-weight stock {r['max_abs_diff']:.1e}"
         )
     else:

@@ -11,6 +11,7 @@ shows up as a wide interval rather than a wrong number.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Comparison", "interleaved", "median_ci", "machine_info", "calibrate_inner"]
+__all__ = ["Comparison", "calibrate_inner", "interleaved", "machine_info", "median_ci"]
 
 
 def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float]:
@@ -70,8 +71,10 @@ class Comparison:
     cpu_ratios: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ratios = [a / b for a, b in zip(self.a_times, self.b_times)]
-        self.cpu_ratios = [a / b for a, b in zip(self.a_cpu, self.b_cpu) if a > 0 and b > 0]
+        self.ratios = [a / b for a, b in zip(self.a_times, self.b_times, strict=True)]
+        self.cpu_ratios = [
+            a / b for a, b in zip(self.a_cpu, self.b_cpu, strict=True) if a > 0 and b > 0
+        ]
 
     @property
     def a_median(self) -> float:
@@ -244,10 +247,8 @@ def machine_info() -> dict:
     except (ValueError, OSError, AttributeError):  # pragma: no cover
         mem_gib = None
     caps = {}
-    try:
+    with contextlib.suppress(Exception):  # pragma: no cover
         caps = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    except Exception:  # pragma: no cover
-        pass
     return {
         "cpu": _cpu_model(),
         "logical_cpus": os.cpu_count(),

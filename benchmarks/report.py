@@ -241,9 +241,11 @@ def to_markdown(res: dict) -> str:
                         f"{r['a_median_us']:.1f}",
                         f"{r['b_median_us']:.1f}",
                         f"{r['overhead_pct']:+.2f} %",
-                        f"{(r['ratio_ci95'][0] - 1) * 100:+.2f} to {(r['ratio_ci95'][1] - 1) * 100:+.2f} %",
+                        f"{(r['ratio_ci95'][0] - 1) * 100:+.2f} "
+                        f"to {(r['ratio_ci95'][1] - 1) * 100:+.2f} %",
                         (
-                            f"{r['fixed_overhead_us']:.1f} us = {r['fixed_cost_overhead_pct']:+.3f} %"
+                            f"{r['fixed_overhead_us']:.1f} us "
+                            f"= {r['fixed_cost_overhead_pct']:+.3f} %"
                             if "fixed_cost_overhead_pct" in r
                             else "-"
                         ),
@@ -431,7 +433,7 @@ def to_png(res: dict, path: str) -> None:
     )
     if len(panels) == 1:
         axes = [axes]
-    for ax, panel in zip(axes, panels):
+    for ax, panel in zip(axes, panels, strict=True):
         if panel == "ratios":
             labels = [r[0] for r in ratio_rows][::-1]
             med = [r[1] for r in ratio_rows][::-1]
@@ -490,7 +492,8 @@ def to_png(res: dict, path: str) -> None:
             bw = ok["P3"].get("bandwidth", [])
             txt = "\n".join(
                 [
-                    f"tiny {'fwd' if r['mode'] == 'forward' else 'f+b'}: layer {r['a_median_us']:.0f} us, "
+                    f"tiny {'fwd' if r['mode'] == 'forward' else 'f+b'}: "
+                    f"layer {r['a_median_us']:.0f} us, "
                     f"op {r['b_median_us']:.0f} us ({r['overhead_pct']:+.0f} %)"
                     for r in tiny
                 ]

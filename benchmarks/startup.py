@@ -119,7 +119,7 @@ def run(rounds: int, names: list[str] | None = None) -> dict:
         }
         if base is not None:
             row["ratio_to_import_torch"] = statistics.median(
-                s / b for s, b in zip(samples[name], base)
+                s / b for s, b in zip(samples[name], base, strict=True)
             )
         report["commands"][name] = row
     return report

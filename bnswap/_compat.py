@@ -98,6 +98,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from bnswap import _swap as _swap_module
 from bnswap._graph import (
     CONSOLIDATED_TARGETS,
     batch_norm_nodes,
@@ -116,7 +117,6 @@ from bnswap._swap import (
     on_first_swap,
     wrapped_model,
 )
-from bnswap import _swap as _swap_module
 from bnswap._warn import warn
 
 __all__ = [
@@ -220,6 +220,7 @@ def _patch_torchscript() -> bool:
             nn_module = stock_view(nn_module)
         return original(nn_module, stubs_fn, *args, **kwargs)
 
+    assert rec is not None  # it holds original
     rec.create_script_module = _mark(create_script_module)
     return True
 
@@ -431,7 +432,7 @@ def _stock_for_torchao(gm: torch.fx.GraphModule, mark: bool) -> list[bool] | Non
     if not any(flags):
         return None
     if mark:
-        for n, f in zip(nodes, flags):
+        for n, f in zip(nodes, flags, strict=True):
             n.meta[_ORIGIN] = f  # (to_stock_ops copies the meta to the new node)
     to_stock_ops(gm)
     return flags
@@ -464,9 +465,9 @@ def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str)
     nodes = [n for n in batch_norm_nodes(gm) if n.target not in CONSOLIDATED_TARGETS]
     marks = [n.meta.pop(_ORIGIN, None) for n in nodes]
     if all(m is not None for m in marks):
-        chosen = [n for n, m in zip(nodes, marks) if m]
+        chosen = [n for n, m in zip(nodes, marks, strict=True) if m]
     elif len(nodes) == len(flags):
-        chosen = [n for n, f in zip(nodes, flags) if f]
+        chosen = [n for n, f in zip(nodes, flags, strict=True) if f]
     elif all(flags):
         chosen = nodes
     else:
@@ -642,7 +643,7 @@ def _torchao_too_old() -> bool:
     return False
 
 
-def _patchable(mod: Any, name: str, callers: tuple[str, ...]) -> Callable | bool:
+def _patchable(mod: Any, name: str, callers: tuple[str, ...]) -> Callable[..., Any] | bool:
     """``mod``'s helper ``name`` when bnswap is to wrap it; True when it is wrapped
     already; False (with the one warning of :func:`_unpatched`) when torchao is older
     than :data:`MIN_TORCHAO` or one of ``callers`` no longer calls it by name."""
@@ -654,7 +655,7 @@ def _patchable(mod: Any, name: str, callers: tuple[str, ...]) -> Callable | bool
     if not _calls(mod, name, callers):
         _unpatched(f"torchao's {mod.__name__}.{' / '.join(callers)} no longer call {name}")
         return False
-    return helper
+    return helper if helper is not None else False
 
 
 def patch_torchao_pt2e(mod: Any) -> bool:
@@ -752,7 +753,7 @@ def _backward(
     reserve: torch.Tensor,
 ) -> tuple:
     # (native_batch_norm_backward is in the core table: it decomposes on, as stock's)
-    return _aten.native_batch_norm_backward.default(
+    grads: tuple[Any, ...] = _aten.native_batch_norm_backward.default(
         grad_out,
         input,
         weight,
@@ -764,6 +765,7 @@ def _backward(
         eps,
         output_mask,
     )
+    return grads
 
 
 #: What bnswap adds to the core ATen decomposition table: each consolidated op as the
@@ -817,7 +819,7 @@ def patch_core_aten_decompositions() -> bool:
 
     @functools.wraps(original)
     def _core_aten_decompositions_post_autograd() -> dict:
-        table = original()
+        table: dict[Any, Any] = original()
         for op, fn in CORE_ATEN_DECOMPOSITIONS.items():
             table.setdefault(op, fn)
         return table
@@ -866,7 +868,7 @@ def _patch_ddp_syncbn_check() -> bool:
             self._log_and_throw(ValueError, _unswapped_sync_message(left))
         stock(self, module)
 
-    ddp._passing_sync_batchnorm_handle = _mark(_passing_sync_batchnorm_handle)
+    ddp._passing_sync_batchnorm_handle = _mark(_passing_sync_batchnorm_handle)  # type: ignore[method-assign]  # the patch
     return True
 
 
@@ -917,6 +919,7 @@ def _stock_state(state: Any) -> Any:
         return state
     state = {k: v for k, v in state.items() if k not in own}
     if internal:
+        assert isinstance(buffers, dict)  # internal names came from it
         state["_buffers"] = type(buffers)((k, v) for k, v in buffers.items() if k not in internal)
         nonpersistent = state.get("_non_persistent_buffers_set")
         if isinstance(nonpersistent, set):
@@ -929,7 +932,7 @@ def _forking_codes() -> frozenset:
 
     return frozenset(
         f.__code__
-        for f in (reduction.ForkingPickler.dumps.__func__, reduction.dump)
+        for f in (reduction.ForkingPickler.dumps.__func__, reduction.dump)  # type: ignore[attr-defined]  # typeshed: dumps is a classmethod
         if hasattr(f, "__code__")
     )
 
@@ -1007,13 +1010,14 @@ def _patch_checkpoints() -> bool:
             rv = self.__reduce_ex__(4)
         finally:
             _keep.active = depth
-        return copy._reconstruct(self, memo, *rv)
+        new: nn.Module = copy._reconstruct(self, memo, *rv)  # type: ignore[attr-defined]  # typeshed omits it
+        return new
 
     global _FORKING_CODES
     _FORKING_CODES = _forking_codes()
     _swap_module.pickle_keeps_swap = _pickle_keeps_swap
-    cls.__getstate__ = __getstate__
-    cls.__deepcopy__ = __deepcopy__
+    cls.__getstate__ = __getstate__  # type: ignore[method-assign]  # the patch
+    cls.__deepcopy__ = __deepcopy__  # type: ignore[attr-defined]  # the patch (none before)
     return True
 
 

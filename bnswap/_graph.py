@@ -39,12 +39,18 @@ stock's layer records, node for node:
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
+from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
+from torch.fx.node import Argument
 
 from bnswap.functional import EMPTY_BATCH_MESSAGE
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__ = ["to_stock_ops"]
 
@@ -91,29 +97,35 @@ def _fill_value(arg: object) -> float | None:
         return None
     if len(arg.users) != 1:
         return None
-    value = _FILLS[arg.target]
+    value: object = _FILLS[arg.target]
     if value is None:
         value = arg.args[1] if len(arg.args) > 1 else None
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def _stand_ins(node: Node, training: bool) -> tuple[list, list[Node]]:
+def _stand_ins(node: Node, training: bool) -> tuple[list[Argument], list[Node]]:
     """The op's (x, w, b, mean, var) with bnswap's stand-ins as None, and those nodes."""
     x, w, b, mean, var = node.args[:5]
-    constants = []
-    if _fill_value(w) == 1.0:
+    constants: list[Node] = []
+    if isinstance(w, Node) and _fill_value(w) == 1.0:
         constants.append(w)
         w = None
-    if _fill_value(b) == 0.0:
+    if isinstance(b, Node) and _fill_value(b) == 0.0:
         constants.append(b)
         b = None
-    if training and _fill_value(mean) == 0.0 and _fill_value(var) == 1.0:
+    if (
+        training
+        and isinstance(mean, Node)
+        and isinstance(var, Node)
+        and _fill_value(mean) == 0.0
+        and _fill_value(var) == 1.0
+    ):
         constants += [mean, var]  # track_running_stats=False: stock passes no statistics
         mean = var = None
     return [x, w, b, mean, var], constants
 
 
-def _erase_unused(graph: torch.fx.Graph, nodes: list) -> None:
+def _erase_unused(graph: torch.fx.Graph, nodes: Iterable[Argument]) -> None:
     """Erase each of ``nodes`` that nothing uses any more, and what computed it when
     nothing else uses that either (a stand-in's channel view of its input, an
     assertion's condition). Placeholders and impure nodes (in-place updates) stay."""
@@ -144,6 +156,7 @@ def _rewrite(
     functional = node.target is _WITH_UPDATE_FUNCTIONAL
     training = node.target is not _NO_UPDATE
     (x, w, b, mean, var), constants = _stand_ins(node, training)
+    args: tuple[Argument, ...]
     # which outputs of the new op the old op's outputs become (None: must be unused)
     only_out = all(u.args[1] == 0 or not u.users for u in users)
     if functional and mean is None and (core_aten or not only_out):
@@ -176,11 +189,11 @@ def _rewrite(
         if index == {0: None}:
             new.meta["val"] = old_val[0]
         else:  # new output j is old output i where index[i] == j
-            new.meta["val"] = tuple(
-                old_val[i] for i, _ in sorted(index.items(), key=lambda kv: kv[1])
-            )
+            old_of = {j: i for i, j in index.items() if j is not None}
+            new.meta["val"] = tuple(old_val[old_of[j]] for j in sorted(old_of))
     for u in users:
         i = u.args[1]
+        assert isinstance(i, int)  # every user is a getitem of the op's output tuple
         if index == {0: None} and u is first:
             u.replace_all_uses_with(new)
             if renamed is not None:  # an ExportedProgram's signature names its outputs
@@ -226,7 +239,10 @@ def _signature_renames(ep: torch.export.ExportedProgram) -> list[tuple[Node, str
         return []
     taken = {n.name: n for n in graph.nodes}
     renames = []
-    for node, spec in (*zip(placeholders, sig.input_specs), *zip(outs, sig.output_specs)):
+    for node, spec in (
+        *zip(placeholders, sig.input_specs, strict=True),
+        *zip(outs, sig.output_specs, strict=True),
+    ):
         name = getattr(spec.arg, "name", None)
         if not isinstance(node, Node) or not isinstance(name, str) or node.name == name:
             continue
@@ -318,6 +334,7 @@ def to_stock_ops(
         ['aten.batch_norm.default']
     """
     renamed = None
+    gm: GraphModule
     if isinstance(module, torch.export.ExportedProgram):
         check_program(module, repair=True)
         gm = module.graph_module
@@ -336,15 +353,18 @@ def to_stock_ops(
             continue
         changed = False
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in _TARGETS:
-                if _rewrite(graph, node, core_aten, renamed if sub is gm else None):
-                    count += 1
-                    changed = True
+            if (
+                node.op == "call_function"
+                and node.target in _TARGETS
+                and _rewrite(graph, node, core_aten, renamed if sub is gm else None)
+            ):
+                count += 1
+                changed = True
         before = len(graph.nodes)
         _drop_empty_batch_asserts(graph)
         if changed or len(graph.nodes) != before:
             graph.lint()
-            sub.recompile()  # type: ignore[operator]
+            sub.recompile()  # type: ignore[operator]  # nn.Module.__getattr__ -> Tensor | Module
     return count
 
 
@@ -365,17 +385,16 @@ _BACKWARD = _aten.native_batch_norm_backward.default
 STOCK_TARGETS = (*_STOCK, _BACKWARD)
 
 
-def _arg(node: Node, i: int | None, default: object = None) -> object:
+def _arg(node: Node, i: int | None, default: Argument = None) -> Argument:
     if i is None:
         return default
-    return (
-        node.args[i]
-        if i < len(node.args)
-        else node.kwargs.get(node.target._schema.arguments[i].name, default)
-    )  # type: ignore[union-attr]
+    if i < len(node.args):
+        return node.args[i]
+    assert isinstance(node.target, OpOverload)  # one of _STOCK's ops
+    return node.kwargs.get(node.target._schema.arguments[i].name, default)
 
 
-def stock_call(node: Node) -> tuple[list, bool] | None:
+def stock_call(node: Node) -> tuple[list[Argument], bool] | None:
     """``[x, w, b, mean, var, training, momentum, eps]`` of a stock batch-norm node and
     whether its op is functional; None for any other node."""
     if node.op != "call_function" or node.target not in _STOCK:
@@ -387,7 +406,7 @@ def stock_call(node: Node) -> tuple[list, bool] | None:
     return args, functional
 
 
-def consolidated_target(node: Node) -> tuple[object | None, str]:
+def consolidated_target(node: Node) -> tuple[OpOverload | None, str]:
     """The consolidated op a stock batch-norm node becomes (None: it stays), and why
     it stays (``"-"`` when it does not). ``native_batch_norm_backward`` becomes
     ``batch_norm_backward`` when its forward node is rewritten too."""
@@ -402,7 +421,7 @@ def consolidated_target(node: Node) -> tuple[object | None, str]:
     call = stock_call(node)
     if call is None:
         return None, "not a batch-norm node"
-    (x, w, b, mean, var, training, momentum, eps), functional = call
+    (x, w, b, mean, var, training, momentum, _eps), functional = call
     if (
         any(u.op != "call_function" or u.target is not operator.getitem for u in node.users)
         and node.target is not _aten.batch_norm.default
@@ -452,7 +471,7 @@ def _rank(x: object) -> int | None:
     return v.dim() if isinstance(v, torch.Tensor) and v.dim() >= 2 else None
 
 
-def _fake_mode(graph: torch.fx.Graph):  # noqa: ANN202 - torch's FakeTensorMode or None
+def _fake_mode(graph: torch.fx.Graph) -> FakeTensorMode | None:
     from torch._guards import detect_fake_mode
 
     try:
@@ -461,7 +480,13 @@ def _fake_mode(graph: torch.fx.Graph):  # noqa: ANN202 - torch's FakeTensorMode 
         return None
 
 
-def _fill_like(graph: torch.fx.Graph, like: Node, value: float, meta: dict, fake) -> Node:  # noqa: ANN001
+def _fill_like(
+    graph: torch.fx.Graph,
+    like: Argument,
+    value: float,
+    meta: dict[str, object],
+    fake: FakeTensorMode | None,
+) -> Node:
     """``aten.full_like(like, value)``, as bnswap's layers record their stand-ins (no
     device or dtype of its own: it follows ``like``; :func:`to_stock_ops` turns it back
     into ``None``)."""
@@ -471,19 +496,23 @@ def _fill_like(graph: torch.fx.Graph, like: Node, value: float, meta: dict, fake
     return node
 
 
-def _channel_view(graph: torch.fx.Graph, x: Node, meta: dict, fake) -> Node:  # noqa: ANN001
+def _channel_view(
+    graph: torch.fx.Graph, x: Node, meta: dict[str, object], fake: FakeTensorMode | None
+) -> Node:
     """The (C,) view of ``x`` (N, C, *) a layer without any (C,) tensor of its own makes
     its stand-ins like, as bnswap's core does (``select(0, 0)``, then ``select(1, 0)``
     down to one dimension: no kernel, no copy)."""
+    xv = _val(x)
+    assert isinstance(xv, torch.Tensor)  # consolidated_target checked it: _rank(x)
     view = x
-    for i in range(_val(x).dim() - 1):  # type: ignore[union-attr]
+    for i in range(xv.dim() - 1):
         view = graph.call_function(_aten.select.int, (view, 0 if i == 0 else 1, 0))
         view.meta.update({k: v for k, v in meta.items() if k != "val"})
         _set_val(view, fake)
     return view
 
 
-def _getitem(graph: torch.fx.Graph, node: Node, i: int, meta: dict) -> Node:
+def _getitem(graph: torch.fx.Graph, node: Node, i: int, meta: dict[str, object]) -> Node:
     g = graph.call_function(operator.getitem, (node, i))
     g.meta.update({k: v for k, v in meta.items() if k != "val"})
     val = _val(node)
@@ -492,17 +521,18 @@ def _getitem(graph: torch.fx.Graph, node: Node, i: int, meta: dict) -> Node:
     return g
 
 
-def _set_val(node: Node, fake) -> None:  # noqa: ANN001
+def _set_val(node: Node, fake: FakeTensorMode | None) -> None:
     if fake is None:
         return
-    args = torch.fx.node.map_arg(node.args, _val)
+    args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
     if any(isinstance(a, Node) and _val(a) is None for a in node.all_input_nodes):
         return
+    assert callable(node.target)  # a call_function node: the op
     with fake:
-        node.meta["val"] = node.target(*args, **node.kwargs)  # type: ignore[operator]
+        node.meta["val"] = node.target(*args, **node.kwargs)
 
 
-def _assert_not_empty(graph: torch.fx.Graph, x: object, meta: dict) -> None:
+def _assert_not_empty(graph: torch.fx.Graph, x: object, meta: dict[str, object]) -> None:
     """bnswap's empty-batch assertion (:data:`EMPTY_BATCH_MESSAGE`, what a converted
     layer's exported program carries) for a node whose input may be empty (a dynamic
     size: ``Dim("batch")`` admits 0). Stock's op returns early for an empty batch; the
@@ -536,11 +566,15 @@ def _assert_not_empty(graph: torch.fx.Graph, x: object, meta: dict) -> None:
 def _to_consolidated(
     graph: torch.fx.Graph,
     node: Node,
-    target: object,
-    fake,  # noqa: ANN001
+    target: OpOverload,
+    fake: FakeTensorMode | None,
     renamed: Callable[[str, str], None] | None,
 ) -> Node:
-    (x, w, b, mean, var, training, momentum, eps), _ = stock_call(node)  # type: ignore[misc]
+    call = stock_call(node)
+    assert call is not None  # consolidated_target chose it
+    (x, w, b, mean, var, _training, momentum, eps), _ = call
+    # constants: consolidated_target checked momentum; eps is the schema's float literal
+    assert isinstance(momentum, (int, float)) and isinstance(eps, (int, float))
     meta = dict(node.meta)
     _assert_not_empty(graph, x, meta)
     with graph.inserting_before(node):
@@ -549,6 +583,7 @@ def _to_consolidated(
             # of the input (plan checked its metadata then), as bnswap's core does
             like = next((t for t in (w, b, mean) if t is not None), None)
             if like is None:
+                assert isinstance(x, Node)  # consolidated_target checked it: _rank(x)
                 like = _channel_view(graph, x, meta, fake)
         if w is None:
             w = _fill_like(graph, like, 1.0, meta, fake)
@@ -571,21 +606,25 @@ def _to_consolidated(
         # (out, save_mean, save_invstd, reserve[, new_mean, new_var])
         for u in list(node.users):
             i = u.args[1]
+            assert isinstance(i, int)  # consolidated_target: only getitem users
             u.args = (new, i if i < 3 else i + 1)  # the same getitem nodes: names stay
     graph.erase_node(node)
     return new
 
 
-def _backward_to_consolidated(graph: torch.fx.Graph, node: Node, fake) -> Node:  # noqa: ANN001
+def _backward_to_consolidated(
+    graph: torch.fx.Graph, node: Node, fake: FakeTensorMode | None
+) -> Node:
     """``native_batch_norm_backward(grad, x, w, mean, var, save_mean, save_invstd, train,
     eps, mask)`` -> ``batch_norm_backward(grad, x, w, mean, var, save_mean, save_invstd,
     update, eps, mask, reserve)``: the same arguments, the forward's weight (its
     stand-in when it had none) and its reserve (output 3)."""
     fwd = _forward_of(node)
     assert fwd is not None
-    schema = node.target._schema  # type: ignore[union-attr]
+    assert isinstance(node.target, OpOverload)  # native_batch_norm_backward
+    schema = node.target._schema
     args = list(node.args) + [node.kwargs[a.name] for a in schema.arguments[len(node.args) :]]
-    grad, x, w, mean, var, save_mean, save_invstd, train, eps, mask = args[:10]
+    grad, x, _w, mean, var, save_mean, save_invstd, train, eps, mask = args[:10]
     meta = dict(node.meta)
     with graph.inserting_before(node):
         reserve = _getitem(graph, fwd, 3, meta)
@@ -607,8 +646,8 @@ def batch_norm_nodes(gm: GraphModule) -> list[Node]:
     return [
         n
         for sub in gm.modules()
-        if isinstance(getattr(sub, "graph", None), torch.fx.Graph)
-        for n in sub.graph.nodes
+        if isinstance(graph := getattr(sub, "graph", None), torch.fx.Graph)
+        for n in graph.nodes
         if n.op == "call_function" and (n.target in _STOCK or n.target in _TARGETS)
     ]
 
@@ -642,11 +681,11 @@ def to_consolidated_ops(
         backwards = [n for n in graph.nodes if n.op == "call_function" and n.target is _BACKWARD]
         # the backward nodes first: they look their forward node up by its stock op
         plans = [
-            (n, n.name, str(n.target), consolidated_target(n)[0])
+            (n, n.name, str(n.target), target)
             for n in backwards + forwards
             if names is None or names(n.name)
+            if (target := consolidated_target(n)[0]) is not None
         ]
-        plans = [p for p in plans if p[3] is not None]
         if not plans:
             continue
         for n, name, before, target in plans:
@@ -662,5 +701,5 @@ def to_consolidated_ops(
                 _backward_to_consolidated(graph, n, fake)
                 done.append((name, before, str(target)))
         graph.lint()
-        sub.recompile()  # type: ignore[operator]
+        sub.recompile()  # type: ignore[operator]  # nn.Module.__getattr__ -> Tensor | Module
     return done

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 import torch.distributed as dist
 
@@ -81,8 +82,8 @@ class _Stderr(logging.StreamHandler):
         self.setFormatter(logging.Formatter("%(message)s"))
         self.used = False
 
-    @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201
+    @property
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter

@@ -6,7 +6,7 @@ layers, :class:`bnswap.ProgramPlan` for a program's batch-norm nodes)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 __all__ = ["ACTIONS", "Rows"]
 
@@ -17,7 +17,7 @@ ACTIONS = ("swap", "keep", "skip")
 Row = TypeVar("Row")
 
 
-class Rows(Sequence, Generic[Row]):
+class Rows(Sequence[Row], Generic[Row]):
     """A sequence of rows (``self.rows``, a tuple) with the views every plan offers.
     Subclasses set :attr:`counted` (what the summary counts)."""
 
@@ -31,7 +31,11 @@ class Rows(Sequence, Generic[Row]):
     #: summary then says what was done, not what would be.
     applied = False
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> Row: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Row, ...]: ...
+    def __getitem__(self, i: int | slice) -> Row | tuple[Row, ...]:
         return self.rows[i]
 
     def __len__(self) -> int:

@@ -231,7 +231,7 @@ def forward_owner(cls: type) -> type:
     return owner
 
 
-def class_forward(cls: type) -> Callable[..., Any]:
+def class_forward(cls: type[nn.Module]) -> Callable[..., Any]:
     """``cls.forward`` as its class defined it (the function the dispatcher stands for):
     stock's forward, for views and the consumers that record it."""
     fn = cls.forward
@@ -266,7 +266,7 @@ def dispatch_on(owner: type) -> None:
         setattr(forward, _ORIGINAL, original)
         if not hasattr(owner, SWAP):
             setattr(owner, SWAP, None)
-        owner.forward = forward
+        owner.forward = forward  # type: ignore[attr-defined]  # any class with a forward
     # Code torch.compile cached before this moment inlined the class's own forward with
     # no guard on it: it would keep running stock's ops, silently, for swapped layers.
     forget_compiled_code(owner)
@@ -332,7 +332,7 @@ def _takes_one_input(fn: Callable[..., Any]) -> bool:
 def _one_input(owner: type, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: nn.Module, input: Any) -> Any:
-        swap = self._bnswap_swap
+        swap: Swap | None = self._bnswap_swap  # type: ignore[assignment]  # nn.Module.__getattr__ -> Tensor | Module
         if swap is None or swap.owner is not owner:
             return original(self, input)
         if torch.compiler.is_compiling():  # dynamo or torch.export: a constant per graph
@@ -348,7 +348,7 @@ def _one_input(owner: type, original: Callable[..., Any]) -> Callable[..., Any]:
 def _any_inputs(owner: type, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        swap = self._bnswap_swap
+        swap: Swap | None = self._bnswap_swap  # type: ignore[assignment]  # nn.Module.__getattr__ -> Tensor | Module
         if swap is None or swap.owner is not owner or _records_stock(args, kwargs):
             return original(self, *args, **kwargs)
         return swap.adapter(self, *args, **kwargs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 from bnswap import _log
 
@@ -62,7 +63,8 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
         _log.logger.debug("%s: %s", category.__name__, message)
         return
     skipped = _skipped()
-    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # stacklevel 2: warn's caller
     while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame = frame.f_back
         level += 1

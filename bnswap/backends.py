@@ -149,10 +149,12 @@ class _Ort(Backend):
         return UnsupportedLayerError(message)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return self._ort().wrap(model)
+        wrapper: nn.Module = self._ort().wrap(model)
+        return wrapper
 
     def unwrap(self, wrapper: nn.Module) -> nn.Module:
-        return self._ort().unwrap(wrapper)
+        model: nn.Module = self._ort().unwrap(wrapper)
+        return model
 
     def is_wrapper(self, module: object) -> bool:
         return wrapped_model(module) is not None

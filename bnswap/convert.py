@@ -9,6 +9,9 @@ device, dtype, hooks, ``qconfig``, parametrizations and state_dict keys are all 
 
 from __future__ import annotations
 
+from typing import overload
+
+import torch
 from torch import nn
 from torch.fx import GraphModule
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -23,6 +26,17 @@ from bnswap.sync import original_of
 __all__ = ["convert", "revert"]
 
 
+@overload
+def convert(
+    module: torch.export.ExportedProgram,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+) -> torch.export.ExportedProgram: ...
+@overload
 def convert(
     module: nn.Module,
     backend: str = "aten",
@@ -31,7 +45,16 @@ def convert(
     exclude: Patterns = None,
     sync_batchnorm: bool = False,
     process_group: object = None,
-) -> nn.Module:
+) -> nn.Module: ...
+def convert(
+    module: nn.Module | torch.export.ExportedProgram,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+) -> nn.Module | torch.export.ExportedProgram:
     """Swap every BatchNorm layer of ``module`` onto bnswap's kernel, in place.
 
     Recursive over ``module.named_modules()`` (the root included). Idempotent: swapped
@@ -42,10 +65,10 @@ def convert(
     INFO, once per job (on global rank zero; at DEBUG on the other ranks: a
     ``torchrun`` job of N processes logs it once, not N times), and a layer left on its
     own forward that the user did not exclude (a subclass that overrides ``forward``
-    with no registered adapter, pytorch issue 187298) warns. ``nn.SyncBatchNorm`` layers are swapped onto bnswap's
-    synchronized forward (:mod:`bnswap.sync`: global batch statistics over their
-    ``process_group`` in training, on any device and backend; the unsynchronized path
-    otherwise).
+    with no registered adapter, pytorch issue 187298) warns. ``nn.SyncBatchNorm`` layers are
+    swapped onto bnswap's synchronized forward (:mod:`bnswap.sync`: global batch statistics
+    over their ``process_group`` in training, on any device and backend; the
+    unsynchronized path otherwise).
 
     A swapped layer keeps its class (``type(layer) is nn.BatchNorm2d``) and runs
     ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` (pytorch PR 116092) in
@@ -126,14 +149,19 @@ def convert(
                 "batch-norm nodes have no process group (convert the model, "
                 "then export it)"
             )
-        return programs.convert(module, backend, include=include, exclude=exclude)
+        # a class as a pattern: programs.convert raises its TypeError (node names only)
+        return programs.convert(module, backend, include=include, exclude=exclude)  # type: ignore[arg-type]  # see above
     check_module(module, "convert")
     be = check_backend(backend)
     if isinstance(module, GraphModule):  # a loaded program's graph: torchao needs the
         programs.install_patches_for(module)  # patches even when nothing is swapped
     graph = isinstance(module, GraphModule) and programs.stock_nodes(module) > 0
     nodes = None
-    if graph and any(isinstance(m, _BatchNorm) for m in module.modules()):
+    if (
+        isinstance(module, GraphModule)
+        and graph
+        and any(isinstance(m, _BatchNorm) for m in module.modules())
+    ):
         # its BatchNorm layers and its stock batch-norm call_function nodes: a pattern
         # may name either, so it warns only when it matches neither (once)
         todo, unmatched = _plan_layers(

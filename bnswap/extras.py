@@ -8,7 +8,8 @@ writes for an install that did not come from an index):
 
 * from a checkout (``pip install .``; ``-e`` kept for an editable install), or run
   from a checkout on ``sys.path``: ``pip install '/path/to/bnswap[lightning]'``;
-* from a wheel or sdist file still where it was: ``pip install '/path/to/bnswap-0.1.0-py3-none-any.whl[lightning]'``;
+* from a wheel or sdist file still where it was:
+  ``pip install '/path/to/bnswap-0.1.0-py3-none-any.whl[lightning]'``;
 * from a URL or a VCS: ``pip install 'bnswap[lightning] @ git+https://...'``;
 * from an index (no ``direct_url.json``): ``pip install 'bnswap[lightning]'``;
 

@@ -26,13 +26,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
-    "module_batch_norm",
+    "StandIns",
     "check_batch_norm_input",
     "check_momentum",
+    "consolidated_ops_while_tracing",
     "exponential_average_factor",
     "mixed_precision_params",
-    "StandIns",
-    "consolidated_ops_while_tracing",
+    "module_batch_norm",
     "records_consolidated_ops",
 ]
 
@@ -142,7 +142,7 @@ def _raise_stock_momentum_error(momentum: object) -> None:
     RuntimeError. Stock raises it in eval too (``_BatchNorm.forward`` always passes the
     momentum). A value its parser accepts returns (the op then takes it as stock does)."""
     probe = torch.zeros(2, 1)
-    torch.batch_norm(probe, None, None, None, None, True, momentum, 1.0, False)  # type: ignore[arg-type]
+    torch.batch_norm(probe, None, None, None, None, True, momentum, 1.0, False)  # type: ignore[arg-type]  # on purpose: its parser's TypeError
 
 
 def check_momentum(momentum: object) -> None:
@@ -211,7 +211,7 @@ def check_batch_norm_input(
     # early return for empty input, its channel checks, and finally the kernel's dtype
     # dispatch.
     if use_batch_stats and not synchronized:
-        torch.nn.functional._verify_batch_size(input.size())
+        torch.nn.functional._verify_batch_size(input.size())  # type: ignore[attr-defined]  # torch/nn/functional.pyi omits _verify_batch_size
     if _CHECK_EPS:
         if use_batch_stats and eps <= 0.0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
@@ -464,6 +464,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
 
     counts = training and bn.track_running_stats and nbt is not None  # as _BatchNorm.forward
     if counts:
+        assert nbt is not None  # counts says so
         nbt.add_(1)
     # Compiled code keeps the cumulative factor in the graph (a tensor): reading the
     # counter as a float breaks it (pytorch issue 194504). (A momentum is its own factor:
@@ -482,6 +483,7 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         # stock's F.batch_norm ends in, with its arguments (same results, same errors:
         # F.batch_norm's checks ran above). Not F.batch_norm itself: a user's patch of it
         # reaches stock layers only, in every mode (docs/kernels.md, "torch.compile").
+        assert not isinstance(factor, Tensor)  # a tensor factor only while compiling
         return torch.batch_norm(
             input,
             weight,
@@ -498,8 +500,8 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if weight is None or bias is None or (use_batch_stats and not update):
         # what bnswap's stand-ins are made like: a (C,) tensor of the layer, else a view
         # of the input (nothing of their own a captured graph would carry)
-        like = next((t for t in (weight, bias, running_mean) if t is not None), None)
-        like = _channel_view(input) if like is None else like
+        first = next((t for t in (weight, bias, running_mean) if t is not None), None)
+        like = _channel_view(input) if first is None else first
         weight, bias = _stand_ins(bn, like, weight, bias)
 
     if not use_batch_stats:
@@ -508,7 +510,9 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         )
     if not update:
         return _normalize_with_batch_stats(input, weight, bias, like, factor, bn.eps)
+    assert running_mean is not None and running_var is not None  # update says so (and the check)
     if counts and momentum is None and compiling:
+        assert isinstance(factor, Tensor)  # exponential_average_factor(traced=True)
         return _update_cumulative_traced(
             input, weight, bias, running_mean, running_var, factor, bn.eps
         )
@@ -586,21 +590,22 @@ def _normalize_with_running_stats(
     input: Tensor,
     weight: Tensor,
     bias: Tensor,
-    running_mean: Tensor,
-    running_var: Tensor,
-    factor: float,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    factor: float | Tensor,
     eps: float,
     compiling: bool,
 ) -> Tensor:
     """Eval (or a layer that tracks but is not training): the running statistics
     normalize; nothing moves."""
-    return (_no_update if compiling else _no_update_eager)(
+    out: Tensor = (_no_update if compiling else _no_update_eager)(
         input, weight, bias, running_mean, running_var, factor, eps
     )[0]
+    return out
 
 
 def _normalize_with_batch_stats(
-    input: Tensor, weight: Tensor, bias: Tensor, like: Tensor, factor: float, eps: float
+    input: Tensor, weight: Tensor, bias: Tensor, like: Tensor, factor: float | Tensor, eps: float
 ) -> Tensor:
     """Batch statistics only (``track_running_stats=False``): the op needs statistics to
     write to; these throw-away ones, made like the stand-ins (:func:`_stand_ins`), are
@@ -609,7 +614,8 @@ def _normalize_with_batch_stats(
     argument."""
     scratch_mean = torch.full_like(like, 0.0)
     scratch_var = torch.full_like(like, 1.0)
-    return _with_update(input, weight, bias, scratch_mean, scratch_var, factor, eps)[0]
+    out: Tensor = _with_update(input, weight, bias, scratch_mean, scratch_var, factor, eps)[0]
+    return out
 
 
 def _update_cumulative_traced(
@@ -631,7 +637,7 @@ def _update_cumulative_traced(
     torch.export.load refuse the saved program."""
     batch_mean = torch.zeros_like(running_mean)
     batch_var = torch.zeros_like(running_var)
-    out = _with_update(input, weight, bias, batch_mean, batch_var, 1.0, eps)[0]
+    out: Tensor = _with_update(input, weight, bias, batch_mean, batch_var, 1.0, eps)[0]
     running_mean.lerp_(batch_mean, factor)
     running_var.lerp_(batch_var, factor)
     return out
@@ -650,6 +656,7 @@ def _normalize_and_update(
     """Training with running statistics: batch statistics normalize, and the op moves
     running_mean / running_var by ``factor`` (the unbiased batch variance into
     running_var)."""
-    return (_with_update if compiling else _with_update_eager)(
+    out: Tensor = (_with_update if compiling else _with_update_eager)(
         input, weight, bias, running_mean, running_var, factor, eps
     )[0]
+    return out

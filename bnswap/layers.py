@@ -20,9 +20,10 @@ import inspect
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap.functional import module_batch_norm
 from bnswap._swap import is_swapped, swap
+from bnswap.functional import module_batch_norm
 
 __all__ = [
     "BatchNorm1d",
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 
-def batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
+def batch_norm_forward(layer: _BatchNorm, input: Tensor) -> Tensor:
     """``torch.nn.modules.batchnorm._BatchNorm.forward`` on the consolidated ops: the
     adapter of torch's BatchNorm classes.
 
@@ -62,8 +63,8 @@ def batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
         >>> torch.equal(bnswap.layers.batch_norm_forward(bn, x), nn.BatchNorm2d(3)(x))
         True
     """
-    layer._check_input_dim(input)  # type: ignore[operator]
-    return module_batch_norm(layer, input)  # type: ignore[arg-type]
+    layer._check_input_dim(input)
+    return module_batch_norm(layer, input)
 
 
 def _stock_signature(stock: type) -> inspect.Signature:

@@ -44,8 +44,8 @@ try:  # the unified package first, the standalone one otherwise
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 except ImportError:  # exercised only without `lightning` (the install test)
     try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]
-        from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn  # type: ignore
+        import pytorch_lightning as pl  # type: ignore[no-redef]  # the older package's name
+        from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
     except ImportError:
         raise ModuleNotFoundError(
             "bnswap.BNSwap needs Lightning, which is not installed: " + install_hint("lightning"),
@@ -90,7 +90,8 @@ class _LayerSyncAfterWrap:
 
     def revert(self, model: nn.Module) -> nn.Module:
         if not self.deferred:
-            return self.lightning.revert(model)
+            reverted: nn.Module = self.lightning.revert(model)
+            return reverted
         self.deferred = False
         for parent in list(model.modules()):
             for key, child in list(parent._modules.items()):
@@ -208,7 +209,8 @@ class _BNSwapBase:
         for r in fresh:
             self._swapped.setdefault(id(r.module), when)
         for r in todo.skipped:
-            self._left_alone.add(r.module)
+            if r.module is not None:  # (a layer's row: always)
+                self._left_alone.add(r.module)
         self._unwrapped_lazy = self._backend.wraps and any(r.lazy for r in todo.swapped)
         return [r.name for r in fresh], todo.to_wrap
 
@@ -281,21 +283,22 @@ class _BNSwapBase:
         sync = getattr(strategy, "_layer_sync", None)  # Lightning 2.x ParallelStrategy
         if isinstance(sync, _LayerSyncAfterWrap):  # left by a fit that raised
             sync = sync.lightning
+            assert strategy is not None  # sync came from it
             strategy._layer_sync = sync
         if sync is not None and not self._backend.synchronizes:
             raise self._backend.sync_error()
         if sync is None or type(sync).__name__ != "TorchSyncBatchNorm":
             return
         self._layer_sync = _LayerSyncAfterWrap(sync, self)
+        assert strategy is not None  # sync came from it
         strategy._layer_sync = self._layer_sync
 
     def _give_back_layer_sync(self, trainer: Any) -> None:
         strategy = getattr(trainer, "strategy", None)
-        if (
-            self._layer_sync is not None
-            and getattr(strategy, "_layer_sync", None) is self._layer_sync
-        ):
-            strategy._layer_sync = self._layer_sync.lightning
+        mine = self._layer_sync
+        if mine is not None and getattr(strategy, "_layer_sync", None) is self._layer_sync:
+            assert strategy is not None  # it holds mine
+            strategy._layer_sync = mine.lightning
         self._layer_sync = None
 
     def _sync_after_wrap(self, pl_module: nn.Module) -> None:

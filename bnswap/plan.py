@@ -8,8 +8,9 @@ kernel); :meth:`Plan.apply` carries the plan out, atomically. :func:`bnswap.conv
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from bnswap import registry
+from bnswap._rows import Rows
 from bnswap._swap import (
     Adapter,
     adapter_of,
@@ -25,20 +27,22 @@ from bnswap._swap import (
     undo_of,
     wrapped_model,
 )
-from bnswap._rows import Rows
-from bnswap.backends import BACKENDS, Backend, backend_named
 from bnswap._warn import UnmatchedPatternWarning, warn
+from bnswap.backends import BACKENDS, Backend, backend_named
 from bnswap.registry import qualified_name
 from bnswap.sync import describe_group, sync_class, sync_kernel, to_sync_batch_norm
 
+if TYPE_CHECKING:
+    from bnswap.programs import ProgramPlan
+
 __all__ = [
     "BACKENDS",
+    "WRAP_SCOPES",
     "Pattern",
     "Patterns",
     "Plan",
     "PlanRow",
     "UnmatchedPatternWarning",
-    "WRAP_SCOPES",
     "check_backend",
     "check_module",
     "check_patterns",
@@ -137,13 +141,13 @@ def _probe_args(m: nn.Module, dev: torch.device) -> tuple:
     (N, C) input), weight ones, bias zeros, running_mean zeros, running_var ones, all (C,)
     in :func:`_probe_dtype`, training True, the layer's eps: what the bnswap core always
     passes (defined weight, bias and statistics)."""
-    c = int(m.num_features)
+    c = int(m.num_features)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
     rank = 5 if isinstance(m, nn.BatchNorm3d) else 4 if isinstance(m, nn.BatchNorm2d) else 3
     dtype = _probe_dtype(m)
     x = torch.empty((2, c) + (1,) * (rank - 2), device=dev, dtype=dtype)
     ones = torch.ones(c, device=dev, dtype=dtype)
     zeros = torch.zeros(c, device=dev, dtype=dtype)
-    return x, ones, zeros, zeros, ones, True, float(m.eps)
+    return x, ones, zeros, zeros, ones, True, float(m.eps)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
 
 
 def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str:
@@ -164,10 +168,11 @@ def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str
     if dev.type == "meta":
         return "n/a (meta)"
     if dev.type == "cuda" and not torch.cuda.is_available():
-        return _by_rank(m, _predicted_cuda_kernel(_probe_dtype(m), float(m.eps)))
+        eps = float(m.eps)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
+        return _by_rank(m, _predicted_cuda_kernel(_probe_dtype(m), eps))
     try:
         backend = select(*_probe_args(m, dev))
-    except Exception as e:  # noqa: BLE001 - a device this torch cannot probe: RuntimeError,
+    except Exception as e:  # a device this torch cannot probe: RuntimeError,
         # TypeError, AssertionError ("not compiled with XPU"), ModuleNotFoundError (torch.hpu)
         return f"n/a ({type(e).__name__})"
     return _by_rank(m, backend.name)
@@ -467,20 +472,22 @@ class Plan(Rows[PlanRow]):
             "adapter",
             "reason",
         )
-        body = [
+        body: list[tuple[str, ...]] = [
             (r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.reason)
             for r in self.rows
         ]
         if any(r.synchronized for r in self.rows):  # the sync column only when it says something
-            header = header[:-1] + ("sync", header[-1])
-            body = [b[:-1] + (r.sync, b[-1]) for b, r in zip(body, self.rows)]
+            header = (*header[:-1], "sync", header[-1])
+            body = [(*b[:-1], r.sync, b[-1]) for b, r in zip(body, self.rows, strict=True)]
         if not body:
             return self.summary() + " (the model has no BatchNorm layers)"
         # Every column but the last (the reason, not padded) as wide as its widest cell.
         widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header) - 1)]
 
         def line(cells: Sequence[str]) -> str:
-            return "  ".join([*(str(c).ljust(w) for c, w in zip(cells, widths)), str(cells[-1])])
+            return "  ".join(
+                [*(str(c).ljust(w) for c, w in zip(cells, widths, strict=False)), str(cells[-1])]
+            )
 
         rule = line(["-" * w for w in widths] + ["-" * len(header[-1])])
         return "\n".join([self.summary(), line(header), rule, *(line(b) for b in body)])
@@ -595,11 +602,11 @@ def _row(
     m: nn.Module,
     cls: type,
     backend: Backend,
-    device,
+    device: torch.device | str | None,
     action: str,
     reason: str,
     adapter: Adapter | None = None,
-    **kw: object,
+    **kw: Any,
 ) -> PlanRow:
     if (
         action == "skip"
@@ -666,6 +673,31 @@ def _place(
     return [placed.get(id(r), r) for r in rows], to_wrap
 
 
+@overload
+def plan(
+    module: torch.export.ExportedProgram,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> ProgramPlan: ...
+@overload
+def plan(  # type: ignore[overload-overlap]  # a GraphModule is an nn.Module: it matches first
+    module: torch.fx.GraphModule,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> Plan | ProgramPlan: ...
+@overload
 def plan(
     module: nn.Module,
     backend: str = "aten",
@@ -676,7 +708,18 @@ def plan(
     sync_batchnorm: bool = False,
     process_group: object = None,
     wrap: str = "model",
-) -> Plan:
+) -> Plan: ...
+def plan(
+    module: nn.Module | torch.export.ExportedProgram,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> Plan | ProgramPlan:
     """What :func:`bnswap.convert` would do to ``module``, without changing it.
 
     A layer is swapped unless it is excluded or overrides ``forward`` with no registered
@@ -756,13 +799,8 @@ def plan(
     ):
         from bnswap import programs  # a program: one row per batch-norm node
 
-        return programs.plan(
-            module,
-            backend,
-            include=include,  # type: ignore[return-value]
-            exclude=exclude,
-            device=device,
-        )  # type: ignore[arg-type]
+        # a class as a pattern: programs.plan raises its TypeError (patterns are node names)
+        return programs.plan(module, backend, include=include, exclude=exclude, device=device)  # type: ignore[arg-type]  # see above
     todo, unmatched = _plan_layers(
         module,
         backend,
@@ -940,10 +978,10 @@ def _plan_layers(
     ]
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
     if any(r.sync_class is not None for r in rows):
-        for parent in module.modules():
-            for key, child in parent._modules.items():
+        for holder in module.modules():
+            for key, child in holder._modules.items():
                 if child is not None:
-                    parents.setdefault(id(child), []).append((parent, key))
+                    parents.setdefault(id(child), []).append((holder, key))
     to_wrap: list[str] = []
     if be.wraps and wrap == "children":
         rows, to_wrap = _place(rows, module, be)

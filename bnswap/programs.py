@@ -25,8 +25,9 @@ import copy
 import dataclasses
 import fnmatch
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import GraphModule, Node
@@ -47,12 +48,15 @@ from bnswap._graph import (
 from bnswap._rows import Rows
 from bnswap._warn import UnmatchedPatternWarning, warn
 
+if TYPE_CHECKING:  # (typing.TypeIs is Python 3.13's)
+    from typing_extensions import TypeIs
+
 __all__ = ["NodeRow", "ProgramPlan", "convert", "is_program", "plan", "to_stock_ops"]
 
 Program = torch.export.ExportedProgram | GraphModule
 
 
-def is_program(obj: object) -> bool:
+def is_program(obj: object) -> TypeIs[torch.export.ExportedProgram]:
     """True for a ``torch.export.ExportedProgram`` (what :func:`convert` / :func:`plan`
     take in place of a module)."""
     return isinstance(obj, torch.export.ExportedProgram)
@@ -67,7 +71,8 @@ def install_patches_for(program: object) -> None:
 
 def _graph_module(program: object, fn: str) -> GraphModule:
     if isinstance(program, torch.export.ExportedProgram):
-        return program.graph_module
+        gm: GraphModule = program.graph_module
+        return gm
     if isinstance(program, GraphModule):
         return program
     raise TypeError(
@@ -87,7 +92,7 @@ def _check_backend(backend: str) -> None:
 def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     out = []
     for arg, p in (("include", include), ("exclude", exclude)):
-        items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]
+        items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]  # list()'s TypeError
         for item in items:
             if not isinstance(item, str):
                 raise TypeError(
@@ -145,10 +150,10 @@ def _kernel(x: object, w: object, mean: object, eps: float, device: torch.device
         probe = torch.empty((2, c) + (1,) * (xv.dim() - 2), device=dev, dtype=xv.dtype)
         ones = torch.ones(c, device=dev, dtype=ref.dtype)
         zeros = torch.zeros(c, device=dev, dtype=ref.dtype)
-        return torch._C._select_batch_norm_backend(  # type: ignore[attr-defined]
+        return torch._C._select_batch_norm_backend(
             probe, ones, zeros, zeros, ones, True, float(eps)
         ).name
-    except Exception as e:  # noqa: BLE001 - a device this torch cannot probe
+    except Exception as e:  # a device this torch cannot probe
         return f"n/a ({type(e).__name__})"
 
 
@@ -203,17 +208,19 @@ class NodeRow:
             return "-"
         node = self.node
         if node.target is torch.ops.aten.native_batch_norm_backward.default:
-            node = node.args[5].args[0]  # type: ignore[union-attr]  # getitem(forward, 1)
+            save_mean = node.args[5]  # getitem(forward, 1)
+            assert isinstance(save_mean, Node) and isinstance(save_mean.args[0], Node)
+            node = save_mean.args[0]
         if node.target is torch.ops.aten.batch_norm_backward.default:
             return "-"
         if node.target in CONSOLIDATED_TARGETS:  # (x, w, b, mean, var, momentum, eps)
             x, w, _, mean, _, _, eps = node.args[:7]
-            return _kernel(x, w, mean, float(eps), self.device)  # type: ignore[arg-type]
+            return _kernel(x, w, mean, _float(eps), self.device)
         call = stock_call(node)
         if call is None:
             return "-"
         x, w, _, mean, _, _, _, eps = call[0]
-        return _kernel(x, w, mean, float(eps), self.device)  # type: ignore[arg-type]
+        return _kernel(x, w, mean, _float(eps), self.device)
 
     def to_dict(self) -> dict[str, str]:
         """The row as plain strings (for logging or JSON)."""
@@ -296,7 +303,9 @@ class ProgramPlan(Rows[NodeRow]):
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header) - 1)]
 
         def line(cells: Sequence[str]) -> str:
-            return "  ".join([*(c.ljust(w) for c, w in zip(cells, widths)), cells[-1]])
+            return "  ".join(
+                [*(c.ljust(w) for c, w in zip(cells, widths, strict=False)), cells[-1]]
+            )
 
         rule = line(["-" * w for w in widths] + ["-" * len(header[-1])])
         return "\n".join([self.summary(), line(header), rule, *(line(b) for b in body)])
@@ -305,13 +314,19 @@ class ProgramPlan(Rows[NodeRow]):
         return f"ProgramPlan({self._counts()})"
 
 
+def _float(arg: object) -> float:
+    """A node's ``float eps`` argument: a literal in every graph torch records."""
+    assert isinstance(arg, (int, float)), arg
+    return float(arg)
+
+
 def _kernel_before(node: Node, device: torch.device | None) -> str:
     call = stock_call(node)
     if call is not None and node.target is torch.ops.aten.batch_norm.default:
         cudnn = node.args[8] if len(node.args) > 8 else node.kwargs.get("cudnn_enabled")
         if cudnn:  # stock's own selection (cuDNN enabled): what the new op picks too
             x, w, _, mean, _, _, _, eps = call[0]
-            return _kernel(x, w, mean, float(eps), device)  # type: ignore[arg-type]
+            return _kernel(x, w, mean, _float(eps), device)
     return "Native"
 
 
@@ -366,8 +381,8 @@ def _plan_nodes(
     program: Program,
     backend: str = "aten",
     *,
-    include: Iterable[str] | str | None = None,
-    exclude: Iterable[str] | str | None = None,
+    include: object = None,
+    exclude: object = None,
     device: torch.device | str | None = None,
 ) -> tuple[ProgramPlan, list[tuple[str, str]]]:
     """:func:`plan`, warning nothing: the plan, and each include / exclude pattern that

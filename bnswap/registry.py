@@ -34,13 +34,13 @@ from bnswap.layers import batch_norm_forward
 from bnswap.sync import sync_batch_norm_forward
 
 __all__ = [
-    "register",
-    "unregister",
     "lookup",
-    "registered",
     "overrides_forward",
     "qualified_name",
+    "register",
+    "registered",
     "safe_globals",
+    "unregister",
 ]
 
 _ADAPTERS: dict[type, Adapter] = {}

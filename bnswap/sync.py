@@ -59,8 +59,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap._swap import SWAP, is_swapped
+from bnswap._swap import SWAP
 from bnswap.functional import (
     check_batch_norm_input,
     check_momentum,
@@ -302,7 +303,7 @@ def _cpu_input_grad(
     neg = scale.mul(-1.0 / n)
     d = torch.mul(sums.narrow(0, 0, c), neg)
     b = torch.mul(sums.narrow(0, c, c), invstd).mul_(invstd).mul_(neg)
-    grad_input = _no_update(x, b, d, mean, torch.ones_like(mean), 0.0, 0.0)[0]
+    grad_input: Tensor = _no_update(x, b, d, mean, torch.ones_like(mean), 0.0, 0.0)[0]
     return grad_input.addcmul_(dy, _channel_view(scale, dy))
 
 
@@ -420,12 +421,15 @@ def _all_gather(t: Tensor, group: Any, world: int, compiling: bool) -> Tensor:
     """(world * t.numel(),): every rank's ``t``, in rank order."""
     if not compiling and _EAGER_C10D:
         out = t.new_empty(world * t.numel())
+        assert _GATHER_INTO is not None  # _EAGER_C10D says so
         with _profiled("bnswap.sync.all_gather"):
             _GATHER_INTO(out, t, group=group)
         return out
     funcol = _funcol()
     # all_gather_single (torch 2.13+; all_gather_tensor, its older name, warns there)
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    gather = getattr(funcol, "all_gather_single", None)
+    if gather is None:
+        gather = funcol.all_gather_tensor
     return _wait(gather(t, 0, group))
 
 
@@ -593,7 +597,7 @@ def _one_value_message(size: torch.Size, group: Any) -> str:
     )
 
 
-def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tensor:
+def synchronized_batch_norm(layer: _BatchNorm, input: Tensor, group: Any) -> Tensor:
     """Batch norm of ``input`` with the statistics of the global batch over ``group``
     (a training step of ``layer``, a ``_BatchNorm``; see the module docstring).
 
@@ -624,6 +628,7 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
         input, weight, bias, running_mean, running_var, True, layer.eps, synchronized=True
     )
     check_momentum(layer.momentum)  # as the unsynchronized path: before anything moves
+    out: Tensor
     out, mean, unbiased, total = _SyncBatchNorm.apply(
         input, weight, bias, float(layer.eps), group, dist.get_world_size(group), input.size()
     )
@@ -632,6 +637,7 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
         nbt.add_(1)
     if running_mean is None:
         return out
+    assert running_var is not None  # check_batch_norm_input: both statistics or neither
     compiling = torch.compiler.is_compiling()
     factor = exponential_average_factor(
         layer.momentum,
@@ -648,13 +654,13 @@ def synchronized_batch_norm(layer: nn.Module, input: Tensor, group: Any) -> Tens
             running_mean.mul_(1 - f).add_(mean * f)
             running_var.mul_(1 - f).add_(unbiased * f)
         elif total:  # eager: the count was read
-            f = float(factor)  # (a 0-dim momentum tensor of any dtype, as stock takes it)
-            running_mean.lerp_(mean.to(running_mean.dtype), f)
-            running_var.lerp_(unbiased.to(running_var.dtype), f)
+            share = float(factor)  # (a 0-dim momentum tensor of any dtype, as stock takes it)
+            running_mean.lerp_(mean.to(running_mean.dtype), share)
+            running_var.lerp_(unbiased.to(running_var.dtype), share)
     return out
 
 
-def sync_batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
+def sync_batch_norm_forward(layer: nn.SyncBatchNorm, input: Tensor) -> Tensor:
     """``nn.SyncBatchNorm.forward`` on bnswap's path: the adapter of ``SyncBatchNorm``.
 
     Args:
@@ -680,16 +686,16 @@ def sync_batch_norm_forward(layer: nn.Module, input: Tensor) -> Tensor:
         >>> torch.equal(layer(x), nn.BatchNorm1d(3)(x))
         True
     """
-    layer._check_input_dim(input)  # type: ignore[operator]
-    layer._check_non_zero_input_channels(input)  # type: ignore[operator]
+    layer._check_input_dim(input)
+    layer._check_non_zero_input_channels(input)
     group = sync_group(layer)
     if group is None:
-        return module_batch_norm(layer, input)  # type: ignore[arg-type]
+        return module_batch_norm(layer, input)
     return synchronized_batch_norm(layer, input, group)
 
 
 def to_sync_batch_norm(
-    layer: nn.Module, process_group: Any = None, cls: type = nn.SyncBatchNorm
+    layer: nn.Module, process_group: Any = None, cls: type[nn.Module] = nn.SyncBatchNorm
 ) -> nn.Module:
     """A ``cls`` (``nn.SyncBatchNorm``) layer that shares ``layer``'s state: the same
     Parameter, buffer, child module and hook dicts (an optimizer built on ``layer``'s

@@ -6,6 +6,7 @@ Every comparison is against stock ``torch.nn`` BatchNorm on an identical deepcop
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -43,7 +44,7 @@ def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
     """("ok", value) or ("err", (exception type, message))."""
     try:
         return "ok", fn()
-    except Exception as e:  # noqa: BLE001 - we compare whatever is raised
+    except Exception as e:  # we compare whatever is raised
         return "err", (type(e), str(e))
 
 
@@ -200,7 +201,7 @@ def assert_state_equal(a: nn.Module, b: nn.Module, exact: bool = True, **tol) ->
             assert torch.equal(sa[k], sb[k]), k
         else:
             torch.testing.assert_close(sa[k], sb[k], **tol, msg=k)
-    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert na == nb
         if pa.grad is None:
             assert pb.grad is None, na
@@ -243,10 +244,9 @@ def run_processes(cmd: list[str], timeout: float, **kwargs: Any) -> subprocess.C
             f"group was killed\n{out[-2000:]}\n{err[-4000:]}"
         )
     finally:
-        try:  # children left behind by a command that exited (a rank that outlived it)
+        # children left behind by a command that exited (a rank that outlived it)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

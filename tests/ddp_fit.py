@@ -15,9 +15,8 @@ import warnings
 from datetime import timedelta
 
 import torch
+from _helpers import COLLECTIVE_TIMEOUT_S
 from torch import nn
-
-from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
 
 torch.set_num_threads(1)  # two processes on two cores
 warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")
@@ -36,8 +35,8 @@ def main(variant: str, out_dir: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     from bnswap.app.data import DigitsDataModule
-    from bnswap.lightning import BNSwap
     from bnswap.app.models import ConvNet4
+    from bnswap.lightning import BNSwap
 
     class Classifier(pl.LightningModule):
         def __init__(self):

@@ -6,9 +6,9 @@ every BatchNorm step against its reference, and save what each rank saw.
 ``plain``: ``torch.multiprocessing.spawn`` of 2 ranks, ``fully_shard(model,
 mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`` on a ``cpu`` device mesh,
 3 SGD steps; first the same model with stock BatchNorm, which must fail.
-``lightning``: ``Trainer(strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), accelerator="cpu", devices=2,
-callbacks=[BNSwap()])`` with the same ``fully_shard`` in ``configure_model``
-(Lightning's launcher re-runs this script for rank 1).
+``lightning``: ``Trainer(strategy=ModelParallelStrategy(data_parallel_size=2,
+tensor_parallel_size=1), accelerator="cpu", devices=2, callbacks=[BNSwap()])`` with the same
+``fully_shard`` in ``configure_model`` (Lightning's launcher re-runs this script for rank 1).
 
 The reference of each step (:class:`Reference`): stock ``nn.BatchNorm2d`` with float32
 weight and bias equal to the bfloat16 Parameters FSDP2 gathered, float32 copies of the
@@ -23,9 +23,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _helpers import COLLECTIVE_TIMEOUT_S
 from torch import nn
-
-from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
 
 torch.set_num_threads(1)  # two processes on two cores
 warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")
@@ -93,7 +92,7 @@ class Reference:
                 ref.weight.copy_(s["weight"].float())
                 ref.bias.copy_(s["bias"].float())
                 for buf, v in zip(
-                    ("running_mean", "running_var", "num_batches_tracked"), s["stats"]
+                    ("running_mean", "running_var", "num_batches_tracked"), s["stats"], strict=True
                 ):
                     getattr(ref, buf).copy_(v)
             x = s["x"].clone().requires_grad_()
@@ -111,7 +110,9 @@ class Reference:
                     ),
                     "out_equal": torch.equal(s["out"], out),
                     "dx_equal": torch.equal(s["dx"], x.grad),
-                    "stats_equal": all(torch.equal(a, b) for a, b in zip(s["stats_after"], after)),
+                    "stats_equal": all(
+                        torch.equal(a, b) for a, b in zip(s["stats_after"], after, strict=True)
+                    ),
                     "ref_grads": [
                         ref.weight.grad.to(s["weight_dtype"]),
                         ref.bias.grad.to(s["weight_dtype"]),
@@ -132,9 +133,10 @@ def _policy():
 
 
 def _plain_rank(rank: int, port: int, out_dir: str) -> None:
-    import bnswap
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    import bnswap
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -17,11 +17,13 @@ import warnings
 from datetime import timedelta
 
 import torch
+from _helpers import COLLECTIVE_TIMEOUT_S
+from _helpers import SYNC_LR as LR
+from _helpers import SYNC_PER_RANK as PER_RANK
+from _helpers import SYNC_STEPS as STEPS
+from _helpers import sync_dataset as dataset
+from _helpers import sync_net as make_net
 from torch import nn
-
-from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
-from _helpers import SYNC_LR as LR, SYNC_PER_RANK as PER_RANK, SYNC_STEPS as STEPS  # noqa: E402
-from _helpers import sync_dataset as dataset, sync_net as make_net  # noqa: E402
 
 torch.set_num_threads(1)  # two processes on two cores
 warnings.filterwarnings("ignore", message=r".*(LeafSpec|does not have many workers).*")

@@ -48,7 +48,7 @@ def outcome(
             out = module(xm)
             runs.append((out, {k: v.clone() for k, v in module.state_dict().items()}))
         return {"ok": runs}
-    except Exception as e:  # noqa: BLE001 - compared with what stock raises
+    except Exception as e:  # compared with what stock raises
         return {"err": (type(e).__name__, str(e))}
 
 
@@ -73,7 +73,7 @@ def difference(got: dict[str, Any], want: dict[str, Any]) -> str | None:
             if got.get("err") == want.get("err")
             else f"got {got.get('err', 'a result')}, stock {want.get('err', 'a result')}"
         )
-    for i, ((out, state), (ref, ref_state)) in enumerate(zip(got["ok"], want["ok"])):
+    for i, ((out, state), (ref, ref_state)) in enumerate(zip(got["ok"], want["ok"], strict=True)):
         if not _same(out, ref):
             return f"call {i}: output differs ({out.dtype}, {out.device} vs {ref.dtype})"
         if list(state) != list(ref_state):

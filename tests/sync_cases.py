@@ -20,9 +20,8 @@ import zlib
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _helpers import COLLECTIVE_TIMEOUT_S
 from torch import nn
-
-from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
 
 #: (case, layer kwargs, class, per-rank batch sizes of each step, feature shape, dtype,
 #: channels_last) per world size.
@@ -271,8 +270,12 @@ def compiled_case(rank: int) -> dict:
         a.sum().backward()
         b.sum().backward()
         out[f"out{step}"] = (a.detach(), b.detach())
-    out["grads"] = [(p.grad, q.grad) for p, q in zip(eager.parameters(), twin.parameters())]
-    out["state"] = [(s, t) for s, t in zip(eager.state_dict().values(), twin.state_dict().values())]
+    out["grads"] = [
+        (p.grad, q.grad) for p, q in zip(eager.parameters(), twin.parameters(), strict=True)
+    ]
+    out["state"] = [
+        (s, t) for s, t in zip(eager.state_dict().values(), twin.state_dict().values(), strict=True)
+    ]
     return out
 
 
@@ -336,7 +339,7 @@ def bad_input_case(rank: int) -> dict:
     try:
         layer(x)
         return dict(error=None, nbt=int(layer.num_batches_tracked))
-    except Exception as e:  # noqa: BLE001 - recorded for the test
+    except Exception as e:  # recorded for the test
         return dict(error=f"{type(e).__name__}: {e}", nbt=int(layer.num_batches_tracked))
 
 

@@ -346,7 +346,7 @@ def test_to_stock_ops_gives_stocks_exported_graph_for_every_flag():
         for x in _batches(4, 4):
             assert torch.equal(gb(x), gs(x))
             assert state_diff(gs, gb) == []
-    with pytest.raises(TypeError, match="expects a torch.fx.GraphModule"):
+    with pytest.raises(TypeError, match=r"expects a torch.fx.GraphModule"):
         bnswap.to_stock_ops(nn.BatchNorm2d(3))
 
 

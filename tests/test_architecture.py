@@ -82,18 +82,18 @@ class _Imports(ast.NodeVisitor):
         if target.split(".")[0] == "bnswap":
             self.found.append((target, name, self._depth > 0))
 
-    def visit_FunctionDef(self, node):  # noqa: N802
+    def visit_FunctionDef(self, node):
         self._depth += 1
         self.generic_visit(node)
         self._depth -= 1
 
-    visit_AsyncFunctionDef = visit_FunctionDef  # noqa: N815
+    visit_AsyncFunctionDef = visit_FunctionDef
 
-    def visit_Import(self, node):  # noqa: N802
+    def visit_Import(self, node):
         for a in node.names:
             self._add(a.name, None)
 
-    def visit_ImportFrom(self, node):  # noqa: N802
+    def visit_ImportFrom(self, node):
         base = node.module or ""
         if node.level:
             parts = self.package.split(".")
@@ -103,7 +103,7 @@ class _Imports(ast.NodeVisitor):
             sub = f"{base}.{a.name}"
             self._add(sub if sub in MODULES else base, a.name)
 
-    def visit_Call(self, node):  # noqa: N802
+    def visit_Call(self, node):
         fn = node.func
         called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
         if (
@@ -115,7 +115,7 @@ class _Imports(ast.NodeVisitor):
             self._add(node.args[0].value, None)
         self.generic_visit(node)
 
-    def visit_Assign(self, node):  # noqa: N802 - the registry's "module:function" entries
+    def visit_Assign(self, node):  # the registry's "module:function" entries
         if isinstance(node.value, ast.Dict):
             for v in node.value.values:
                 if isinstance(v, ast.Constant) and isinstance(v.value, str) and ":" in v.value:
@@ -124,7 +124,7 @@ class _Imports(ast.NodeVisitor):
                         self._add(mod, None)
         self.generic_visit(node)
 
-    visit_AnnAssign = visit_Assign  # noqa: N815
+    visit_AnnAssign = visit_Assign
 
 
 def _imports(name: str) -> list[tuple[str, str | None, bool]]:
@@ -181,12 +181,12 @@ def test_no_import_cycle():
     def visit(node: str, path: list[str]) -> None:
         if state.get(node) == 2:
             return
-        assert state.get(node) != 1, "import cycle: " + " -> ".join(path + [node])
+        assert state.get(node) != 1, "import cycle: " + " -> ".join([*path, node])
         state[node] = 1
         for nxt in sorted(graph[node]):
             # the package face loads these on first use (its __getattr__): no cycle
             if not (node == "bnswap" and nxt in ("bnswap.lightning", "bnswap.ort")) and nxt != node:
-                visit(nxt, path + [node])
+                visit(nxt, [*path, node])
         state[node] = 2
 
     for name in sorted(MODULES):

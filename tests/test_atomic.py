@@ -139,10 +139,10 @@ def snapshot(model: nn.Module) -> list[tuple]:
 
 def assert_same(before: list[tuple], after: list[tuple]) -> None:
     assert len(before) == len(after)
-    for rb, ra in zip(before, after):
+    for rb, ra in zip(before, after, strict=True):
         assert rb[:3] == ra[:3], (rb[:3], ra[:3])  # name, object, class (by identity)
         assert len(rb) == len(ra), (rb[0], [x[0] for x in rb[3:]], [x[0] for x in ra[3:]])
-        for xb, xa in zip(rb[3:], ra[3:]):
+        for xb, xa in zip(rb[3:], ra[3:], strict=True):
             _same_value(xb, xa, rb[0])
 
 
@@ -152,7 +152,7 @@ def _same_value(a, b, where):
         assert torch.equal(a, b) or (a.numel() == 0 and b.numel() == 0), where
     elif isinstance(a, (tuple, list)):
         assert type(a) is type(b) and len(a) == len(b), (where, a, b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             _same_value(x, y, where)
     else:
         assert a == b, (where, a, b)

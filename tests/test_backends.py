@@ -238,7 +238,7 @@ def test_a_plan_convert_would_refuse_says_so_in_its_summary():
         bnswap.convert(three, "ort", exclude=["1", "2"])
     with pytest.raises(
         bnswap.ort.UnsupportedLayerError,
-        match="'1' is an uninitialized LazyBatchNorm1d. To use it, run one "
+        match=r"'1' is an uninitialized LazyBatchNorm1d. To use it, run one "
         "forward of the model first",
     ):
         bnswap.convert(lazy, "ort")

@@ -36,7 +36,6 @@ from tests._helpers import (
     stats_have_nan,
 )
 
-
 # --- layer-level rows, run in a subprocess ---------------------------------------------
 
 
@@ -302,7 +301,7 @@ def _run_case(build, act) -> dict:
         s1 = _stats(m)
         out[f"{tag}_stats_changed"] = any(
             (a is None) != (b is None) or (a is not None and not same_tensor(a, b))
-            for a, b in zip(stats0, s1)
+            for a, b in zip(stats0, s1, strict=True)
         )
         out[f"{tag}_nan_stats"] = stats_have_nan(m)
     return out
@@ -533,7 +532,7 @@ def test_patterns_that_match_nothing_warn_naming_the_pattern(kw, expect_swapped,
         bnswap.convert(model, **kw)
     msgs = [str(x.message) for x in w if issubclass(x.category, UserWarning)]
     assert len(msgs) == len(warned), msgs
-    for m, part in zip(msgs, warned):
+    for m, part in zip(msgs, warned, strict=True):
         assert part in m and "matches no BatchNorm layer" in m
     assert sum(bnswap.is_swapped(m) for m in model.modules()) == expect_swapped
     x = torch.randn(4, 3, 5, 5)
@@ -657,7 +656,7 @@ def test_the_eps_probe_matches_this_torch():
             torch.randn(4, 2), None, None, training=True, eps=0.0
         )
     )
-    assert bnswap.functional._CHECK_EPS == (a[0] == "err")
+    assert (a[0] == "err") == bnswap.functional._CHECK_EPS
     # the probe itself, called again (the constant was computed once, at import)
     assert bnswap.functional._stock_checks_eps() is (a[0] == "err")
 
@@ -731,7 +730,7 @@ NON_FLOATING = [
 
 
 @pytest.mark.parametrize("train, track", [(True, True), (False, True), (True, False)])
-@pytest.mark.parametrize("dtype", NON_FLOATING + ["quint8"], ids=str)
+@pytest.mark.parametrize("dtype", [*NON_FLOATING, "quint8"], ids=str)
 def test_non_floating_input_raises_stocks_exact_error(dtype, train, track):
     """In process (the table above runs in a subprocess): the exception type and message
     are stock's for every non-floating dtype. Guards: bnswap's own table of dtype names

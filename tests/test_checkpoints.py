@@ -194,7 +194,9 @@ def test_deepcopy_of_a_converted_model():
     swapped = converted(trained())
     clone = copy.deepcopy(swapped)
     assert [type(m) for m in clone.modules()] == [type(m) for m in swapped.modules()]
-    for (k, a), (_, b) in zip(swapped.state_dict().items(), clone.state_dict().items()):
+    for (k, a), (_, b) in zip(
+        swapped.state_dict().items(), clone.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), k
     stock = trained()
     assert_run_alike(stock, clone)

@@ -454,7 +454,8 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
     [
         (
             ["train", "--config", "digits_mobilenetv2.yaml", "--trainer.max_epochs", "-3"],
-            "bnswap train: error: `max_epochs` must be a non-negative integer or -1. You passed in -3.",
+            "bnswap train: error: `max_epochs` must be a non-negative integer or -1. "
+            "You passed in -3.",
         ),
         (
             ["train", "--config", "digits_mobilenetv2.yaml", "--data.batch_size", "0"],
@@ -497,7 +498,8 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
         ),
         (
             ["compare", "--configs", "digits_mobilenetv2.yaml", "nothere.yaml"],
-            "bnswap compare: error: configs: no config 'nothere.yaml': not a file here, and not one "
+            "bnswap compare: error: configs: no config 'nothere.yaml': not a file here, and "
+            "not one "
             "of bnswap's (digits_mobilenetv2.yaml, digits_mobilenetv2_stock.yaml, "
             "digits_mobilenetv2_ort.yaml)",
         ),
@@ -600,7 +602,7 @@ def test_predict_writes_its_predictions_and_says_where(tmp_path, capsys, monkeyp
             if i == 2:
                 break
             want.append(model(x).argmax(1))
-    assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_ort_config_without_onnx_runtime_is_a_usage_error(capsys, monkeypatch, tmp_path):

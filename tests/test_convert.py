@@ -94,7 +94,7 @@ def test_optimizer_built_before_the_swap_keeps_working():
             o.zero_grad()
             m(x).square().sum().backward()
             o.step()
-    for (k, v), (k2, v2) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (k, v), (k2, v2) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2), k
 
 
@@ -222,7 +222,7 @@ def test_include_exclude(include, exclude, expect):
     got = [n for n, m in model.named_modules() if bnswap.is_swapped(m)]
     assert got == expect
     skipped = {r.name: r.reason for r in bnswap.plan(model) if r.action == "skip"}
-    for name, reason in skipped.items():
+    for _name, reason in skipped.items():
         assert reason.startswith(("excluded by", "not matched by include")), reason
 
 
@@ -232,7 +232,7 @@ def test_pattern_matching_nothing_warns():
 
 
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="expects a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"expects a torch.nn.Module"):
         bnswap.convert({"not": "a module"})
     with pytest.raises(ValueError, match="unknown backend 'cudnn'; choose one of 'aten', 'ort'"):
         bnswap.convert(net(), backend="cudnn")
@@ -274,7 +274,7 @@ def test_plan_table_and_logging(caplog):
     text = str(p)
     lines = text.splitlines()
     assert lines[0] == "bnswap plan: 2 of 2 BatchNorm layers would be swapped, 0 skipped"
-    header, rule, row1, row2 = lines[1:]
+    header, _rule, row1, row2 = lines[1:]
     for col in ("layer", "class", "action", "backend", "kernel", "adapter", "sync", "reason"):
         assert col in header
     # aligned: every column starts at the same offset in header, rule and rows
@@ -430,7 +430,7 @@ def test_revert_keeps_training_flags_and_hooks_of_a_mixed_mode_model():
     ] == hooks
     x = torch.randn(4, 3, 6, 6)
     assert torch.equal(model(x), ref(x)) and calls == ["hook", "hook"]
-    for (k, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+    for (k, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
 
 
@@ -735,7 +735,8 @@ def test_a_layer_skipped_under_ort_says_what_that_means():
         (
             "skip",
             "-",
-            "ONNX Runtime cannot synchronize batch statistics across processes (convert refuses the model: UnsupportedLayerError)",
+            "ONNX Runtime cannot synchronize batch statistics across processes "
+            "(convert refuses the model: UnsupportedLayerError)",
         )
     ]
 
@@ -851,15 +852,16 @@ def test_plan_rows_of_every_kind_hold_every_field():
         assert [r.action for r in rows] == ["swap" if s else "skip" for s in swap]
         if backend == "ort":
             reasons[2] = (
-                "ONNX Runtime cannot synchronize batch statistics across processes (convert refuses the model: UnsupportedLayerError)"
+                "ONNX Runtime cannot synchronize batch statistics across processes "
+                "(convert refuses the model: UnsupportedLayerError)"
             )
         assert [r.reason for r in rows] == [
             reason + (ort if backend == "ort" and not s and i != 2 else "")
-            for i, (reason, s) in enumerate(zip(reasons, swap))
+            for i, (reason, s) in enumerate(zip(reasons, swap, strict=True))
         ]
         assert [r.backend for r in rows] == [backend if s else "-" for s in swap]
         assert [r.lazy for r in rows] == [False, False, False, False, True, False]
-        assert all(r.module is m for r, m in zip(rows, model))
+        assert all(r.module is m for r, m in zip(rows, model, strict=True))
         assert all(r.device == "cuda" for r in rows)
 
 

@@ -78,7 +78,7 @@ def maml_step(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
     params = list(learner.parameters())
     support = learner(data(1)).square().mean()
     grads = torch.autograd.grad(support, params, create_graph=True)
-    update_module(learner, 0.1, {id(p): g for p, g in zip(params, grads)})
+    update_module(learner, 0.1, {id(p): g for p, g in zip(params, grads, strict=True)})
     query = learner(data(2)).square().mean()
     return query.detach(), list(torch.autograd.grad(query, list(model.parameters())))
 
@@ -282,7 +282,7 @@ def first_order_maml_step(model: nn.Module) -> tuple[torch.Tensor, list[torch.Te
     learner = clone_module(model)
     params = list(learner.parameters())
     grads = torch.autograd.grad(learner(data(1)).square().mean(), params)
-    update_module(learner, 0.1, {id(p): g for p, g in zip(params, grads)})
+    update_module(learner, 0.1, {id(p): g for p, g in zip(params, grads, strict=True)})
     query = learner(data(2)).square().mean()
     return query.detach(), list(torch.autograd.grad(query, list(model.parameters())))
 

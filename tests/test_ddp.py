@@ -4,7 +4,6 @@ the aten backend and with the ORT backend (ORTModule children inside Lightning's
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 

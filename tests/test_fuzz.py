@@ -40,7 +40,6 @@ from torch import nn
 import bnswap
 from tests._helpers import same_tensor, state_diff
 
-
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 PROFILES = {
     "ci": settings(
@@ -157,7 +156,7 @@ def _build(case: Case) -> nn.Module:
     )
     g = torch.Generator().manual_seed(case.c * 7919 + case.rank)
     with torch.no_grad():  # not the identity parameters / statistics of a fresh layer
-        for t in list(bn.parameters()) + [bn.running_mean, bn.running_var]:
+        for t in [*list(bn.parameters()), bn.running_mean, bn.running_var]:
             if t is not None:
                 t.copy_(torch.rand(t.shape, generator=g) + 0.5)
     return bn

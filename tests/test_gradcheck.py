@@ -18,7 +18,6 @@ from torch.func import functional_call
 
 import bnswap
 
-
 SHAPES = {
     "1d_rank2": (nn.BatchNorm1d, (5, 3)),
     "1d_rank3": (nn.BatchNorm1d, (3, 3, 2)),
@@ -88,7 +87,7 @@ def test_gradcheck_and_gradgradcheck_float64(kind, train, affine, track):
         grads.append((y, torch.autograd.grad(y, ins, go, create_graph=True)))
     (ys, gs), (yb, gb) = grads
     assert torch.equal(ys, yb)
-    for a, b in zip(gs, gb):
+    for a, b in zip(gs, gb, strict=True):
         assert torch.equal(a, b)
     # second order: bitwise too
     ss = torch.autograd.grad(sum(g.square().sum() for g in gs), gs[0])

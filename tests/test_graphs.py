@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
-from functorch.compile import make_boxed_func
 
 import bnswap
 
@@ -134,9 +134,9 @@ def test_compile_fullgraph_aot_graphs(momentum):
     assert bw.count("aten.batch_norm_backward.default") == 3
     assert not (set(fw) | set(bw)) & set(LEGACY)
     assert "aten._assert_scalar.default" not in fw  # the empty-batch check is export's only
-    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
-    for a, b in zip(m.parameters(), ref.parameters()):
+    for a, b in zip(m.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
 
 
@@ -152,7 +152,7 @@ def test_compile_momentum_none_in_float64_follows_stock():
     for _ in range(3):
         x = torch.randn(4, 3, 8, 8, generator=g, dtype=torch.float64)
         torch.testing.assert_close(cm(x), ref(x), rtol=1e-12, atol=1e-12)
-    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items(), strict=True):
         assert a.dtype == b.dtype, k
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=k)
     assert int(m[1].num_batches_tracked) == 3
@@ -191,12 +191,12 @@ def test_inductor_matches_eager_with_train_eval_switches():
         y, yr = cm(x), ref(x)
         torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-5)
         if training:
-            for mod, o, out in ((m, opt, y), (ref, opt_ref, yr)):
+            for _mod, o, out in ((m, opt, y), (ref, opt_ref, yr)):
                 o.zero_grad()
                 out.square().mean().backward()
-            for a, b in zip(m.parameters(), ref.parameters()):
+            for a, b in zip(m.parameters(), ref.parameters(), strict=True):
                 torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
             opt.step(), opt_ref.step()
     assert m[1].num_batches_tracked.item() == 3
-    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)

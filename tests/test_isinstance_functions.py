@@ -73,7 +73,7 @@ def test_update_bn_matches_stock():
     # update_bn resets the statistics, uses the cumulative average (momentum=None)
     # over the loader, then restores momentum and the training flag
     assert state_diff(stock, swapped) == []
-    for a, b in zip(stock.modules(), swapped.modules()):
+    for a, b in zip(stock.modules(), swapped.modules(), strict=True):
         if isinstance(a, _BatchNorm):
             assert a.momentum == b.momentum and a.training == b.training
             assert int(b.num_batches_tracked) == len(loader)
@@ -89,7 +89,7 @@ def test_replace_all_batch_norm_modules_then_vmap_in_training_matches_stock():
     stock, swapped = pair(_net())
     for m in (stock, swapped):
         replace_all_batch_norm_modules_(m)
-    for a, b in zip(stock.modules(), swapped.modules()):
+    for a, b in zip(stock.modules(), swapped.modules(), strict=True):
         if isinstance(a, _BatchNorm):
             assert bnswap.is_swapped(b)
             assert (a.running_mean, a.running_var, a.num_batches_tracked) == (None, None, None)

@@ -72,7 +72,7 @@ class _Dispatched(TorchDispatchMode):
         super().__init__()
         self.ops: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
@@ -83,13 +83,13 @@ def eager(m: nn.Module) -> list[str]:
     return _bn(d.ops)
 
 
-def _aot(m: nn.Module, decompositions=None) -> list[str]:  # noqa: ANN001
+def _aot(m: nn.Module, decompositions=None) -> list[str]:
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     ops: list[str] = []
 
-    def record(gm, _inputs):  # noqa: ANN001 - the forward / backward graph, run as is
+    def record(gm, _inputs):  # the forward / backward graph, run as is
         ops.extend(_graph_ops(gm))
         return make_boxed_func(gm.forward)
 

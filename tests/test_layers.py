@@ -208,7 +208,7 @@ def test_eval_uses_running_stats_and_does_not_update():
 def _errors(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return type(e), str(e)
     return None
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import copy
 import logging
-from datetime import timedelta
 import os
 import subprocess
 import sys
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
@@ -21,15 +21,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
 
-
 pl = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from bnswap.app.data import DigitsDataModule  # noqa: E402
+from bnswap.app.models import ConvNet4  # noqa: E402
 from bnswap.lightning import BNSwap  # noqa: E402
 from tests._helpers import COLLECTIVE_TIMEOUT_S, rank_env, rank_script, run_processes  # noqa: E402
-from bnswap.app.models import ConvNet4  # noqa: E402
 
 CH = (8, 16, 16, 32)  # a small ConvNet4: fast on 2 cores
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"  # where rank_zero_info logs
@@ -1099,7 +1098,7 @@ def test_ort_backend_wraps_a_child_with_a_lazy_layer_once_it_has_initialized():
             model, data()
         )
         states.append((model, state(model)))
-    (stock, s_state), (swapped, b_state) = states
+    (_stock, s_state), (swapped, b_state) = states
     assert swapped.wrapped_at_step == [False, True, True]
     assert s_state.keys() == b_state.keys()
     for k in s_state:

@@ -305,7 +305,7 @@ def test_a_session_is_verified_by_the_first_step_every_layer_sees_values():
         x, y = torch.randn(nx, 4), torch.randn(ny, 4)
         with torch.no_grad():
             outs, refs = wrapped(x, y), ref(x, y)
-        for o, r in zip(outs, refs):
+        for o, r in zip(outs, refs, strict=True):
             torch.testing.assert_close(o, r, rtol=RTOL, atol=1e-5)
         assert_stats_equal(model, ref)
         seen.append((state.verification, state.stats.verified))
@@ -501,7 +501,9 @@ def test_frozen_batchnorm_in_a_training_model_matches_stock():
     x = torch.randn(4, 3, 10, 10)
     with torch.no_grad():
         torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
-    for (_, m), (_, mr), (_, flag) in zip(model.named_modules(), ref.named_modules(), before):
+    for (_, m), (_, mr), (_, flag) in zip(
+        model.named_modules(), ref.named_modules(), before, strict=True
+    ):
         m.training = mr.training = flag
     train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 10, 10) - i, steps=1)
     assert _flags(model) == before and int(model[1].num_batches_tracked) == 0
@@ -636,7 +638,7 @@ def test_mobilenetv2_step_as_close_to_float64_as_eager_float32():
         return out.detach().double(), grad, stats
 
     out64, grad64, stats64 = step(exact, exact, x.double())
-    out32, grad32, stats32 = step(ref, ref, x)
+    _out32, grad32, _stats32 = step(ref, ref, x)
     out_ort, grad_ort, stats_ort = step(wrapped, model, x)
     eager_err = float((grad32 - grad64).norm() / grad64.norm())
     ort_err = float((grad_ort - grad64).norm() / grad64.norm())

@@ -128,16 +128,14 @@ def test_cache_dir_honours_env(monkeypatch, tmp_path):
 def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("BNSWAP_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-bnswap")
-    with pytest.raises(
-        _build.BuildError, match="No C\\+\\+ compiler found.*apt-get install g\\+\\+"
-    ):
+    with pytest.raises(_build.BuildError, match=r"No C\+\+ compiler found.*apt-get install g\+\+"):
         _build.ensure_extension()
     assert not _build.extension_path().exists()
 
 
 def test_missing_ort_names_install_command(monkeypatch):
     monkeypatch.setattr(bnswap.ort, "is_available", lambda: False)
-    with pytest.raises(ImportError, match="pip install onnxruntime-training-cpu==1.19.2") as e:
+    with pytest.raises(ImportError, match=r"pip install onnxruntime-training-cpu==1.19.2") as e:
         bnswap.ort.wrap(bnswap.convert(nn.Sequential(nn.BatchNorm1d(3))))
     assert "--no-deps torch-ort==1.19.2" in str(e.value)
 

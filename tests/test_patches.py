@@ -23,7 +23,8 @@ import json, sys, torch
 orig_script = torch.jit._recursive.create_script_module
 def state():
     return {"script_patched": torch.jit._recursive.create_script_module is not orig_script,
-            "hooks": [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("bnswap")],
+            "hooks": [type(f).__name__ for f in sys.meta_path
+                      if type(f).__module__.startswith("bnswap")],
             "onnx_imported": "torch.onnx._internal.exporter._fx_passes" in sys.modules,
             "torchao_imported": any(k.startswith("torchao") for k in sys.modules),
             "applied": sorted(__import__("bnswap")._compat.applied())}

@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("jsonargparse")
 pytest.importorskip("lightning.pytorch")
 
-import bnswap  # noqa: E402
-from bnswap.app import plan_cli  # noqa: E402
-from tests import plan_models  # noqa: E402
-from tests._helpers import run_bnswap  # noqa: E402
+import bnswap
+from bnswap.app import plan_cli
+from tests import plan_models
+from tests._helpers import run_bnswap
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -691,7 +691,7 @@ def test_convert_names_itself_in_its_output(capsys, tmp_path):
     assert plan_cli.convert_main([str(path), "-o", str(out_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "bnswap convert: 2 of 2 batch-norm nodes swapped, 0 skipped"
-    assert out[1:] == str(ref).splitlines()[1:] + [f"wrote {out_path}"]
+    assert out[1:] == [*str(ref).splitlines()[1:], f"wrote {out_path}"]
     assert not any("bnswap plan" in ln for ln in out)
     code, plan_out, _ = run(capsys, "--program", str(path))
     assert code == 0 and plan_out.splitlines() == str(ref).splitlines()
@@ -712,7 +712,7 @@ def test_a_file_that_is_no_program_points_to_no_warnings(capsys, tmp_path, cmd, 
         bad.write_text("hello")
     try:
         torch.export.load(bad)
-    except Exception as e:  # noqa: BLE001 - the reference: torch's own words
+    except Exception as e:  # the reference: torch's own words
         torch_error = e
     capsys.readouterr()  # what torch itself logged for the reference (torch 2.14 does)
     first = str(torch_error).strip().splitlines()[0]

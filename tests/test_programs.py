@@ -242,7 +242,7 @@ def test_plan_of_a_program_one_row_per_node():
     assert bnswap.plan(ep, exclude="batch_norm_1").skipped[0].reason == "excluded by 'batch_norm_1'"
     assert bn_ops(ep.graph_module) == ["aten.batch_norm.default"] * 4  # a plan changes nothing
     for fn in (bnswap.plan, bnswap.convert):
-        with pytest.raises(ValueError, match="backend='ort' takes an nn.Module"):
+        with pytest.raises(ValueError, match=r"backend='ort' takes an nn.Module"):
             fn(ep, "ort")
     with pytest.raises(TypeError, match="glob patterns"):
         bnswap.plan(ep, include=[nn.BatchNorm2d])

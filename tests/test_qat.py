@@ -39,11 +39,11 @@ from tests._pt2e import (
 )
 
 pytest.importorskip("torchao")
-from torchao.quantization.pt2e import (  # noqa: E402
+from torchao.quantization.pt2e import (
     move_exported_model_to_eval,
     move_exported_model_to_train,
 )
-from torchao.quantization.pt2e.quantize_pt2e import (  # noqa: E402
+from torchao.quantization.pt2e.quantize_pt2e import (
     convert_pt2e,
     prepare_pt2e,
     prepare_qat_pt2e,

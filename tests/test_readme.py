@@ -161,7 +161,7 @@ def test_readme_lightning_quick_start_trains_like_stock(caplog):
     ref = stock["trainer"].lightning_module.net._orig_mod
     assert bnswap.is_swapped(trained[1]) and not bnswap.is_swapped(ref[1])
     assert int(trained[1].num_batches_tracked) == 4  # 64 samples, batches of 16
-    for (k, a), (_, b) in zip(trained.state_dict().items(), ref.state_dict().items()):
+    for (k, a), (_, b) in zip(trained.state_dict().items(), ref.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
     assert not torch.equal(trained[1].running_mean, torch.zeros(8))  # it did train
 

@@ -118,9 +118,9 @@ def test_ultralytics_trainer_recipe_is_bitwise_stock_with_ema_and_resume(tmp_pat
     writes, trained with the recipe's trainer (``get_model`` returns
     ``bnswap.convert(super().get_model(...))``), with the recipe's
     ``on_pretrain_routine_end`` callback (converts the model and ``trainer.ema.ema``) and
-    with stock's: every step runs 57 swapped layers in the model and in its EMA copy, the checkpoint after the first epoch
-    (model and EMA) and the one after a resume are bitwise stock's, and neither names
-    bnswap (it loads where bnswap is not installed, issue 32)."""
+    with stock's: every step runs 57 swapped layers in the model and in its EMA copy, the
+    checkpoint after the first epoch (model and EMA) and the one after a resume are bitwise stock's,
+    and neither names bnswap (it loads where bnswap is not installed, issue 32)."""
     pytest.importorskip("ultralytics")
     import zipfile
 
@@ -189,8 +189,9 @@ _LINE = (
 def test_the_swap_is_visible_where_logging_is_not_configured(setup, env, want):
     """A script or trainer that configures no logging (or only its own logger, as
     Ultralytics does) sees bnswap.convert's one-line summary on stderr, once per process
-    (Python drops INFO there: logging.lastResort shows WARNING and above); a configured process gets what it
-    configured (the whole table at INFO, nothing at WARNING), other ranks nothing."""
+    (Python drops INFO there: logging.lastResort shows WARNING and above); a configured
+    process gets what it configured (the whole table at INFO, nothing at WARNING), other ranks
+    nothing."""
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
     e["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(__file__)), e.get("PYTHONPATH", "")]

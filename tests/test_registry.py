@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import bnswap
-from bnswap._swap import SWAP
 from bnswap import registry
+from bnswap._swap import SWAP
 from bnswap.sync import sync_batch_norm_forward
 
 # --- the worked example (docs/adapters.md) -------------------------------------------
@@ -178,7 +178,7 @@ def test_adapted_layers_deepcopy_and_pickle_with_their_adapter(clean_registry):
         y = clone(x)
         torch.manual_seed(3)
         assert torch.equal(y, ref(x))
-        assert all(torch.equal(a, b) for a, b in zip(clone.buffers(), ref.buffers()))
+        assert all(torch.equal(a, b) for a, b in zip(clone.buffers(), ref.buffers(), strict=True))
 
 
 def test_revert_restores_adapted_layers_exactly(clean_registry):
@@ -287,7 +287,7 @@ def test_register_rejects_bad_arguments(clean_registry, source, adapter, error, 
     before = dict(registry._ADAPTERS)
     with pytest.raises(error, match=match):
         bnswap.register(source, adapter)
-    assert registry._ADAPTERS == before
+    assert before == registry._ADAPTERS
 
 
 def test_torchs_classes_and_their_plain_subclasses_use_torchs_adapter():

@@ -22,7 +22,7 @@ import bnswap
 from tests._helpers import COLLECTIVE_TIMEOUT_S, rank_env, run_processes
 
 sys.path.insert(0, str(Path(__file__).parent))
-import sync_cases  # noqa: E402
+import sync_cases
 
 SCRIPT = Path(sync_cases.__file__)
 
@@ -90,7 +90,7 @@ def test_eval_is_stock_bitwise_and_revert_gives_the_original_back(ranks):
             assert res["reverted"], case
             stock = cls(**kwargs).to(dtype)
             with torch.no_grad():
-                for p, v in zip(stock.parameters(), res["final_params"]):
+                for p, v in zip(stock.parameters(), res["final_params"], strict=True):
                     p.copy_(v)
                 for k, v in res["final"].items():
                     if v is not None:
@@ -242,7 +242,7 @@ def test_convert_sync_batchnorm_shares_state_and_reverts_to_the_original_objects
     opt.step()  # the optimizer built before still moves the layers' parameters
     twin(x).sum().backward()
     torch.optim.SGD(twin.parameters(), lr=0.1).step()
-    for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert hook_calls == ["SyncBatchNorm", "BatchNorm2d"]  # (the twin's copy of the hook)
     model.train()
@@ -404,7 +404,7 @@ def test_ddp_syncbn_example_refuses_a_bad_batch_or_step_count_before_any_process
     spec = importlib.util.spec_from_file_location("ddp_syncbn", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    with pytest.raises(ValueError, match="batch_size must be at least 2.*got 1"):
+    with pytest.raises(ValueError, match=r"batch_size must be at least 2.*got 1"):
         mod.main(batch_size=1)
     with pytest.raises(ValueError, match="steps must be at least 1, got 0"):
         mod.main(steps=0)

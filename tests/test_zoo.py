@@ -12,12 +12,12 @@ Needs torchvision (and timm for the timm models): the ``.venv-zoo`` environment
 from __future__ import annotations
 
 import copy
-import json
 import importlib
 import importlib.util
+import json
+import warnings
 from collections import Counter
 from typing import Any
-import warnings
 
 import pytest
 import torch
@@ -332,7 +332,7 @@ def test_timm_split_batchnorm_swapped_whole_and_bitwise(kwargs):
     half-converted layer, said only at INFO. Now the layer and its auxiliary layers are
     swapped, and training (every split) and eval equal timm's own layer bit for bit."""
     _import("torchvision")
-    timm = _import("timm")
+    _import("timm")
     from timm.layers import SplitBatchNorm2d
 
     torch.manual_seed(0)

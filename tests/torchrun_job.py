@@ -29,13 +29,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from _helpers import COLLECTIVE_TIMEOUT_S
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import bnswap
 from bnswap.app.models import MobileNetV2
-
-from _helpers import COLLECTIVE_TIMEOUT_S  # noqa: E402  (this script's folder)
 
 torch.set_num_threads(1)  # two processes on two cores
 
@@ -55,7 +54,7 @@ class Doubled(nn.BatchNorm2d):
 def ddp_error(model: nn.Module) -> dict[str, str] | None:
     try:
         DistributedDataParallel(model)
-    except Exception as e:  # noqa: BLE001 - what the user sees, recorded for the test
+    except Exception as e:  # what the user sees, recorded for the test
         return {"type": type(e).__name__, "message": str(e)}
     return None
 

@@ -8,8 +8,8 @@ The recipes of docs/recipes.md: ``bnswap``, a trainer whose ``get_model`` return
 ``bnswap.convert(super().get_model(...))`` (``YOLO(...).train(trainer=...)``): its EMA
 copy (``copy.deepcopy`` of the model) is swapped with it, and a resume builds the model
 through ``get_model`` again; ``callback``, an ``on_pretrain_routine_end`` callback that
-converts ``trainer.model`` and ``trainer.ema.ema``. Prints, as its last line, a JSON list with the number of
-swapped layers in the model and in the EMA copy at every training step. Used by
+converts ``trainer.model`` and ``trainer.ema.ema``. Prints, as its last line, a JSON list
+with the number of swapped layers in the model and in the EMA copy at every training step. Used by
 tests/test_recipes.py (the zoo environment: Ultralytics needs torchvision).
 """
 

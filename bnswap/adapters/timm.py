@@ -58,7 +58,7 @@ def batch_norm_act_2d(layer: _timm_norm_act.BatchNormAct2d, x: Tensor) -> Tensor
         True
     """
     _assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")
-    x = module_batch_norm(layer, x)  # type: ignore[arg-type]
+    x = module_batch_norm(layer, x)
     x = layer.drop(x)
     x = layer.act(x)
     return x
@@ -119,13 +119,13 @@ def split_batch_norm_2d(layer: _timm_split_batchnorm.SplitBatchNorm2d, input: Te
         )
         parts = input.split(split_size)
         layer._check_input_dim(parts[0])
-        out = [module_batch_norm(layer, parts[0])]  # type: ignore[arg-type]
+        out = [module_batch_norm(layer, parts[0])]
         for i, aux in enumerate(layer.aux_bn):
             out.append(aux(parts[i + 1]))
         x = torch.cat(out, dim=0)
     else:
         layer._check_input_dim(input)
-        x = module_batch_norm(layer, input)  # type: ignore[arg-type]
+        x = module_batch_norm(layer, input)
     if hasattr(layer, "drop"):
         x = layer.drop(x)
     if hasattr(layer, "act"):

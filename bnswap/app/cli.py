@@ -47,8 +47,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
-from bnswap.app.messages import short_error
 from bnswap.app.data import DigitsDataModule
+from bnswap.app.messages import short_error
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
@@ -108,9 +108,9 @@ class Trainer(pl.Trainer):
 class _Parser(LightningArgumentParser):
     """LightningCLI's parser, with its errors in one or two lines (no usage dump)."""
 
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:  # type: ignore[override]
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
-            return super().error(message, ex)
+            super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
         missing = _REQUIRED.search(message)
@@ -167,7 +167,7 @@ class BNSwapCLI(LightningCLI):
         )
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         self.results: dict[str, Any] = {}
-        super().__init__(args=args, **kwargs)
+        super().__init__(args=list(args) if args is not None else None, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument(
@@ -218,7 +218,8 @@ class BNSwapCLI(LightningCLI):
             super().instantiate_classes()
         except (MisconfigurationException, ValueError) as e:
             _usage_error(prog, short_error(str(e)))
-        if any(isinstance(cb, BNSwap) and cb.backend == "ort" for cb in self.trainer.callbacks):
+        callbacks = self.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's _CallbackConnector, undeclared on Trainer
+        if any(isinstance(cb, BNSwap) and cb.backend == "ort" for cb in callbacks):
             import bnswap
 
             try:  # (BNSwap.setup would raise it mid-run, with a traceback)
@@ -250,7 +251,8 @@ class BNSwapCLI(LightningCLI):
                 if k in ("val_loss", "val_acc")
             }
         )
-        swap = next((c for c in self.trainer.callbacks if isinstance(c, BNSwap)), None)
+        callbacks = self.trainer.callbacks  # type: ignore[attr-defined]  # as above
+        swap = next((c for c in callbacks if isinstance(c, BNSwap)), None)
         epochs = self.trainer.current_epoch
         seconds = getattr(self.trainer, "fit_seconds", None)
         self.results = {

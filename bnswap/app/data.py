@@ -158,7 +158,7 @@ class DigitsDataModule(pl.LightningDataModule):
             return {}
         # Checkpoints are written after a batch was processed (on_train_batch_end) or at
         # the end of an epoch; `processed` counts this epoch's batches either way.
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]  # Lightning's _BatchProgress.current: a _ProcessedTracker, typed as its base
         return {"epoch": int(trainer.current_epoch), "batches": int(done)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-__all__ = ["load_digits_tensors", "digits_split"]
+__all__ = ["digits_split", "load_digits_tensors"]
 
 
 def load_digits_tensors(image_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +55,7 @@ def digits_split(
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     x, y = load_digits_tensors(image_size)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_val = int(round(len(y) * val_fraction))
+    n_val = round(len(y) * val_fraction)
     val_idx, train_idx = perm[:n_val], perm[n_val:]
     mean, std = x[train_idx].mean(), x[train_idx].std()
     x = (x - mean) / std

@@ -121,7 +121,7 @@ def _split_top(text: str) -> list[str]:
     """``a, b[c, d], e`` -> ``[a, b[c, d], e]``."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
-        depth += ch in "[(<" and 1 or ch in "])>" and -1 or 0
+        depth += (ch in "[(<" and 1) or (ch in "])>" and -1) or 0
         if ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1

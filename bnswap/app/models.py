@@ -17,10 +17,11 @@ All take input (N, C_in, H, W) float32 and return logits (N, num_classes) float3
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["MobileNetV2", "InvertedResidual", "ConvNet4", "ResNet18", "build_model", "MODELS"]
+__all__ = ["MODELS", "ConvNet4", "InvertedResidual", "MobileNetV2", "ResNet18", "build_model"]
 
 
 def _make_divisible(v: float, divisor: int = 8) -> int:
@@ -54,7 +55,7 @@ class InvertedResidual(nn.Module):
         super().__init__()
         if stride not in (1, 2):
             raise ValueError(f"stride must be 1 or 2, got {stride}")
-        hidden = int(round(cin * expand_ratio))
+        hidden = round(cin * expand_ratio)
         self.use_res = stride == 1 and cin == cout
         layers: list[nn.Module] = []
         if expand_ratio != 1:
@@ -66,7 +67,7 @@ class InvertedResidual(nn.Module):
         self.conv = nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.conv(x)
+        out: Tensor = self.conv(x)
         return x + out if self.use_res else out
 
 
@@ -132,7 +133,8 @@ class MobileNetV2(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.classifier(self.pool(self.features(x)).flatten(1))
+        logits: Tensor = self.classifier(self.pool(self.features(x)).flatten(1))
+        return logits
 
 
 class ConvNet4(nn.Module):
@@ -164,7 +166,8 @@ class ConvNet4(nn.Module):
         self.head = nn.Linear(cin, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.features(x).mean((2, 3)))
+        logits: Tensor = self.head(self.features(x).mean((2, 3)))
+        return logits
 
 
 class _BasicBlock(nn.Module):
@@ -184,7 +187,8 @@ class _BasicBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu(out + self.shortcut(x))
+        y: Tensor = self.relu(out + self.shortcut(x))
+        return y
 
 
 class ResNet18(nn.Module):
@@ -212,7 +216,8 @@ class ResNet18(nn.Module):
         self.fc = nn.Linear(cin, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+        logits: Tensor = self.fc(self.layers(self.stem(x)).mean((2, 3)))
+        return logits
 
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -222,7 +227,7 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(name: str, **kwargs) -> nn.Module:
+def build_model(name: str, **kwargs: Any) -> nn.Module:
     """Instantiate a model of :data:`MODELS` by name (``"mobilenetv2"``, ``"convnet4"``,
     ``"resnet18"``) with keyword arguments for its constructor.
 

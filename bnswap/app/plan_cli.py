@@ -42,7 +42,7 @@ import os
 import re
 import sys
 import warnings
-from argparse import ArgumentError
+from argparse import Action, ArgumentError
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, Literal, get_type_hints
@@ -70,7 +70,7 @@ class _HelpFormatter(DefaultHelpFormatter):
     """jsonargparse's help without the "known subclasses" list of ``--model``: for
     ``nn.Module`` it names every module class imported (hundreds of lines)."""
 
-    def _get_help_string(self, action) -> str:
+    def _get_help_string(self, action: Action) -> str:
         text = super()._get_help_string(action)
         cut = text.find(", known subclasses: ")
         return text if cut < 0 else text[:cut] + ")"
@@ -275,7 +275,7 @@ def _build_factory(fn: Any, args: Any) -> nn.Module:
         model = fn(**kwargs)
     except ImportError:
         raise
-    except Exception as e:  # noqa: BLE001 - say which call: its values may be unparsed
+    except Exception as e:  # say which call: its values may be unparsed
         call = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise _FactoryError(f"{args.model}({call}) raised {type(e).__name__}: {e}") from e
     if not isinstance(model, nn.Module):
@@ -292,7 +292,7 @@ def _returns_no_module(fn: Any) -> bool:
     unannotated or unresolvable one may return a module)."""
     try:
         ret = get_type_hints(fn).get("return")
-    except Exception:  # noqa: BLE001 - a string annotation that does not resolve
+    except Exception:  # a string annotation that does not resolve
         return False
     return inspect.isclass(ret) and not issubclass(ret, nn.Module)
 
@@ -333,7 +333,7 @@ def _module_error(argv: Sequence[str]) -> str | None:
         return None
     try:
         module = importlib.import_module(path)
-    except Exception:  # noqa: BLE001 - not a module (mymodels.Net), or it fails to
+    except Exception:  # not a module (mymodels.Net), or it fails to
         return None  # import: jsonargparse reports it as for any path
     found = _models_in(module)
     if not found:
@@ -385,9 +385,9 @@ def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None, bool]:
             raise ValueError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise ValueError(f"{path}: no 'model' section (is it a `bnswap train` config?)")
-    path = cfg["model"].get("class_path") if isinstance(cfg["model"], dict) else None
-    if isinstance(path, str) and "." in path:  # a missing package (Lightning) said plainly
-        importlib.import_module(path.rsplit(".", 1)[0])
+    class_path = cfg["model"].get("class_path") if isinstance(cfg["model"], dict) else None
+    if isinstance(class_path, str) and "." in class_path:  # a missing package said plainly
+        importlib.import_module(class_path.rsplit(".", 1)[0])
     parser = _parser()
     built = _instantiate(parser, parser.parse_object({"model": cfg["model"]}))
     model = built.model
@@ -575,7 +575,7 @@ def _left_out_on_purpose(row: Any) -> bool:
     ``NodeRow``) was left out by the patterns given (``--include`` / ``--exclude``, a
     config callback's; a backward node whose forward node was): the row's ``excluded``;
     not a layer bnswap cannot swap."""
-    return row.excluded
+    return bool(row.excluded)
 
 
 def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
@@ -663,6 +663,8 @@ def main(argv: Sequence[str]) -> int:
     if cfg.device is not None and (error := _device_error(cfg.device)):
         return _usage_error(error)  # (before the model is built)
     synced = False
+    model: nn.Module | torch.export.ExportedProgram
+    swap: dict[str, Any] | None
     try:
         if cfg.program is not None:
             model, swap = load_program(cfg.program), {}
@@ -691,7 +693,7 @@ def main(argv: Sequence[str]) -> int:
     backend = cfg.backend or swap.get("backend", "aten")
     include = cfg.include if cfg.include is not None else swap.get("include")
     exclude = cfg.exclude if cfg.exclude is not None else swap.get("exclude")
-    sync = (
+    sync: dict[str, Any] = (
         {}
         if cfg.program is not None
         else {  # (programs.plan takes no such argument)
@@ -762,7 +764,7 @@ def load_program(path: str) -> torch.export.ExportedProgram:
     quiet.setLevel(logging.CRITICAL)
     try:
         return torch.export.load(path)
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a foreign file
+    except Exception as e:  # torch raises many kinds for a foreign file
         first = _NO_WARNINGS_ABOVE.sub("", (str(e).strip().splitlines() or [""])[0])[:160]
         raise ProgramFileError(
             f"{path}: not a torch.export program (torch.export.load: "
@@ -876,6 +878,7 @@ def convert_main(argv: Sequence[str]) -> int:
         warnings.simplefilter("always")
         plan = bnswap.plan(ep, include=cfg.include, exclude=cfg.exclude)
         new = plan.apply()
+    assert isinstance(new, torch.export.ExportedProgram)  # as ep is
     # bnswap's own (no batch-norm node, a pattern that matches none), each once: plan and
     # apply (which plans again) both warn of a pattern that matches nothing
     _print_warnings([w for w in caught if str(w.message).startswith("bnswap")], "convert")

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from torch import Tensor
 from torch.nn import functional as F
 
@@ -80,7 +81,8 @@ class DigitsClassifier(pl.LightningModule):
         self._val_sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
+        logits: Tensor = self.net(x)
+        return logits
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -129,10 +131,12 @@ class DigitsClassifier(pl.LightningModule):
         self.log("test_acc", float(sums[1] / sums[2]), sync_dist=True, reduce_fx="max")
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        return self(batch[0]).argmax(1)
+        logits: Tensor = self(batch[0])
+        return logits.argmax(1)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
+        assert isinstance(hp, AttributeDict)  # save_hyperparameters() made it
         if hp.optimizer == "sgd":
             opt: torch.optim.Optimizer = torch.optim.SGD(
                 self.parameters(),

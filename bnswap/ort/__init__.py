@@ -305,7 +305,7 @@ def unwrap(wrapper: nn.Module) -> nn.Module:
         torch.Size([2, 4, 4, 4])
     """
     state = wrapper.__dict__.get(WRAPPER_STATE) if isinstance(wrapper, nn.Module) else None
-    model = getattr(state, "model", None)
+    model: nn.Module | None = getattr(state, "model", None)
     if model is None:
         raise TypeError(
             "bnswap.ort.unwrap expects a model returned by bnswap.ort.wrap / "
@@ -355,6 +355,7 @@ def executed_ops(model: nn.Module, training: bool | None = None) -> collections.
     if training is None:
         training = model.training
     mode = "training" if training else "inference"
+    assert state is not None  # it has graph_files
     cache = state.ops
     if mode not in cache:
         path = files.get(mode)

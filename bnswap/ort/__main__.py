@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             path = _build.extension_path()
             print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}")
             print(f"extension: {path} ({'built' if path.is_file() else 'not built'})")
-    except Exception as err:  # noqa: BLE001 - CLI: one line, exit 1
+    except Exception as err:  # CLI: one line, exit 1
         print(f"bnswap.ort: {err}", file=sys.stderr)
         return 1
     return 0

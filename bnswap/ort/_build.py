@@ -35,6 +35,7 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bnswap import _log
@@ -42,7 +43,7 @@ from bnswap.ort.errors import BuildError
 
 logger = logging.getLogger("bnswap.ort")
 
-__all__ = ["cache_dir", "extension_path", "ensure_extension", "BuildError", "EXTENSION"]
+__all__ = ["EXTENSION", "BuildError", "cache_dir", "ensure_extension", "extension_path"]
 
 EXTENSION = "aten_op_executor"
 
@@ -125,7 +126,7 @@ PROGRESS_EVERY = 10.0
 
 
 @contextlib.contextmanager
-def _progress(t0: float, every: float | None = None):
+def _progress(t0: float, every: float | None = None) -> Iterator[None]:
     """While the block runs, write the elapsed time to stderr every ``every`` seconds
     (on one updated line when stderr is a terminal): the compile prints nothing itself
     (``-w``) for 30 to 90 s."""
@@ -151,7 +152,7 @@ def _progress(t0: float, every: float | None = None):
 
 
 @contextlib.contextmanager
-def _locked(folder: Path):
+def _locked(folder: Path) -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)

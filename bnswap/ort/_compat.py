@@ -144,7 +144,7 @@ def _shim_attrs() -> list[tuple[types.ModuleType, str, Any]]:
     return [(shim9, name, getattr(real9, name)) for name in ("_convolution", "_convolution_mode")]
 
 
-def _registry():
+def _registry() -> Any:
     return importlib.import_module(f"{_TSE}.registration").registry
 
 
@@ -199,11 +199,11 @@ def ort_scope() -> Iterator[None]:
             setattr(owner, name, value)
         snap = _snapshot_registry()
         real_export = torch.onnx.export
-        owner = threading.get_ident()
+        exporting_thread = threading.get_ident()
 
         @functools.wraps(real_export)
         def export(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == owner:  # ORT's export: the TorchScript exporter
+            if threading.get_ident() == exporting_thread:  # ORT's export: the TorchScript exporter
                 kwargs.setdefault("dynamo", False)
             return real_export(*args, **kwargs)
 
@@ -258,7 +258,9 @@ def _unwrap_ort_overrides() -> None:
                 fn = fn.__globals__[holder]
             elif fn.__code__.co_freevars and "original_checkpoint" in fn.__code__.co_freevars:
                 idx = fn.__code__.co_freevars.index("original_checkpoint")
-                fn = fn.__closure__[idx].cell_contents  # type: ignore[index]
+                closure = fn.__closure__
+                assert closure is not None  # it has free variables
+                fn = closure[idx].cell_contents
             else:
                 break
         return fn
@@ -276,15 +278,15 @@ def _nvtx_noop() -> None:
     if torch.cuda.is_available():
         return
 
-    def torch_nvtx_range_push(msg):  # noqa: ARG001 - same signature as ORT's
+    def torch_nvtx_range_push(msg: str) -> None:  # same signature as ORT's
         return None
 
-    def torch_nvtx_range_pop():
+    def torch_nvtx_range_pop() -> None:
         return None
 
     tpu.torch_nvtx_range_push = torch_nvtx_range_push
     tpu.torch_nvtx_range_pop = torch_nvtx_range_pop
-    utils = sys.modules.get("onnxruntime.training.utils")
+    utils: Any = sys.modules.get("onnxruntime.training.utils")
     if utils is not None:
         utils.torch_nvtx_range_push = torch_nvtx_range_push
         utils.torch_nvtx_range_pop = torch_nvtx_range_pop
@@ -356,7 +358,7 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
     original = cls.__dict__["_get_exported_model"].__func__
 
     @functools.wraps(original)
-    def _get_exported_model(flattened_module, *args, **kwargs):
+    def _get_exported_model(flattened_module: Any, *args: Any, **kwargs: Any) -> Any:
         opset = kwargs.get("onnx_opset_version", ortmodule.ONNX_OPSET_VERSION)
         if len(args) >= 7:
             opset = args[6]
@@ -390,7 +392,7 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
                     # on the whole module; the trace must see each module's own mode (a
                     # frozen BatchNorm in a training model, a train-mode one in an eval
                     # model): put every flag back just before the traced forward.
-                    def keep_modes(_module, _inputs):
+                    def keep_modes(_module: torch.nn.Module, _inputs: tuple[Any, ...]) -> None:
                         for m, training in modes:
                             m.training = training
 
@@ -426,7 +428,7 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
     original_getstate = gem.__getstate__
 
     @functools.wraps(original_getstate)
-    def __getstate__(self):
+    def __getstate__(self: Any) -> Any:
         missing = [
             k
             for k in ("_torch_alloc", "_torch_free", "_torch_empty_cache")
@@ -445,7 +447,7 @@ def _patch_export(ortmodule: types.ModuleType) -> None:
     original_cfg = gem._get_session_config
 
     @functools.wraps(original_cfg)
-    def _get_session_config(self):
+    def _get_session_config(self: Any) -> Any:
         session_options, providers, provider_options = original_cfg(self)
         hook = getattr(self, "_bnswap_session_hook", None)
         if hook is not None:
@@ -469,22 +471,23 @@ def _patch_stream_suppression() -> None:
     streams, doctest, pytest's ``capsys``) it raised ``TypeError: 'NoneType' object cannot
     be interpreted as an integer`` from its cleanup, and every export failed. There it
     now leaves the streams alone (ORT's messages are then shown, not hidden)."""
-    lg = importlib.import_module(f"{_ORTM}._logger")
+    lg: Any = importlib.import_module(f"{_ORTM}._logger")
     original = lg._suppress_os_stream_output
     if getattr(original, "_bnswap_patched", False):
         return
 
     @functools.wraps(original)
-    def _suppress_os_stream_output(enable=True, on_exit=None):
+    def _suppress_os_stream_output(enable: bool = True, on_exit: Any = None) -> Any:
         usable = _has_fileno(sys.stdout) and _has_fileno(sys.stderr)
         return original(enable=enable and usable, on_exit=on_exit)
 
-    _suppress_os_stream_output._bnswap_patched = True  # type: ignore[attr-defined]
+    _suppress_os_stream_output._bnswap_patched = True  # type: ignore[attr-defined]  # its mark
     lg._suppress_os_stream_output = _suppress_os_stream_output
 
 
-def apply() -> types.ModuleType:
-    """Make ``onnxruntime.training.ortmodule`` usable on this torch; return it.
+def apply() -> Any:
+    """Make ``onnxruntime.training.ortmodule`` usable on this torch; return it (a module
+    ORT ships no types for).
 
     Idempotent and thread-safe. Builds the ``aten_op_executor`` extension on first use
     (:func:`bnswap.ort._build.ensure_extension`).
@@ -509,7 +512,7 @@ def apply() -> types.ModuleType:
                 if not name.startswith(_EXT_PKG + "."):
                     del sys.modules[name]
         _load_extension()
-        ortmodule = _import_ortmodule()
+        ortmodule: Any = _import_ortmodule()
         init_error = ortmodule._FALLBACK_INIT_EXCEPTION
         if init_error is not None and not ortmodule.is_torch_cpp_extensions_installed(
             ortmodule.ORTMODULE_TORCH_CPP_DIR

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from bnswap._swap import add_internal_buffer, drop_internal_buffers, is_swapped
@@ -36,7 +35,7 @@ TRACE_WEIGHT = "_bnswap_trace_weight"
 TRACE_BIAS = "_bnswap_trace_bias"
 
 
-def bn_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def bn_layers(module: nn.Module) -> list[tuple[str, _BatchNorm]]:
     """``(name, layer)`` for every ``_BatchNorm`` of ``module``, in ``named_modules()`` order."""
     return [(n, m) for n, m in module.named_modules() if isinstance(m, _BatchNorm)]
 

@@ -10,9 +10,10 @@ __all__ = ["LOG_LEVEL_ENV", "ort_log_level", "quiet_ort_notices"]
 
 #: The environment variable that sets ONNX Runtime's own log level: VERBOSE, INFO,
 #: WARNING (the default) or ERROR. It applies to ORTModule's Python logger
-#: (``orttraining``, ``orttraining.rank-<rank>`` under DDP, which otherwise printed its exporter's INFO lines, 80 and more for a
-#: 3-layer model, under ``logging.basicConfig(level=logging.INFO)``) and to the C++
-#: session logger (at WARNING, its warning about the optimized graph bnswap saves for
+#: (``orttraining``, ``orttraining.rank-<rank>`` under DDP, which otherwise printed its
+#: exporter's INFO lines, 80 and more for a 3-layer model, under
+#: ``logging.basicConfig(level=logging.INFO)``) and to the C++ session logger (at WARNING, its
+#: warning about the optimized graph bnswap saves for
 #: :func:`executed_ops` is left out).
 LOG_LEVEL_ENV = "BNSWAP_ORT_LOG_LEVEL"
 _LOG_LEVELS = ("VERBOSE", "INFO", "WARNING", "ERROR")

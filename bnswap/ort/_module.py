@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = ["BNSwapORTModule", "Verification", "WrapperState", "graph_mode"]
 logger = logging.getLogger("bnswap.ort")
 
 _ortmodule = _compat.apply()
+_ORTModule: Any = _ortmodule.ORTModule  # (ORT ships no types)
 _NAMED_LACK_REMOVE_DUPLICATE = _compat.lacks_remove_duplicate(_ortmodule)
 _fallback_exceptions = __import__(
     "onnxruntime.training.ortmodule._fallback_exceptions", fromlist=["_"]
@@ -101,7 +102,7 @@ class WrapperState:
 
     def __setstate__(self, state: dict) -> None:
         adapters = state.pop("adapters", {})
-        self.__init__(**state)  # type: ignore[misc]
+        self.__init__(**state)  # type: ignore[misc]  # rebuilt in place from its pickle
         modules = dict(self.model.named_modules())
         for name, adapter in adapters.items():
             if modules.get(name) is not None and adapter_of(modules[name]) is None:
@@ -110,7 +111,7 @@ class WrapperState:
             trace_constants(self.model, add=True)
 
 
-def graph_mode(model_training: bool, layers: list[tuple[str, nn.Module]]) -> bool:
+def graph_mode(model_training: bool, layers: Sequence[tuple[str, nn.Module]]) -> bool:
     """Which ORT graph runs: the training graph (forward + backward, batch statistics
     written) when the model or any of its BatchNorm ``layers`` is in train mode, else the
     inference graph. Each module keeps its own mode inside the exported graph
@@ -136,7 +137,7 @@ def _is_ort_error(err: BaseException) -> bool:
     ).__module__.startswith("onnxruntime")
 
 
-class BNSwapORTModule(_ortmodule.ORTModule):
+class BNSwapORTModule(_ORTModule):
     """``ORTModule`` with PyTorch's BatchNorm running-statistics semantics.
 
     Made by :func:`bnswap.ort.wrap`. ``module`` is the wrapped model (its BatchNorm
@@ -177,7 +178,8 @@ class BNSwapORTModule(_ortmodule.ORTModule):
     def _bnswap_state(self) -> WrapperState:
         """The wrapper's :class:`WrapperState` (a method, not a property: ORT's
         ``ORTModule.__init__`` reads every member before the state exists)."""
-        return self.__dict__[WRAPPER_STATE]
+        state: WrapperState = self.__dict__[WRAPPER_STATE]
+        return state
 
     # ------------------------------------------------------------------ setup
     def _bnswap_install(self) -> None:
@@ -230,14 +232,14 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         # methods, with torch's signature (same names as ORT's: no wrapper prefix).
         def named_parameters(
             self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-        ):
+        ) -> Iterator[tuple[str, nn.Parameter]]:
             yield from self.module.named_parameters(
                 prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
             )
 
         def named_buffers(
             self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-        ):
+        ) -> Iterator[tuple[str, torch.Tensor]]:
             yield from self.module.named_buffers(
                 prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
             )
@@ -352,7 +354,8 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         state = self._bnswap_state()
         keys = state.export_keys
         old = keys.get(training)
-        key = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
+        key = (
+            *self._bnswap_export_key(mods, layers, args, kwargs, training),
             state.stats.empty_inputs(args, kwargs, layers),
         )
         if old is None or old == key:
@@ -367,7 +370,8 @@ class BNSwapORTModule(_ortmodule.ORTModule):
         keys.clear()  # the other mode's graph is stale too
         mods = list(state.model.named_modules())
         layers = [(n, m) for n, m in mods if isinstance(m, _BatchNorm)]
-        keys[training] = self._bnswap_export_key(mods, layers, args, kwargs, training) + (
+        keys[training] = (
+            *self._bnswap_export_key(mods, layers, args, kwargs, training),
             state.stats.empty_inputs(args, kwargs, layers),
         )
         _log.info(
@@ -475,7 +479,9 @@ class BNSwapORTModule(_ortmodule.ORTModule):
     def _bnswap_ort_call(self, args: tuple, kwargs: dict) -> Any:
         """ORT's own forward; its errors become :class:`ORTRunError`."""
         try:
-            return self._bnswap_state().ort_forward(*args, **kwargs)
+            ort_forward = self._bnswap_state().ort_forward
+            assert ort_forward is not None  # set by _bnswap_install
+            return ort_forward(*args, **kwargs)
         except Exception as err:
             if _is_ort_error(err):
                 raise ORTRunError(
@@ -499,7 +505,7 @@ class BNSwapORTModule(_ortmodule.ORTModule):
 
     # ------------------------------------------------------------- pickling
     def __getstate__(self) -> dict:
-        state = super().__getstate__()
+        state: dict[str, Any] = super().__getstate__()
         # Bound methods are rebuilt by __setstate__. The key stays (as None): ORT's
         # __setstate__ assigns self.forward, and ORTModule.__setattr__ forwards a name
         # that is not in __dict__ to the wrapped model.

@@ -96,7 +96,10 @@ def _user_level() -> int:
     import sys
 
     skip = (__file__, nn.modules.module.__file__)
-    frame, level = sys._getframe(1), 1
+    from types import FrameType
+
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename in skip:
         frame, level = frame.f_back, level + 1
     return level

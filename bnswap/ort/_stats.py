@@ -45,7 +45,7 @@ T = TypeVar("T")
 # with the batch mean (sentinel * 0 + mean), so a survivor means no write happened.
 _SENTINEL = 1.0e30
 
-__all__ = ["RunningStats", "tracked_layers", "leaf_key"]
+__all__ = ["RunningStats", "leaf_key", "tracked_layers"]
 
 
 def tracked_layers(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, _BatchNorm]]:
@@ -99,7 +99,7 @@ class RunningStats:
         shape of every call of every BatchNorm layer, by qualified name."""
         seen: dict[str, list[tuple[int, ...]]] = {}
 
-        def hook(name: str):
+        def hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
             def pre(_mod: nn.Module, inputs: tuple) -> None:
                 seen.setdefault(name, []).append(tuple(inputs[0].shape))
 
@@ -156,7 +156,7 @@ class RunningStats:
         if shapes is None:
             try:
                 shapes = self._shapes_of(lambda: self._meta_pass(args, kwargs))
-            except Exception as err:  # noqa: BLE001 - any meta failure: use a real pass
+            except Exception as err:  # any meta failure: use a real pass
                 logger.debug("bnswap.ort: meta shape pass failed (%s); using a real pass", err)
                 shapes = self._shapes_of(lambda: self._real_pass(args, kwargs))
             if len(self._shapes) > 64:
@@ -177,7 +177,7 @@ class RunningStats:
         """
         seen = self.input_shapes(args, kwargs)
         sizes: list[int | None] = []
-        for name, m in layers:
+        for name, _m in layers:
             shapes = seen.get(name)
             if shapes is None:
                 sizes.append(None)  # not run by this forward: no update, as in eager
@@ -238,9 +238,9 @@ class RunningStats:
                 layer's statistics (the statistics are restored; nothing is silently
                 wrong).
         """
-        layers = tracked_layers(layers)
-        sizes = self.reduction_sizes(args, kwargs, layers) if layers else []
-        ran = [(m, n) for (_, m), n in zip(layers, sizes) if n is not None]
+        tracked = tracked_layers(layers)
+        sizes = self.reduction_sizes(args, kwargs, tracked) if tracked else []
+        ran = [(m, n) for (_, m), n in zip(tracked, sizes, strict=True) if n is not None]
         # verified: every layer that ran was checked (an empty batch proves nothing about
         # ORT's write, so the next step verifies again)
         self.verified = verify and all(n > 0 for _, n in ran)
@@ -249,20 +249,27 @@ class RunningStats:
         if eager is not None and all(n == 0 for _, n in ran):
             self.verified = False
             return eager()
-        means = [m.running_mean for m, _ in ran]
-        vars_ = [m.running_var for m, _ in ran]
+        means: list[torch.Tensor] = []
+        vars_: list[torch.Tensor] = []
+        for m, _ in ran:
+            assert m.running_mean is not None and m.running_var is not None  # tracked
+            means.append(m.running_mean)
+            vars_.append(m.running_var)
         with torch.no_grad():
             old_means = torch._foreach_mul(means, 1.0)
             old_vars = torch._foreach_mul(vars_, 1.0)
             checked = [m for m, n in ran if n > 0] if verify else []
-            for m in checked:
-                m.running_mean.fill_(_SENTINEL)
+            for mean, (_, n) in zip(means, ran, strict=True):
+                if verify and n > 0:
+                    mean.fill_(_SENTINEL)
         try:
             out = run()
             missed = [
                 name
-                for name, m in layers
-                if any(m is c for c in checked) and bool((m.running_mean == _SENTINEL).any())
+                for name, m in tracked
+                if any(m is c for c in checked)
+                and (stat := m.running_mean) is not None
+                and bool((stat == _SENTINEL).any())
             ]
             if missed:
                 raise StatsNotWrittenError(
@@ -298,7 +305,7 @@ class RunningStats:
                     for i in full
                 ]
                 keep = [1.0 - w for w in ms]
-                scale_v = [w * ran[i][1] / (ran[i][1] - 1) for w, i in zip(ms, full)]
+                scale_v = [w * ran[i][1] / (ran[i][1] - 1) for w, i in zip(ms, full, strict=True)]
                 fm, fv = [means[i] for i in full], [vars_[i] for i in full]
                 # running = m * batch + (1 - m) * old   (the batch's are in the buffer)
                 torch._foreach_mul_(fm, ms)

@@ -28,16 +28,25 @@ never used in a traced forward; they are returned as ``None`` (dead outputs).
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import onnx
+
+#: The TorchScript exporter's graph context and values (``torch._C.Value``) the symbolics
+#: get: private classes whose module moved between torch releases (``_TSE``).
+_G = Any
+_V = Any
 
 _TSE = "torch.onnx._internal.torchscript_exporter"
 
-__all__ = ["register", "ONNX_TRAINING_MOMENTUM"]
+__all__ = ["ONNX_TRAINING_MOMENTUM", "register"]
 
 #: ONNX momentum emitted for training-mode batch norm: running stats := batch stats.
 ONNX_TRAINING_MOMENTUM = 0.0
 
 
-def _helpers():
+def _helpers() -> Any:
     return importlib.import_module(f"{_TSE}.symbolic_helper")
 
 
@@ -46,7 +55,7 @@ _SCRATCH_MEAN = 2.0**-100
 _SCRATCH_VAR = 2.0**-99
 
 
-def _private_stat(g, input, like, fill: float):
+def _private_stat(g: _G, input: _V, like: _V, fill: float) -> _V:
     import torch
 
     tse = importlib.import_module(f"{_TSE}._type_utils")
@@ -59,7 +68,9 @@ def _private_stat(g, input, like, fill: float):
     return g.op("Constant", value_t=torch.full((channels,), fill, dtype=dtype))
 
 
-def _batch_norm_with_update(g, input, weight, bias, running_mean, running_var, momentum, eps):
+def _batch_norm_with_update(
+    g: _G, input: _V, weight: _V, bias: _V, running_mean: _V, running_var: _V, momentum: _V, eps: _V
+) -> tuple[_V, None, None, None]:
     sh = _helpers()
     eps = sh._maybe_get_const(eps, "f")
     weight, bias, running_mean, running_var = sh._batchnorm_helper(
@@ -93,10 +104,12 @@ def _exporting_for_training() -> bool:
     import torch
 
     globals_ = importlib.import_module(f"{_TSE}._globals").GLOBALS
-    return globals_.training_mode == torch.onnx.TrainingMode.TRAINING
+    return bool(globals_.training_mode == torch.onnx.TrainingMode.TRAINING)
 
 
-def _batch_norm_no_update(g, input, weight, bias, running_mean, running_var, momentum, eps):
+def _batch_norm_no_update(
+    g: _G, input: _V, weight: _V, bias: _V, running_mean: _V, running_var: _V, momentum: _V, eps: _V
+) -> tuple[_V, None, None, None]:
     sh = _helpers()
     eps = sh._maybe_get_const(eps, "f")
     weight, bias, running_mean, running_var = sh._batchnorm_helper(
@@ -131,7 +144,16 @@ def _batch_norm_no_update(g, input, weight, bias, running_mean, running_var, mom
     return out, None, None, None
 
 
-def _frozen_batch_norm(g, sh, input, weight, bias, running_mean, running_var, eps: float):
+def _frozen_batch_norm(
+    g: _G,
+    sh: Any,
+    input: _V,
+    weight: _V,
+    bias: _V,
+    running_mean: _V,
+    running_var: _V,
+    eps: float,
+) -> _V:
     import torch
 
     rank = sh._get_tensor_rank(input)
@@ -161,7 +183,7 @@ def register(opset: int) -> None:
     register_custom_op_symbolic("aten::_batch_norm_no_update", _batch_norm_no_update, opset)
 
 
-def keep_running_stat_aliases(model) -> int:
+def keep_running_stat_aliases(model: onnx.ModelProto) -> int:
     """Make ORT write running statistics for batch norms whose output is a model output.
 
     Measured with onnxruntime-training 1.19.2 (CPU): when a training-mode

@@ -8,11 +8,12 @@ subcommands), so it cannot drift from them. ``:same-as: train`` shows only what 
 from ``bnswap train --help``: the first line of the usage, then the sections (the
 description, an option group) that ``train``'s help does not hold word for word (the
 Trainer subcommands share some 450 lines of Lightning's Trainer options). The reST markup
-that Lightning's docstrings bring into the Trainer options' help (``:class:`datetime.timedelta```,
-``:paramref:`~lightning.pytorch.trainer.trainer.Trainer.logger```, ````"auto"````) is
-shown as the plain text it stands for (:func:`plain_text`). The first directive starts every help at
-once, four at a time (each imports torch, the Lightning ones Lightning: 2-7 s apiece); a
-build that uses none starts none. A subcommand whose help fails is a build error.
+that Lightning's docstrings bring into the Trainer options' help
+(``:class:`datetime.timedelta```, ``:paramref:`~lightning.pytorch.trainer.trainer.Trainer.logger```,
+````"auto"````) is shown as the plain text it stands for (:func:`plain_text`). The first
+directive starts every help at once, four at a time (each imports torch, the Lightning ones
+Lightning: 2-7 s apiece); a build that uses none starts none. A subcommand whose help fails is
+a build error.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, ClassVar
 
 from docutils import nodes
 from docutils.parsers.rst import directives
@@ -110,7 +112,10 @@ class BnswapHelp(SphinxDirective):
 
     optional_arguments = 1
     has_content = False
-    option_spec = {"caption": directives.unchanged, "same-as": directives.unchanged}
+    option_spec: ClassVar[dict[str, Any]] = {
+        "caption": directives.unchanged,
+        "same-as": directives.unchanged,
+    }
 
     def run(self) -> list[nodes.Node]:
         sub = self.arguments[0] if self.arguments else ""
