@@ -533,7 +533,8 @@ class Plan(Rows[PlanRow]):
         refuses the model (so nothing would change)."""
         text = super().summary()
         refusal = self._refusal()
-        if refusal:
+        if refusal:  # (nothing would change, said once: at the end)
+            text = text.removesuffix(": nothing would change")
             backend = backend_named(self.backend)
             text += (
                 f"; convert(backend={backend.name!r}) refuses this model ({backend.runtime} "

@@ -428,10 +428,7 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     done = tmp_path / "done.pt2"
     assert plan_cli.convert_main([str(path), "-o", str(done)]) == 0
     capsys.readouterr()
-    summary = (
-        "2 of 2 batch-norm nodes would be swapped, 0 skipped; 2 already swapped (keep): "
-        "nothing would change"
-    )
+    summary = "all 2 batch-norm nodes already swapped: nothing would change"
     code, out, _ = run(capsys, "--program", str(done))
     assert code == 0 and out.startswith(f"bnswap plan: {summary}\n")
     assert [ln.split()[2] for ln in out.splitlines()[3:5]] == ["keep", "keep"]
@@ -442,8 +439,7 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     assert plan_cli.convert_main([str(done), "-o", str(tmp_path / "again.pt2")]) == 0
     # (convert reports the applied plan: what was done)
     assert capsys.readouterr().out.startswith(
-        "bnswap convert: 2 of 2 batch-norm nodes swapped, 0 skipped; 2 already swapped (keep): "
-        "nothing changed\n"
+        "bnswap convert: all 2 batch-norm nodes already swapped: nothing changed\n"
     )
 
 
