@@ -180,6 +180,7 @@ def test_plan_of_a_converted_model_says_keep_and_apply_changes_only_what_is_new(
     )
     assert str(p).splitlines()[3].split()[2] == "keep"
     assert p.apply() is model
+    assert p.summary() == "bnswap: 1 of 4 BatchNorm layers swapped, 3 already swapped, 0 skipped"
     assert [vars(m)[SWAP] for m in bns(model)][:3] == forwards
     assert bnswap.is_swapped(model.extra)
     assert [r.action for r in bnswap.plan(model)] == ["keep"] * 4

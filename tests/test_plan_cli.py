@@ -182,7 +182,7 @@ def test_an_unannotated_function_is_called_and_its_result_checked(capsys):
     ]
     code, out, err = run(capsys, "--model=tests.plan_models.unannotated_net", "--model.wdth", "6")
     assert code == 2 and err.splitlines()[0] == (
-        "bnswap plan: error: unrecognized arguments: --model.wdth 6"
+        "bnswap plan: error: unknown option '--model.wdth'; did you mean '--model.width'?"
     )
     code, out, err = run(capsys, "--model", "tests.plan_models.not_a_model")
     assert (
@@ -324,6 +324,38 @@ def test_a_pattern_that_matches_nothing_warns_in_one_line(capsys):
     # not pass; an include that matches some layers exits 0, issue 26)
     assert code == 3 and "not matched by include" in out
     assert err == "bnswap plan: warning: include pattern 'nothing*' matches no BatchNorm layer\n"
+
+
+def test_a_mistyped_option_gets_a_did_you_mean_as_a_mistyped_subcommand_does(capsys, tmp_path):
+    """Guards (a newcomer's report): ``bnswap plan --modle m.net`` answered "unrecognized
+    arguments: --modle m.net" where ``bnswap plann`` gets "did you mean 'plan'?". Through
+    the front door, as typed; an option nothing is close to keeps argparse's word."""
+    from _bnswap_command import main
+
+    for args, message in (
+        (
+            ["plan", "--modle", "tests.plan_models.plain_net"],
+            "bnswap plan: error: unknown option '--modle'; did you mean '--model'?",
+        ),
+        (
+            ["plan", "--model", "tests.plan_models.plain_net", "--formt=json"],
+            "bnswap plan: error: unknown option '--formt'; did you mean '--format'?",
+        ),
+        (
+            ["plan", "--model", "tests.plan_models.plain_net", "--zzzzzz", "1"],
+            "bnswap plan: error: unknown option '--zzzzzz'",
+        ),
+        (
+            ["convert", str(tmp_path / "m.pt2"), "--ouput", str(tmp_path / "o.pt2")],
+            "bnswap convert: error: unknown option '--ouput'; did you mean '--output'?",
+        ),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        out = capsys.readouterr()
+        assert exit_.value.code == 2 and not out.out
+        command = args[0]
+        assert out.err.splitlines() == [message, f"(bnswap {command} --help lists every option)"]
 
 
 def test_convert_with_sync_batchnorm_says_why_programs_take_none(capsys, tmp_path):
