@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 import torch
 from torch import nn
@@ -608,17 +608,28 @@ def _row(
         and not (backend.cannot_sync and reason.startswith(backend.cannot_sync))
     ):
         reason += "; " + backend.skip_note
-    return PlanRow(
-        _display(name),
-        cls.__name__,
-        action,
-        reason or "-",
-        backend.name if action != "skip" else "-",
-        adapter,
-        m,
+    # PlanRow's own __init__ (a frozen dataclass: one object.__setattr__ per field) took
+    # most of convert's time per layer (benchmarks P5); the same fields, set at once
+    row = _new_row(PlanRow)
+    fields_ = row.__dict__
+    fields_.update(_ROW_DEFAULTS)
+    fields_.update(
+        name=_display(name),
+        cls=cls.__name__,
+        action=action,
+        reason=reason or "-",
+        backend=backend.name if action != "skip" else "-",
+        adapter=adapter,
+        module=m,
         device=device,
         **kw,
     )
+    return row
+
+
+_new_row = object.__new__
+#: PlanRow's fields that have a default, with it (_row sets the others).
+_ROW_DEFAULTS = {f.name: f.default for f in fields(PlanRow) if f.default is not MISSING}
 
 
 _EAGER = "eager: its top-level module holds a layer that is not swapped"
@@ -818,7 +829,9 @@ def _plan_layers(
     exc = _pattern_list(exclude, "exclude")
     used: dict[str, set[int]] = {"include": set(), "exclude": set()}
     rows: list[PlanRow] = []
-    by_name: dict[str, PlanRow] = {}  # (qualified name as named_modules gives it)
+    # the rows of BatchNorm layers that hold submodules (qualified name as named_modules
+    # gives it): the only ones another layer can be part of (_bn_parent)
+    by_name: dict[str, PlanRow] = {}
     for name, m in module.named_modules(remove_duplicate=True):
         if not isinstance(m, _BatchNorm):
             continue
@@ -837,7 +850,7 @@ def _plan_layers(
         # a BatchNorm layer inside another (timm's SplitBatchNorm2d and its aux_bn, which
         # its adapter calls) follows it: left out with it, chosen with it, synchronized
         # only with it (a half-converted layer otherwise)
-        parent = _bn_parent(name, by_name)
+        parent = _bn_parent(name, by_name) if by_name else None
         if hit_exc:
             left_out: str | None = f"excluded by {_pattern_str(exc[hit_exc[0]])}"
         elif parent is not None:
@@ -928,7 +941,8 @@ def _plan_layers(
                     "see docs/adapters.md",
                 )
             )
-        by_name[name] = rows[-1]
+        if m._modules:
+            by_name[name] = rows[-1]
     unmatched = [
         (kind, p)
         for kind, pats in (("include", inc), ("exclude", exc))
