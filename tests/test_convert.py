@@ -926,3 +926,25 @@ def test_failed_convert_leaves_a_shallow_copy_as_it_was(monkeypatch):
         bnswap.convert(model)
     assert calls == [model[1], model[2]]
     assert c.__dict__[SWAP] is mark and not bnswap.is_swapped(model[1])
+
+
+def test_a_layer_inside_an_excluded_batchnorm_layer_is_left_out_with_it():
+    """A BatchNorm layer that is a submodule of another (timm's ``SplitBatchNorm2d`` and
+    its ``aux_bn``; here without timm) follows the layer that holds it, however deep and
+    after layers that hold nothing (plan keeps only the rows of layers with submodules
+    to find it); the others are swapped."""
+
+    class Holder(nn.BatchNorm2d):
+        def __init__(self, c: int) -> None:
+            super().__init__(c)
+            self.aux = nn.Sequential(nn.BatchNorm2d(c))
+
+    model = nn.Sequential(nn.BatchNorm2d(2), Holder(2), Holder(2))
+    rows = bnswap.plan(model, exclude="1")
+    assert [(r.name, r.action, r.reason) for r in rows] == [
+        ("0", "swap", "-"),
+        ("1", "skip", "excluded by '1'"),
+        ("1.aux.0", "skip", "excluded with the BatchNorm layer it is part of, '1'"),
+        ("2", "swap", "-"),
+        ("2.aux.0", "swap", "-"),
+    ]
