@@ -47,7 +47,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
+from bnswap.app.data import DigitsDataModule
 from bnswap.app.messages import did_you_mean, short_error, unrecognized_error
+from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
 __all__ = [
@@ -59,6 +61,10 @@ __all__ = [
     "run_lightning_subcommand",
     "run_train",
 ]
+
+#: The shipped configs' model and data, imported so that ``bnswap train --help`` lists
+#: them among ``--model`` / ``--data``'s known subclasses.
+SHIPPED_CLASSES = (DigitsClassifier, DigitsDataModule)
 
 #: ``ckpt_path`` values Lightning resolves itself (not file names).
 _CKPT_ALIASES = ("last", "best", "hpc", "registry")
