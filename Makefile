@@ -1,9 +1,11 @@
 # bnswap: one-command setup, main job and tests. Each target creates its virtual
 # environment on first use. torch is always installed FIRST and pinned, so pip never
 # resolves a newer (multi-GB CUDA) build.
-#   make demo   - set up .venv and train the MobileNetV2-style net on the digits data
+#   make demo   - set up .venv with what the demo needs (torch, then bnswap[lightning])
+#                 and train the MobileNetV2-style net on the digits data
 #   make lint   - ruff (lint and format check) over the tree, mypy over the package
-#   make test   - lint, then set up .venv and .venv-zoo and run the whole suite in both
+#   make test   - lint, then set up .venv (the demo's packages, then every extra and
+#                 tool the suite uses) and .venv-zoo, and run the whole suite in both
 #                 (in .venv it builds the docs site too: tests/test_site.py)
 #   make docs   - build the docs site into build/docs/html (warnings are errors) and run
 #                 the docstrings' examples (tests/test_docs.py)
@@ -24,18 +26,26 @@ PIP := -m pip install -q --disable-pip-version-check
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 export MPLBACKEND ?= Agg
 
-.PHONY: setup setup-zoo demo lint test test-main test-zoo docs docs-html dist compat bench mutation clean
+.PHONY: setup setup-demo setup-zoo demo lint test test-main test-zoo docs docs-html dist compat bench mutation clean
 
 # After torch, every install runs with a constraints file pinning it, so no package's
 # own torch requirement can make pip fetch another build.
 # transformers + accelerate (the Hugging Face Trainer recipe, tests/test_recipes.py) go
 # into .venv only: its CPU torch makes them cheap; the zoo skips that test.
-$(VENV)/.installed: pyproject.toml Makefile
+# Two stamps in one venv: .demo-installed (torch, then bnswap with the lightning extra:
+# Lightning, scikit-learn's digits, matplotlib; all `make demo` runs) and .installed
+# (the rest the suite uses: ONNX Runtime, onnx, the dev and docs tools, the recipes'
+# packages), which builds on it, so `make demo` then `make test` installs each once.
+$(VENV)/.demo-installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python $(PIP) --upgrade pip
 	$(VENV)/bin/python $(PIP) $(TORCH) 2>/dev/null || \
 		$(VENV)/bin/python $(PIP) --extra-index-url $(TORCH_INDEX) $(TORCH)
 	echo '$(TORCH)' > $(VENV)/constraints.txt
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning]'
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.demo-installed
 	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev,docs]' \
 		transformers==5.23.0 accelerate==1.16.0
 	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
@@ -51,9 +61,10 @@ $(ZOO)/.installed: pyproject.toml Makefile
 	touch $@
 
 setup: $(VENV)/.installed
+setup-demo: $(VENV)/.demo-installed
 setup-zoo: $(ZOO)/.installed
 
-demo: setup
+demo: setup-demo
 	$(VENV)/bin/bnswap train --config configs/digits_mobilenetv2.yaml
 
 # -rs: the closing lines list every skipped test with its reason

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import json
 import os
@@ -454,6 +455,7 @@ def p3_overhead(s: Settings) -> dict:
         "bandwidth": bw_rows,
         "vs_stock": vs_stock,
         "hot_path": p3_hot_path(s),
+        "dispatcher": p3_dispatcher(s),
     }
 
 
@@ -493,6 +495,67 @@ def p3_hot_path(s: Settings) -> list[dict]:
                 f"  P3 hot path {mode:5s} {label:18s} {row['a_median_us']:7.2f} / "
                 f"{row['b_median_us']:7.2f} us  ratio {row['ratio_median']:.3f} "
                 f"[{row['ratio_ci95'][0]:.3f}, {row['ratio_ci95'][1]:.3f}]"
+            )
+    return out
+
+
+def p3_dispatcher(s: Settings) -> list[dict]:
+    """The class dispatcher's own cost, stock and swapped layers side by side in one
+    process (where a swap has put the dispatcher on ``_BatchNorm``): at
+    :data:`HOT_PATH_SHAPE`, train and eval (no grad), interleaved,
+
+    * a stock layer's ``layer.forward(x)`` (the dispatcher, which finds no mark and calls
+      the class's own forward) against that own forward called directly
+      (``class_forward(type(layer))(layer, x)``): what every stock BatchNorm layer of the
+      process pays once bnswap has swapped any layer;
+    * a swapped layer's ``layer.forward(x)`` (the dispatcher, which runs the adapter)
+      against its adapter called directly (``adapter(layer, x)``);
+    * an A/A control (the direct call against itself).
+
+    ``nn.Module.__call__`` is left out on both sides, so the difference of the medians is
+    the dispatcher's time per call (``extra_ns``). No goal: context for P3's hot path."""
+    from bnswap._swap import adapter_of, class_forward, dispatches, forward_owner
+
+    out = []
+    x = torch.randn(HOT_PATH_SHAPE)
+    for mode in ("train", "eval"):
+        torch.manual_seed(0)
+        stock = nn.BatchNorm2d(HOT_PATH_SHAPE[1]).train(mode == "train")
+        layer = bnswap.convert(copy.deepcopy(stock))
+        assert dispatches(forward_owner(type(stock))) and not bnswap.is_swapped(stock)
+        own = class_forward(type(stock))
+        adapter = adapter_of(layer)
+        assert adapter is not None
+        cases: tuple[tuple[str, Callable[[], object], Callable[[], object]], ...] = (
+            (
+                "stock: dispatcher / own forward",
+                functools.partial(stock.forward, x),
+                functools.partial(own, stock, x),
+            ),
+            (
+                "swapped: dispatcher / adapter",
+                functools.partial(layer.forward, x),
+                functools.partial(adapter, layer, x),
+            ),
+            (
+                "A/A own forward / own forward",
+                functools.partial(own, stock, x),
+                functools.partial(own, stock, x),
+            ),
+        )
+        for label, fa, fb in cases:
+            with torch.no_grad():
+                cmp = interleaved(fa, fb, pairs=s.n_pairs(30, 5), warmup=3, min_sample_s=0.02)
+            row = _ab_row(cmp, None, mode=mode, compare=label, shape=list(HOT_PATH_SHAPE))
+            row["a_median_us"] = row["a_median_ms"] * 1e3
+            row["b_median_us"] = row["b_median_ms"] * 1e3
+            row["extra_ns"] = (row["a_median_us"] - row["b_median_us"]) * 1e3
+            out.append(row)
+            s.log(
+                f"  P3 dispatcher {mode:5s} {label:32s} {row['a_median_us']:7.3f} / "
+                f"{row['b_median_us']:7.3f} us  ({row['extra_ns']:+6.0f} ns)  ratio "
+                f"{row['ratio_median']:.3f} [{row['ratio_ci95'][0]:.3f}, "
+                f"{row['ratio_ci95'][1]:.3f}]"
             )
     return out
 

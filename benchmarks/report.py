@@ -290,6 +290,42 @@ def to_markdown(res: dict) -> str:
                         for r in c["vs_stock"]
                     ],
                 )
+            if c.get("dispatcher"):
+                lines += [
+                    "",
+                    "The class dispatcher's own cost (no goal), in one process where a swap "
+                    "has put it on `_BatchNorm`: a stock layer's `forward` (the dispatcher "
+                    "finds no mark, calls the class's own forward) against that forward "
+                    "called directly; a swapped layer's `forward` against its adapter "
+                    "called directly; an A/A control. `nn.Module.__call__` is left out "
+                    "on both sides:",
+                    "",
+                ]
+                lines += _table(
+                    [
+                        "mode",
+                        "compare",
+                        "via dispatcher us",
+                        "direct us",
+                        "extra ns",
+                        "ratio (median)",
+                        "95 % CI",
+                        "pairs x calls",
+                    ],
+                    [
+                        [
+                            r["mode"],
+                            r["compare"],
+                            f"{r['a_median_us']:.3f}",
+                            f"{r['b_median_us']:.3f}",
+                            f"{r['extra_ns']:+.0f}",
+                            f"{r['ratio_median']:.3f}",
+                            _ci(r),
+                            f"{r['pairs']} x {r['inner']}/{r['inner_b']}",
+                        ]
+                        for r in c["dispatcher"]
+                    ],
+                )
             lines += [
                 "",
                 "Bandwidth of `aten._batch_norm_with_update` (bytes it must move: "

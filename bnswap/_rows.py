@@ -75,21 +75,41 @@ class Rows(Sequence[Row], Generic[Row]):
         )
 
     def summary(self) -> str:
-        """What the plan would do, before ``apply``: ``"bnswap plan: N of M <counted> would
-        be swapped, K skipped"``; when some are swapped already, ``"; J already swapped
-        (keep)"`` (:attr:`kept_as`), and ``": nothing would change"`` when ``apply`` would
-        swap none. After a successful ``apply`` (``applied``), what was done: ``"bnswap: N
-        of M <counted> swapped, K skipped"`` (``": nothing changed"``). N counts the rows
-        that run bnswap's ops (:attr:`swapped`: action ``swap`` or ``keep``)."""
+        """What the plan would do, before ``apply``, one count per action, each said once:
+
+        * ``"bnswap plan: N of M <counted> would be swapped, K skipped"``;
+        * with J of them swapped already (``keep``; :attr:`kept_as` says how), ``"bnswap plan: N of M <counted>
+          would be swapped, J already swapped, K skipped"`` (N + J + K = M);
+        * with every one not skipped swapped already: ``"bnswap plan: all M <counted>
+          already swapped: nothing would change"``, or ``"bnswap plan: J of M <counted>
+          already swapped, K skipped: nothing would change"``.
+
+        After a successful ``apply`` (``applied``), what was done, in the same words:
+        ``"bnswap: N of M <counted> swapped, K skipped"``, ``"...: nothing changed"``.
+
+        Examples::
+
+            >>> import bnswap, torch.nn as nn
+            >>> model = nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2))
+            >>> print(bnswap.plan(model).summary())
+            bnswap plan: 2 of 2 BatchNorm layers would be swapped, 0 skipped
+            >>> _ = bnswap.convert(model)
+            >>> print(bnswap.plan(model).summary())
+            bnswap plan: all 2 BatchNorm layers already swapped: nothing would change
+        """
         done = self.applied
-        text = (
-            f"{'bnswap' if done else 'bnswap plan'}: {len(self.swapped)} of "
-            f"{len(self.rows)} {self.counted} {'' if done else 'would be '}swapped, "
-            f"{len(self.skipped)} skipped"
+        prefix = "bnswap" if done else "bnswap plan"
+        total, kept, skipped = len(self.rows), len(self.kept), len(self.skipped)
+        new = len(self.swapped) - kept
+        if kept and not new:  # apply swaps nothing
+            counts = (
+                f"all {total} {self.counted} {self.kept_as}"
+                if kept == total and total > 1
+                else f"{kept} of {total} {self.counted} {self.kept_as}, {skipped} skipped"
+            )
+            return f"{prefix}: {counts}: {'nothing changed' if done else 'nothing would change'}"
+        return (
+            f"{prefix}: {new} of {total} {self.counted} {'' if done else 'would be '}swapped, "
+            + (f"{kept} {self.kept_as}, " if kept else "")
+            + f"{skipped} skipped"
         )
-        kept = len(self.kept)
-        if kept:
-            text += f"; {kept} {self.kept_as} (keep)"
-            if kept == len(self.swapped):
-                text += ": nothing changed" if done else ": nothing would change"
-        return text

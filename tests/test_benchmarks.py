@@ -339,6 +339,15 @@ def test_suite_quick_writes_json_md_png_with_sane_numbers(tmp_path):
         assert lo <= r["ratio_median"] <= hi
     for r in p3["bandwidth"]:
         assert _finite_pos(r["op_gbps"]) and _finite_pos(r["clone_gbps"])
+    # P3's dispatcher rows: stock and swapped layers through it, and the A/A control,
+    # in both modes, each with its extra time per call
+    assert [(r["mode"], r["compare"].split(":")[0].split(" ")[0]) for r in p3["dispatcher"]] == [
+        (m, c) for m in ("train", "eval") for c in ("stock", "swapped", "A/A")
+    ]
+    for r in p3["dispatcher"]:
+        assert _finite_pos(r["a_median_us"]) and _finite_pos(r["b_median_us"])
+        assert math.isfinite(r["extra_ns"])
+    assert "The class dispatcher's own cost" in md
     # P5: convert/revert times at 10, 100, 1000 layers; revert restored the stock classes
     p5 = cases["P5"]
     assert [r["layers"] for r in p5["rows"]] == [10, 100, 1000]

@@ -266,17 +266,38 @@ def test_a_wrong_backend_fails_while_parsing_in_two_lines(tmp_path):
         (
             "digits_mobilenetv2.yaml",
             ["--model.init_args.arch", "foo"],
-            "model.arch: expected one of 'mobilenetv2', 'convnet4', 'resnet18', got 'foo'",
+            "model.arch: expected one of 'mobilenetv2', 'convnet4', 'resnet18' or an nn.Module "
+            "class path (e.g. mymodels.Net), got 'foo'",
         ),
         (
             "digits_mobilenetv2.yaml",
             ["--model.init_args.optimizer", "adam"],
             "model.optimizer: expected one of 'sgd', 'adamw', got 'adam'",
         ),
-        (
+        (  # a stock config: no callback to take the option (it said "Option 'backend'
+            # is not accepted")
             "digits_mobilenetv2_stock.yaml",
             ["--trainer.callbacks.backend", "ort"],
-            "trainer.callbacks: Option 'backend' is not accepted",
+            "trainer.callbacks.backend: no BNSwap callback is given to take it: add one first "
+            "(--trainer.callbacks bnswap.BNSwap --trainer.callbacks.backend VALUE) or use a "
+            "config that has one (--config digits_mobilenetv2.yaml)",
+        ),
+        (
+            "digits_mobilenetv2.yaml",
+            ["--trainer.callbacks.backnd", "aten"],
+            "trainer.callbacks: option 'backnd' is taken by no callback given; did you mean "
+            "'backend'?",
+        ),
+        (
+            "digits_mobilenetv2.yaml",
+            ["--trainer.max_epochz", "3"],
+            "unknown option '--trainer.max_epochz'; did you mean '--trainer.max_epochs'?",
+        ),
+        (
+            "digits_mobilenetv2.yaml",
+            ["--model.arch", "foo"],
+            "model.arch: expected one of 'mobilenetv2', 'convnet4', 'resnet18' or an nn.Module "
+            "class path (e.g. mymodels.Net), got 'foo'",
         ),
     ],
 )
@@ -295,6 +316,131 @@ def test_wrong_values_fail_while_parsing_in_two_lines(
     err = capsys.readouterr()
     lines = (err.out + err.err).strip().splitlines()
     assert lines == [f"bnswap train: error: {message}", "(bnswap train --help lists every option)"]
+
+
+def test_a_backend_without_a_callback_fails_as_with_one(capsys, monkeypatch, tmp_path):
+    """Guards (a newcomer's report): ``--trainer.callbacks.backend cuda`` on the command
+    line with no BNSwap callback said "trainer.callbacks: Option 'backend' is not accepted";
+    a config's callback gave the clear error. Both now begin with the same words, and
+    the first says how to add the callback."""
+    from _bnswap_command import main
+
+    monkeypatch.chdir(tmp_path)
+    errors = []
+    for config in ([], ["--config", "digits_mobilenetv2.yaml"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", *config, "--trainer.callbacks.backend", "cuda"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr()
+        errors.append((err.out + err.err).strip().splitlines())
+    same = (
+        "bnswap train: error: trainer.callbacks.backend: expected one of 'aten', 'ort', got 'cuda'"
+    )
+    assert errors[1] == [same, "(bnswap train --help lists every option)"]
+    assert errors[0] == [
+        f"{same}; and no BNSwap callback is given to take it: add one first "
+        "(--trainer.callbacks bnswap.BNSwap --trainer.callbacks.backend VALUE) or use a "
+        "config that has one (--config digits_mobilenetv2.yaml)",
+        "(bnswap train --help lists every option)",
+    ]
+
+
+MYMODELS = """
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, width, 3), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Lit(pl.LightningModule):
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.net = Tiny(width)
+        self.history = []
+
+    def training_step(self, batch, i):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+
+def test_train_takes_a_lightning_module_and_names_the_fix_for_a_plain_one(
+    capsys, monkeypatch, tmp_path
+):
+    """Guards (a newcomer's report): ``bnswap train --model mymodels.Tiny`` (a module in
+    the current folder) failed with jsonargparse's "Expected a path but mymodels.Tiny
+    either not accessible or invalid": --model took DigitsClassifier's subclasses only,
+    so a LightningModule of the user's own was refused as well. Now any LightningModule
+    trains, and a plain nn.Module gets a usage error naming ``--model.arch``, which
+    trains it as the digits classifier's network (with the callback's swap)."""
+    import bnswap
+    from bnswap.app.cli import run_train
+
+    (tmp_path / "mymodels_i41.py").write_text(MYMODELS)
+    # the real command, from the folder that holds the module
+    proc = run_bnswap(["train", "--model", "mymodels_i41.Tiny"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "bnswap train: error: model: mymodels_i41.Tiny is an nn.Module, not a LightningModule "
+        "(which adds the loss, optimizer and training step): train it as the digits "
+        "classifier's network, --config digits_mobilenetv2.yaml --model.arch "
+        "mymodels_i41.Tiny (its arguments: --model.arch.NAME VALUE), or give a LightningModule",
+        "(bnswap train --help lists every option)",
+    ]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # the fix it names: the network, built with its own argument, swapped by the callback
+    args = [a for a in tiny(tmp_path) if "model_kwargs" not in a]
+    cli = run_train(
+        [
+            "--config",
+            "digits_mobilenetv2.yaml",
+            "--model.arch",
+            "mymodels_i41.Tiny",
+            "--model.arch.width",
+            "6",
+            *args,
+        ]
+    )
+    net = cli.model.net
+    assert type(net).__module__ == "mymodels_i41" and type(net).__name__ == "Tiny"
+    assert net.net[1].num_features == 6 and bnswap.is_swapped(net.net[1])
+    assert cli.results["plan"] == "bnswap: 1 of 1 BatchNorm layers swapped, 0 skipped"
+    assert cli.trainer.current_epoch == 2
+    # a LightningModule of one's own, on the digits data
+    cli = run_train(
+        [
+            "--model",
+            "mymodels_i41.Lit",
+            "--data",
+            "bnswap.app.data.DigitsDataModule",
+            *[a for a in args if not a.startswith("--trainer.limit_val")],
+            "--trainer.limit_val_batches=0",
+        ]
+    )
+    assert type(cli.model).__name__ == "Lit" and cli.trainer.global_step == 6
+    capsys.readouterr()
+    # what is no LightningModule at all, and a module that does not import
+    for value, message in (
+        ("torch.optim.SGD", "model: torch.optim.SGD is no LightningModule subclass"),
+        ("nosuch_i41.Net", "model: No module named 'nosuch_i41'"),
+    ):
+        with pytest.raises(SystemExit):
+            run_train(["--model", value, "--data", "bnswap.app.data.DigitsDataModule"])
+        assert capsys.readouterr().err.splitlines()[0] == f"bnswap train: error: {message}"
 
 
 @pytest.mark.parametrize(
@@ -484,7 +630,8 @@ def test_ort_main_job_config_runs_on_ort_and_tracks_the_aten_run(tmp_path):
         # a train option's typo is compare's error (it said "bnswap train: error")
         (
             ["compare", "--trainer.max_epochz", "2"],
-            "bnswap compare: error: unrecognized arguments: --trainer.max_epochz=2",
+            "bnswap compare: error: unknown option '--trainer.max_epochz'; did you mean "
+            "'--trainer.max_epochs'?",
         ),
         (
             ["train"],

@@ -156,8 +156,7 @@ def test_convert_is_idempotent():
     assert all(r.action == "keep" for r in rows)  # (issue 26: was "swap")
     assert {r.reason for r in rows} >= {"already swapped"}
     assert rows.summary() == (
-        "bnswap plan: 3 of 3 BatchNorm layers would be swapped, 0 skipped; 3 "
-        "already swapped (keep): nothing would change"
+        "bnswap plan: all 3 BatchNorm layers already swapped: nothing would change"
     )
     assert repr(rows) == "Plan(0 swap, 3 keep, 0 skip)"
 
@@ -177,10 +176,11 @@ def test_plan_of_a_converted_model_says_keep_and_apply_changes_only_what_is_new(
     assert [d["action"] for d in p.to_dicts()] == ["keep", "keep", "keep", "swap"]
     assert [r.backend for r in p] == ["aten"] * 4 and len(p.swapped) == 4 and len(p.kept) == 3
     assert p.summary() == (
-        "bnswap plan: 4 of 4 BatchNorm layers would be swapped, 0 skipped; 3 already swapped (keep)"
+        "bnswap plan: 1 of 4 BatchNorm layers would be swapped, 3 already swapped, 0 skipped"
     )
     assert str(p).splitlines()[3].split()[2] == "keep"
     assert p.apply() is model
+    assert p.summary() == "bnswap: 1 of 4 BatchNorm layers swapped, 3 already swapped, 0 skipped"
     assert [vars(m)[SWAP] for m in bns(model)][:3] == forwards
     assert bnswap.is_swapped(model.extra)
     assert [r.action for r in bnswap.plan(model)] == ["keep"] * 4
@@ -321,13 +321,11 @@ def test_a_dry_plan_says_would_be_swapped_and_the_applied_one_swapped():
     assert str(p).splitlines()[0] == p.summary()
     again = bnswap.plan(model)  # planned after the swap: the layer is kept, nothing to do
     assert again.summary() == (
-        "bnswap plan: 1 of 1 BatchNorm layers would be swapped, 0 "
-        "skipped; 1 already swapped (keep): nothing would change"
+        "bnswap plan: 1 of 1 BatchNorm layers already swapped, 0 skipped: nothing would change"
     )
     again.apply()
     assert again.summary() == (
-        "bnswap: 1 of 1 BatchNorm layers swapped, 0 skipped; 1 "
-        "already swapped (keep): nothing changed"
+        "bnswap: 1 of 1 BatchNorm layers already swapped, 0 skipped: nothing changed"
     )
     # an apply that fails (ORT refuses a skipped layer) leaves the plan dry
     refused = bnswap.plan(nn.Sequential(nn.BatchNorm2d(2), nn.BatchNorm2d(2)), "ort", exclude="1")
@@ -932,3 +930,25 @@ def test_failed_convert_leaves_a_shallow_copy_as_it_was(monkeypatch):
         bnswap.convert(model)
     assert calls == [model[1], model[2]]
     assert c.__dict__[SWAP] is mark and not bnswap.is_swapped(model[1])
+
+
+def test_a_layer_inside_an_excluded_batchnorm_layer_is_left_out_with_it():
+    """A BatchNorm layer that is a submodule of another (timm's ``SplitBatchNorm2d`` and
+    its ``aux_bn``; here without timm) follows the layer that holds it, however deep and
+    after layers that hold nothing (plan keeps only the rows of layers with submodules
+    to find it); the others are swapped."""
+
+    class Holder(nn.BatchNorm2d):
+        def __init__(self, c: int) -> None:
+            super().__init__(c)
+            self.aux = nn.Sequential(nn.BatchNorm2d(c))
+
+    model = nn.Sequential(nn.BatchNorm2d(2), Holder(2), Holder(2))
+    rows = bnswap.plan(model, exclude="1")
+    assert [(r.name, r.action, r.reason) for r in rows] == [
+        ("0", "swap", "-"),
+        ("1", "skip", "excluded by '1'"),
+        ("1.aux.0", "skip", "excluded with the BatchNorm layer it is part of, '1'"),
+        ("2", "swap", "-"),
+        ("2.aux.0", "swap", "-"),
+    ]

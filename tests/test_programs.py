@@ -338,7 +338,9 @@ def test_plan_of_a_bnswap_program_says_already():
     p = bnswap.plan(ep)
     assert len(p) == 4 and all(r.already and r.action == "keep" for r in p)
     assert {r.reason for r in p} == {"already the consolidated op"}
-    assert p.summary().endswith("; 4 already on the consolidated ops (keep): nothing would change")
+    assert p.summary() == (
+        "bnswap plan: all 4 batch-norm nodes already on the consolidated ops: nothing would change"
+    )
     assert repr(p) == "ProgramPlan(0 swap, 4 keep, 0 skip)"
     assert {r.kernel for r in p} == {"Native"}
 

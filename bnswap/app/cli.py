@@ -40,7 +40,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn, get_args, get_origin, get_type_hints
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -48,7 +48,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
 from bnswap.app.data import DigitsDataModule
-from bnswap.app.messages import short_error
+from bnswap.app.messages import did_you_mean, short_error, unrecognized_error
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
@@ -61,6 +61,10 @@ __all__ = [
     "run_lightning_subcommand",
     "run_train",
 ]
+
+#: The shipped configs' model and data, imported so that ``bnswap train --help`` lists
+#: them among ``--model`` / ``--data``'s known subclasses.
+SHIPPED_CLASSES = (DigitsClassifier, DigitsDataModule)
 
 #: ``ckpt_path`` values Lightning resolves itself (not file names).
 _CKPT_ALIASES = ("last", "best", "hpc", "registry")
@@ -125,10 +129,124 @@ class _Parser(LightningArgumentParser):
                     + ", ".join("--" + k.split(".", 1)[1] for k in keys)
                     + " (a config gives them: --config digits_mobilenetv2.yaml)"
                 )
-        _usage_error(prog, short_error(message))
+        text = (
+            _wrong_class(message)
+            or _callback_option(message)
+            or unrecognized_error(message, _option_strings(parser))
+            or short_error(message)
+        )
+        _usage_error(prog, text)
 
 
 _REQUIRED = re.compile(r"the following arguments are required: (?P<keys>.+)")
+_KEY = re.compile(r'Parser key "(?P<key>[^"]+)"')
+_NOT_SUBCLASS = re.compile(r"Import path does not correspond to a subclass of (?P<base>\w+)")
+_GIVEN = re.compile(r"^\s*Given value: (?P<value>.*)$", re.MULTILINE)
+_NOT_ACCEPTED = re.compile(r"Option '(?P<name>[^']+)' is not accepted")
+_NESTED = re.compile(r"NestedArg\(key='(?P<key>[^']+)', val='(?P<val>[^']*)'\)")
+
+
+def _option_strings(parser: Any) -> list[str]:
+    """Every ``--option`` ``parser`` takes (its nested ``--trainer.max_epochs`` too)."""
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+
+
+def _import(path: str) -> Any:
+    """The object a dotted path names (``mymodels.Tiny``), or None."""
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _wrong_class(message: str) -> str | None:
+    """jsonargparse's "Import path does not correspond to a subclass of LightningModule"
+    (after "Expected a path but mymodels.Tiny either not accessible or invalid") for
+    ``--model`` / ``--data`` naming an importable class of another kind, as what it is
+    and what to give: a plain ``nn.Module`` is trained as the digits classifier's
+    network (``--model.arch``). None for any other message."""
+    import inspect
+
+    from torch import nn
+
+    wrong, key = _NOT_SUBCLASS.search(message), _KEY.match(message.strip())
+    given = _GIVEN.findall(message)
+    if wrong is None or key is None or not given:
+        return None
+    path = given[-1].strip()
+    obj = _import(path)
+    if obj is None:
+        return None
+    base = wrong.group("base")
+    if key.group("key") == "model" and (
+        (inspect.isclass(obj) and issubclass(obj, nn.Module)) or inspect.isfunction(obj)
+    ):
+        kind = "an nn.Module" if inspect.isclass(obj) else "a function"
+        return (
+            f"model: {path} is {kind}, not a LightningModule (which adds the loss, "
+            "optimizer and training step): train it as the digits classifier's network, "
+            f"--config digits_mobilenetv2.yaml --model.arch {path} (its arguments: "
+            f"--model.arch.NAME VALUE), or give a LightningModule"
+        )
+    return f"{key.group('key')}: {path} is no {base} subclass"
+
+
+def _callback_option(message: str) -> str | None:
+    """``--trainer.callbacks.backend cuda`` where no callback takes ``backend`` (no
+    ``--config``, or a stock one): jsonargparse's "Option 'backend' is not accepted" as
+    the error a BNSwap callback gives the same value (``expected one of 'aten', 'ort',
+    got 'cuda'``), and how to add one. For an option no callback of the list takes, the
+    closest that the ones given take. None for any other message."""
+    import inspect
+
+    key = _KEY.match(message.strip())
+    refused = _NOT_ACCEPTED.search(message)
+    nested = _NESTED.search(message)
+    if (
+        key is None
+        or key.group("key") != "trainer.callbacks"
+        or refused is None
+        or not short_error(message).endswith("is not accepted")  # (a callback took it)
+    ):
+        return None
+    name = refused.group("name")
+    params = get_type_hints(BNSwap.__init__)
+    if name not in params:
+        named = re.findall(r"Problem with given class_path '([^']+)'", message)
+        taken = [
+            p
+            for path in dict.fromkeys(named)
+            if inspect.isclass(cls := _import(path))
+            for p in inspect.signature(cls.__init__).parameters
+            if p not in ("self", "args", "kwargs")
+        ]
+        return f"trainer.callbacks: option {name!r} is taken by no callback given" + (
+            did_you_mean(name, taken) if taken else ""
+        )
+    value = nested.group("val") if nested is not None and nested.group("key") == name else None
+    add = (
+        f"add one first (--trainer.callbacks bnswap.BNSwap --trainer.callbacks.{name} "
+        "VALUE) or use a config that has one (--config digits_mobilenetv2.yaml)"
+    )
+    choices = get_args(params[name])
+    if get_origin(params[name]) is Literal and value is not None and value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        return (
+            f"trainer.callbacks.{name}: expected one of {listed}, got {value!r}; and no "
+            f"BNSwap callback is given to take it: {add}"
+        )
+    return f"trainer.callbacks.{name}: no BNSwap callback is given to take it: {add}"
 
 
 #: The subcommand a usage error is reported under when another one runs ``train``
@@ -146,13 +264,15 @@ def _usage_error(prog: str, message: str) -> NoReturn:
 
 class BNSwapCLI(LightningCLI):
     """LightningCLI with the subcommands ``train`` (fit), ``validate``, ``test``,
-    ``predict``, defaulting to :class:`~bnswap.app.task.DigitsClassifier` and
-    :class:`~bnswap.app.data.DigitsDataModule` (any LightningModule / DataModule may be given
-    with ``class_path``)."""
+    ``predict``. ``--model`` takes any LightningModule and ``--data`` any
+    LightningDataModule (a class path; the shipped configs give
+    :class:`~bnswap.app.task.DigitsClassifier` and :class:`~bnswap.app.data.DigitsDataModule`);
+    a plain ``nn.Module`` trains as the digits classifier's network, ``--model.arch
+    mymodels.Net`` (``--model mymodels.Net`` is a usage error that says so)."""
 
     def __init__(self, args: Sequence[str] | None = None, **kwargs: Any) -> None:
-        kwargs.setdefault("model_class", DigitsClassifier)
-        kwargs.setdefault("datamodule_class", DigitsDataModule)
+        kwargs.setdefault("model_class", pl.LightningModule)
+        kwargs.setdefault("datamodule_class", pl.LightningDataModule)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("trainer_class", Trainer)

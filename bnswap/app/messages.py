@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterable
 
-__all__ = ["short_error"]
+__all__ = ["did_you_mean", "short_error", "unrecognized_error"]
 
 _KEY = re.compile(r'Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)')
 _CLASS_PATH = re.compile(r"Problem with given class_path '[^']*':\s*(?P<rest>.*)")
@@ -78,6 +80,50 @@ def short_error(message: str) -> str:
     return text if text is not None else _first_line(lines[0])
 
 
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'CHOICE'?"`` for the choice closest to ``name``
+    (:func:`difflib.get_close_matches`, as the front door's subcommand typos and
+    argparse from Python 3.12 do), or ``""`` when none is close.
+
+    Examples::
+
+        >>> did_you_mean("--modle", ["--model", "--config", "--program"])
+        "; did you mean '--model'?"
+        >>> did_you_mean("--zzz", ["--model"])
+        ''
+    """
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (?P<args>.*)", re.DOTALL)
+
+
+def unrecognized_error(message: str, options: Iterable[str]) -> str | None:
+    """argparse's ``unrecognized arguments: --modle m.net`` as ``unknown option
+    '--modle'; did you mean '--model'?`` (the first unknown option, the closest of
+    ``options``, the parser's option strings), or None for another message or a
+    stray value that is no option (argparse's words are kept then).
+
+    Examples::
+
+        >>> unrecognized_error("unrecognized arguments: --modle m.net", ["--model"])
+        "unknown option '--modle'; did you mean '--model'?"
+        >>> unrecognized_error("unrecognized arguments: --formt=json", ["--format"])
+        "unknown option '--formt'; did you mean '--format'?"
+        >>> unrecognized_error("unrecognized arguments: --zzz", ["--model"])
+        "unknown option '--zzz'"
+    """
+    m = _UNRECOGNIZED.match(message.strip())
+    if m is None:
+        return None
+    given = next((a for a in m.group("args").split() if a.startswith("-")), None)
+    if given is None:
+        return None
+    name = given.split("=", 1)[0]
+    return f"unknown option {name!r}" + did_you_mean(name, options)
+
+
 def _first_line(line: str) -> str:
     line = line.strip()
     return line if len(line) <= _MAX else line[: _MAX - 3] + "..."
@@ -117,6 +163,10 @@ def _type_name(text: str) -> str:
     return re.sub(r"\b(?:[a-z_][\w]*\.)+(?P<name>[A-Z]\w*)", r"\g<name>", text)
 
 
+#: How a type in a Union is named beside a Literal's choices.
+_CLASS_NAMES = {"Module": "an nn.Module class path (e.g. mymodels.Net)"}
+
+
 def _split_top(text: str) -> list[str]:
     """``a, b[c, d], e`` -> ``[a, b[c, d], e]``."""
     parts, depth, start = [], 0, 0
@@ -134,8 +184,25 @@ def _where(path: list[str]) -> str:
     return ".".join(path) + ": " if path else ""
 
 
+#: jsonargparse's first try of a value given to a class option: as a config file's path
+#: (not what the user meant when the value is a class path or a choice)
+_NOT_A_PATH = re.compile(r"Expected a path but .* either not accessible or invalid")
+
+
 def _explain(lines: list[str], path: list[str]) -> str | None:
     head = lines[0].strip()
+    if head.startswith("- "):  # alternatives jsonargparse tried, one per item
+        items: list[list[str]] = []
+        for ln in lines:  # (the lines under an item keep their indentation)
+            if ln.startswith("- "):
+                items.append([ln[2:]])
+            elif items:
+                items[-1].append(ln)
+        meant = [it for it in items if not _NOT_A_PATH.fullmatch(it[0].strip())] or items
+        for item in meant:
+            if (text := _explain(item, path)) is not None:
+                return text
+        return f"{_where(path)}{_first_line(meant[0][0])}"
     if m := _KEY.fullmatch(head):
         inner = [m.group("rest")] if m.group("rest") else []
         rest = inner + _body(lines)
@@ -199,6 +266,8 @@ def _union(lines: list[str], path: list[str]) -> str:
             return f"{_where(path)}{_first_line(item[0])}"
     names = [_type_name(t) for t in _split_top(subtypes.strip()[1:-1])]
     literal = [n for n in names if n.startswith("one of ")]
-    expected = literal[0] if literal else " or ".join(names)  # None: the default, not a choice
+    # None: the default, not a choice; a module class besides the choices: its class path
+    others = [_CLASS_NAMES.get(n, n) for n in names if n not in literal and n != "None"]
+    expected = " or ".join(literal[:1] + others) if literal else " or ".join(names)
     given = _given(lines)
     return f"{_where(path)}expected {expected}" + (f", got {given!r}" if given is not None else "")

@@ -54,7 +54,7 @@ from torch import nn
 
 import bnswap
 from bnswap.app.configs import resolve as resolve_config
-from bnswap.app.messages import short_error
+from bnswap.app.messages import short_error, unrecognized_error
 from bnswap.extras import install_hint
 
 __all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "convert_main", "main", "render"]
@@ -164,6 +164,11 @@ def _parser(factory: Any = None) -> ArgumentParser:
         "markdown (for pull requests)",
     )
     return p
+
+
+def _options(parser: Any) -> list[str]:
+    """The ``--options`` ``parser`` takes (for a typo's "did you mean")."""
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
 
 
 def _model_path(argv: Sequence[str]) -> str | None:
@@ -641,7 +646,8 @@ def main(argv: Sequence[str]) -> int:
             if "does not correspond to a subclass of Module" in str(e)
             else "(bnswap plan --help lists every option)"
         )
-        text = short_error(str(e)).replace("model_args.", "model.")
+        text = unrecognized_error(str(e), _options(parser)) or short_error(str(e))
+        text = text.replace("model_args.", "model.")
         if (untyped := _untyped_hint(text)) is not None:  # the help would not help
             return _usage_error(untyped)
         return _usage_error(f"{text}\n{hint}")
@@ -846,9 +852,8 @@ def convert_main(argv: Sequence[str]) -> int:
             return _usage_error(
                 f"missing {' and '.join(missing)}; e.g. {_CONVERT_EXAMPLE}", "convert"
             )
-        return _usage_error(
-            f"{short_error(str(e))}\n(bnswap convert --help lists every option)", "convert"
-        )
+        text = unrecognized_error(str(e), _options(_convert_parser())) or short_error(str(e))
+        return _usage_error(f"{text}\n(bnswap convert --help lists every option)", "convert")
     if (error := _pattern_error(cfg)) is not None:
         return _usage_error(f"{error}\n(bnswap convert --help lists every option)", "convert")
     if _same_file(cfg.program, cfg.output):

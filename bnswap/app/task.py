@@ -13,7 +13,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import AttributeDict
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
 
 from bnswap.app.models import build_model
@@ -26,8 +26,12 @@ class DigitsClassifier(pl.LightningModule):
 
     Args:
         arch: ``"mobilenetv2"``, ``"convnet4"`` or ``"resnet18"`` (see
-            :func:`bnswap.app.models.build_model`).
-        num_classes, in_channels: passed to the model.
+            :func:`bnswap.app.models.build_model`), or a network of your own: an
+            ``nn.Module`` taking (N, in_channels, H, W) float32 and returning (N,
+            num_classes) logits (on the command line ``--model.arch mymodels.Net``, its
+            arguments ``--model.arch.init_args.NAME VALUE``).
+        num_classes, in_channels: passed to a named model (a network of your own is
+            built by its own arguments).
         model_kwargs: further constructor arguments of the model (e.g. ``width_mult``).
         optimizer: ``"sgd"`` (momentum, Nesterov) or ``"adamw"``.
         lr: peak learning rate.
@@ -48,7 +52,7 @@ class DigitsClassifier(pl.LightningModule):
 
     def __init__(
         self,
-        arch: Literal["mobilenetv2", "convnet4", "resnet18"] = "mobilenetv2",
+        arch: Literal["mobilenetv2", "convnet4", "resnet18"] | nn.Module = "mobilenetv2",
         num_classes: int = 10,
         in_channels: int = 1,
         model_kwargs: dict[str, Any] | None = None,
@@ -73,9 +77,15 @@ class DigitsClassifier(pl.LightningModule):
         ):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {value}")
-        self.save_hyperparameters()
-        self.net = build_model(
-            arch, num_classes=num_classes, in_channels=in_channels, **(model_kwargs or {})
+        own = isinstance(arch, nn.Module)
+        # (a module is saved with the weights, not as a hyperparameter: Lightning's advice)
+        self.save_hyperparameters(ignore=["arch"] if own else None)
+        self.net: nn.Module = (
+            arch
+            if isinstance(arch, nn.Module)
+            else build_model(
+                arch, num_classes=num_classes, in_channels=in_channels, **(model_kwargs or {})
+            )
         )
         self.history: list[dict[str, float]] = []
         self._val_sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
