@@ -78,8 +78,9 @@ class Rows(Sequence[Row], Generic[Row]):
         """What the plan would do, before ``apply``, one count per action, each said once:
 
         * ``"bnswap plan: N of M <counted> would be swapped, K skipped"``;
-        * with J of them swapped already (``keep``; :attr:`kept_as` says how), ``"bnswap plan: N of M <counted>
-          would be swapped, J already swapped, K skipped"`` (N + J + K = M);
+        * with J of them swapped already (``keep``), ``"bnswap plan: N of M <counted>
+          would be swapped, J already swapped, K skipped"`` (N + J + K = M; a program's
+          plan says "already on the consolidated ops": :attr:`kept_as`);
         * with every one not skipped swapped already: ``"bnswap plan: all M <counted>
           already swapped: nothing would change"``, or ``"bnswap plan: J of M <counted>
           already swapped, K skipped: nothing would change"``.

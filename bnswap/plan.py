@@ -8,7 +8,7 @@ kernel); :meth:`Plan.apply` carries the plan out, atomically. :func:`bnswap.conv
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, overload
 
