@@ -29,7 +29,7 @@ import sys
 
 import pytest
 import torch
-from _helpers import ROOT, TORCH
+from _helpers import ROOT, TORCH, run_script
 from torch import nn
 
 import bnswap
@@ -216,23 +216,16 @@ print(json.dumps({"pairs": [n1, n2], "saved_bytes": [m1, m2], "out": torch.equal
 
 @pytest.mark.slow
 @pytest.mark.parametrize("disable", ["", "inductor"])
-def test_inductors_eval_conv_bn_pass_folds_swapped_layers_as_stocks(disable, tmp_path):
+def test_inductors_eval_conv_bn_pass_folds_swapped_layers_as_stocks(disable):
     """``efficient_conv_bn_eval_fx_passes``: stock's two eval conv-BN pairs (affine and
     affine=False) are folded, and so are the swapped copy's (bnswap's ``inductor``
     patch): the same count, the same bytes saved for backward, bitwise outputs and
     gradients. With the patch off (the control) nothing of bnswap's is folded."""
-    env = dict(os.environ, PYTHONPATH=ROOT, BNSWAP_DISABLE_PATCHES=disable)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(
-        [sys.executable, "-c", EVAL_CONV_BN],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.splitlines()[-1])
+    # the variable is read at the first swap, after the stock reference ran
+    code = f"import os\nos.environ['BNSWAP_DISABLE_PATCHES'] = {disable!r}\n" + EVAL_CONV_BN
+    rc, out, err = run_script(code, timeout=400)
+    assert rc == 0, err[-3000:]
+    got = json.loads(out.splitlines()[-1])
     if disable:
         assert got["pairs"] == [2, 0]
         assert got["saved_bytes"][1] > got["saved_bytes"][0]

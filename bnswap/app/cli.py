@@ -48,7 +48,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from bnswap.app import configs as shipped
 from bnswap.app.data import DigitsDataModule
-from bnswap.app.messages import did_you_mean, short_error, unrecognized_error
+from bnswap.app.messages import did_you_mean, import_path, short_error, unrecognized_error
 from bnswap.app.task import DigitsClassifier
 from bnswap.lightning import BNSwap
 
@@ -151,25 +151,6 @@ def _option_strings(parser: Any) -> list[str]:
     return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
 
 
-def _import(path: str) -> Any:
-    """The object a dotted path names (``mymodels.Tiny``), or None."""
-    import importlib
-
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        try:
-            for name in parts[cut:]:
-                obj = getattr(obj, name)
-        except AttributeError:
-            return None
-        return obj
-    return None
-
-
 def _wrong_class(message: str) -> str | None:
     """jsonargparse's "Import path does not correspond to a subclass of LightningModule"
     (after "Expected a path but mymodels.Tiny either not accessible or invalid") for
@@ -185,7 +166,7 @@ def _wrong_class(message: str) -> str | None:
     if wrong is None or key is None or not given:
         return None
     path = given[-1].strip()
-    obj = _import(path)
+    obj = import_path(path)
     if obj is None:
         return None
     base = wrong.group("base")
@@ -227,7 +208,7 @@ def _callback_option(message: str) -> str | None:
         taken = [
             p
             for path in dict.fromkeys(named)
-            if inspect.isclass(cls := _import(path))
+            if inspect.isclass(cls := import_path(path))
             for p in inspect.signature(cls.__init__).parameters
             if p not in ("self", "args", "kwargs")
         ]

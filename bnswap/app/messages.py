@@ -1,10 +1,13 @@
-"""jsonargparse's parse errors in one line, for ``bnswap train`` and ``bnswap plan``."""
+"""What ``bnswap train`` and ``bnswap plan`` share in reading their arguments: jsonargparse's
+parse errors in one line, and the object a dotted path names (:func:`import_path`)."""
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import re
 from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["did_you_mean", "short_error", "unrecognized_error"]
 
@@ -271,3 +274,21 @@ def _union(lines: list[str], path: list[str]) -> str:
     expected = " or ".join(literal[:1] + others) if literal else " or ".join(names)
     given = _given(lines)
     return f"{_where(path)}expected {expected}" + (f", got {given!r}" if given is not None else "")
+
+
+def import_path(path: str) -> Any:
+    """The object a dotted path names (``mymodels.Tiny``: module ``mymodels``, attribute
+    ``Tiny``), or None where nothing importable has that name (the caller reports it)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return None
+        return obj
+    return None

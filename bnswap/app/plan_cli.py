@@ -54,7 +54,7 @@ from torch import nn
 
 import bnswap
 from bnswap.app.configs import resolve as resolve_config
-from bnswap.app.messages import short_error, unrecognized_error
+from bnswap.app.messages import import_path, short_error, unrecognized_error
 from bnswap.extras import install_hint
 
 __all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "convert_main", "main", "render"]
@@ -181,23 +181,6 @@ def _model_path(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _import(path: str) -> Any:
-    """The object a dotted path names, or None (jsonargparse reports what is wrong)."""
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        try:
-            for name in parts[cut:]:
-                obj = getattr(obj, name)
-        except AttributeError:
-            return None
-        return obj
-    return None
-
-
 def _plain_factory(argv: Sequence[str]) -> Any:
     """``--model`` naming a function with no return annotation (``def net(): return
     nn.Sequential(...)``): jsonargparse accepts only classes or functions annotated to
@@ -206,7 +189,7 @@ def _plain_factory(argv: Sequence[str]) -> Any:
     path = _model_path(argv)
     if not path or path.lstrip().startswith("{"):
         return None
-    fn = _import(path)
+    fn = import_path(path)
     if fn is None or inspect.isclass(fn) or not callable(fn):
         return None
     try:
@@ -538,7 +521,7 @@ def _untyped_hint(text: str) -> str | None:
     if m is None:
         return None
     name, src = m.group("name"), m.group("src")
-    if inspect.isclass(_import(src)):
+    if inspect.isclass(import_path(src)):
         short = src.rsplit(".", 1)[-1]
         return (
             f"{text}, or wrap the class in a function with no return annotation "
