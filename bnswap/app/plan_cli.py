@@ -433,6 +433,15 @@ def _render_program(plan: bnswap.ProgramPlan, fmt: str, note: str) -> str:
     return str(plan) + (f"\n{note}" if note else "")
 
 
+#: What ``bnswap convert`` says after writing a program on the consolidated ops: torchao's
+#: pt2e flow (conv-BN fold, eval switch) sees them only where bnswap's patches are applied.
+TORCHAO_NOTE = (
+    "for torchao's pt2e quantization, call bnswap.convert(program) in the process that "
+    "loads it, before prepare_pt2e / prepare_qat_pt2e (the guide 'pt2e quantization-aware "
+    "training')"
+)
+
+
 def render(plan: bnswap.Plan | bnswap.ProgramPlan, fmt: str, note: str = "") -> str:
     """The plan as ``table`` (``str(plan)``), ``json`` (``{"layers": [...], "summary":
     {...}}``; a program's: ``{"nodes": [...], ...}``; ``null`` where the table shows ``-``)
@@ -877,6 +886,9 @@ def convert_main(argv: Sequence[str]) -> int:
     except RuntimeError as e:  # torch's zip writer: a place that cannot be written
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return _usage_error(f"{cfg.output}: cannot be written ({reason[:160]})", "convert")
-    table = render(plan, "table", f"wrote {cfg.output}")  # named for the command that ran
+    note = f"wrote {cfg.output}"
+    if plan.swapped:  # its nodes are bnswap's: torchao's pt2e flow needs bnswap to see it
+        note += "\n" + TORCHAO_NOTE
+    table = render(plan, "table", note)  # named for the command that ran
     print(re.sub(r"^bnswap:", "bnswap convert:", table, count=1))  # (an applied plan's)
     return _exit_status(plan)
