@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as _metadata
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bnswap import _compat  # noqa: F401  (registers its patches for the first swap)
 from bnswap._swap import is_swapped
@@ -22,6 +22,9 @@ from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from bnswap.plan import Plan, PlanRow, check_patterns, plan
 from bnswap.programs import ProgramPlan, to_stock_ops
 from bnswap.registry import register, safe_globals, unregister
+
+if TYPE_CHECKING:  # imported on first use (it imports Lightning): typed for checkers
+    from bnswap.lightning import BNSwap as BNSwap
 
 
 def _version() -> str:

@@ -9,7 +9,7 @@ device, dtype, hooks, ``qconfig``, parametrizations and state_dict keys are all 
 
 from __future__ import annotations
 
-from typing import overload
+from typing import Literal, TypeVar, overload
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from bnswap.sync import ORIGINAL, original_of
 
 __all__ = ["convert", "revert"]
 
+#: The module type ``convert`` returns in place (``backend="aten"``: the same object).
+_M = TypeVar("_M", bound=nn.Module)
+
 
 @overload
 def convert(
@@ -36,6 +39,16 @@ def convert(
     sync_batchnorm: bool = False,
     process_group: object = None,
 ) -> torch.export.ExportedProgram: ...
+@overload
+def convert(
+    module: _M,
+    backend: Literal["aten"] = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+) -> _M: ...
 @overload
 def convert(
     module: nn.Module,

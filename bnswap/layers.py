@@ -17,7 +17,7 @@ swapped, and ``isinstance(layer, bnswap.BatchNorm2d)`` is True for any swapped
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -87,61 +87,69 @@ class _SwappedClass(type):
         return isinstance(obj, cls._stock) and is_swapped(obj)
 
 
-class BatchNorm1d(metaclass=_SwappedClass):
-    """``nn.BatchNorm1d(num_features, eps=1e-05, momentum=0.1, affine=True,
-    track_running_stats=True, device=None, dtype=None)``, swapped.
+if TYPE_CHECKING:  # for type checkers: calling one builds the stock class, with its signature
 
-    Returns an ``nn.BatchNorm1d`` (its class, constructor arguments, parameters, buffers,
-    state_dict keys and errors are torch's) whose forward runs the consolidated ops.
-    Shape: input (N, C) or (N, C, L), output the same. Parameters and statistics are (C,)
-    tensors (float32 by default); input may be float16, bfloat16, float32 or float64.
-    ``isinstance(m, bnswap.BatchNorm1d)``: ``m`` is a swapped ``nn.BatchNorm1d``.
+    class BatchNorm1d(nn.BatchNorm1d): ...
 
-    Examples::
+    class BatchNorm2d(nn.BatchNorm2d): ...
 
-        >>> import torch, bnswap
-        >>> from torch import nn
-        >>> bn = bnswap.BatchNorm1d(4)
-        >>> type(bn) is nn.BatchNorm1d, isinstance(bn, bnswap.BatchNorm1d)
-        (True, True)
-        >>> bn(torch.randn(8, 4)).shape
-        torch.Size([8, 4])
-    """
+    class BatchNorm3d(nn.BatchNorm3d): ...
 
-    _stock = nn.BatchNorm1d
-    #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
-    __signature__ = _stock_signature(nn.BatchNorm1d)
+else:
 
+    class BatchNorm1d(metaclass=_SwappedClass):
+        """``nn.BatchNorm1d(num_features, eps=1e-05, momentum=0.1, affine=True,
+        track_running_stats=True, device=None, dtype=None)``, swapped.
 
-class BatchNorm2d(metaclass=_SwappedClass):
-    """``nn.BatchNorm2d(...)``, swapped: as :class:`BatchNorm1d`, for input (N, C, H, W),
-    contiguous or channels_last (memory format preserved).
+        Returns an ``nn.BatchNorm1d`` (its class, constructor arguments, parameters, buffers,
+        state_dict keys and errors are torch's) whose forward runs the consolidated ops.
+        Shape: input (N, C) or (N, C, L), output the same. Parameters and statistics are (C,)
+        tensors (float32 by default); input may be float16, bfloat16, float32 or float64.
+        ``isinstance(m, bnswap.BatchNorm1d)``: ``m`` is a swapped ``nn.BatchNorm1d``.
 
-    Examples::
+        Examples::
 
-        >>> import torch, bnswap
-        >>> bn = bnswap.BatchNorm2d(3)
-        >>> bn(torch.randn(2, 3, 4, 4)).shape
-        torch.Size([2, 3, 4, 4])
-    """
+            >>> import torch, bnswap
+            >>> from torch import nn
+            >>> bn = bnswap.BatchNorm1d(4)
+            >>> type(bn) is nn.BatchNorm1d, isinstance(bn, bnswap.BatchNorm1d)
+            (True, True)
+            >>> bn(torch.randn(8, 4)).shape
+            torch.Size([8, 4])
+        """
 
-    _stock = nn.BatchNorm2d
-    #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
-    __signature__ = _stock_signature(nn.BatchNorm2d)
+        _stock = nn.BatchNorm1d
+        #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
+        __signature__ = _stock_signature(nn.BatchNorm1d)
 
+    class BatchNorm2d(metaclass=_SwappedClass):
+        """``nn.BatchNorm2d(...)``, swapped: as :class:`BatchNorm1d`, for input (N, C, H, W),
+        contiguous or channels_last (memory format preserved).
 
-class BatchNorm3d(metaclass=_SwappedClass):
-    """``nn.BatchNorm3d(...)``, swapped: as :class:`BatchNorm1d`, for input
-    (N, C, D, H, W), contiguous or channels_last_3d.
+        Examples::
 
-    Examples::
+            >>> import torch, bnswap
+            >>> bn = bnswap.BatchNorm2d(3)
+            >>> bn(torch.randn(2, 3, 4, 4)).shape
+            torch.Size([2, 3, 4, 4])
+        """
 
-        >>> import torch, bnswap
-        >>> bn = bnswap.BatchNorm3d(2)
-        >>> bn(torch.randn(2, 2, 3, 3, 3)).shape
-        torch.Size([2, 2, 3, 3, 3])
-    """
+        _stock = nn.BatchNorm2d
+        #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
+        __signature__ = _stock_signature(nn.BatchNorm2d)
 
-    _stock = nn.BatchNorm3d
-    #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
-    __signature__ = _stock_signature(nn.BatchNorm3d)
+    class BatchNorm3d(metaclass=_SwappedClass):
+        """``nn.BatchNorm3d(...)``, swapped: as :class:`BatchNorm1d`, for input
+        (N, C, D, H, W), contiguous or channels_last_3d.
+
+        Examples::
+
+            >>> import torch, bnswap
+            >>> bn = bnswap.BatchNorm3d(2)
+            >>> bn(torch.randn(2, 2, 3, 3, 3)).shape
+            torch.Size([2, 2, 3, 3, 3])
+        """
+
+        _stock = nn.BatchNorm3d
+        #: stock's constructor signature: ``inspect.signature`` / ``help`` and the API page show it
+        __signature__ = _stock_signature(nn.BatchNorm3d)

@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -39,18 +39,23 @@ from bnswap.plan import (
 )
 from bnswap.sync import original_of
 
-try:  # the unified package first, the standalone one otherwise
+if TYPE_CHECKING:  # type checkers read the unified package's types
     import lightning.pytorch as pl
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-except ImportError:  # exercised only without `lightning` (the install test)
-    try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]  # the older package's name
-        from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
-    except ImportError:
-        raise ModuleNotFoundError(
-            "bnswap.BNSwap needs Lightning, which is not installed: " + install_hint("lightning"),
-            name="lightning",
-        ) from None
+else:
+    try:  # the unified package first, the standalone one otherwise
+        import lightning.pytorch as pl
+        from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+    except ImportError:  # exercised only without `lightning` (the install test)
+        try:
+            import pytorch_lightning as pl  # the older package's name
+            from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+        except ImportError:
+            raise ModuleNotFoundError(
+                "bnswap.BNSwap needs Lightning, which is not installed: "
+                + install_hint("lightning"),
+                name="lightning",
+            ) from None
 
 __all__ = ["BNSwap"]
 
