@@ -34,7 +34,9 @@ EXTRAS = {
     "ort-cpu": "onnxruntime-training-cpu 1.19.2: backend='ort' (then pip install --no-deps "
     "torch-ort==1.19.2)",
     "ort": "onnxruntime-training 1.19.2 (CUDA), torch-ort 1.19.2: backend='ort' on GPUs",
-    "dev": "pytest, hypothesis, torchao, ptflops, build, twine: bnswap's own test suite",
+    "qat": "torchao 0.18: pt2e quantization-aware training of converted models",
+    "dev": "pytest, hypothesis, torchao, ptflops, higher, build, twine, mypy, ruff: "
+    "bnswap's own test suite and its checks",
     "docs": "Sphinx, furo, myst-parser, playwright: the documentation site (make docs) "
     "and its browser check",
 }

@@ -89,6 +89,18 @@ class _Imports(ast.NodeVisitor):
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
+    def visit_If(self, node):
+        """``if TYPE_CHECKING:`` imports never run: for type checkers only (the rest of
+        the ``if`` statement is visited as usual)."""
+        test = node.test
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+            isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+        ):
+            for child in node.orelse:
+                self.visit(child)
+            return
+        self.generic_visit(node)
+
     def visit_Import(self, node):
         for a in node.names:
             self._add(a.name, None)

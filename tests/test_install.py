@@ -234,7 +234,8 @@ def test_sdist_and_wheel_pass_twine_and_hold_what_they_should(venv):
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     version = _pyproject()["version"]
     assert wheel.name == f"bnswap-{version}-py3-none-any.whl"
-    assert f"pip install dist/{wheel.name}" in (ROOT / "README.md").read_text()  # as it says
+    install = (ROOT / "docs" / "install.md").read_text()  # the Install page, as it says
+    assert f"pip install -c constraints.txt dist/{wheel.name}" in install
     assert "bnswap/py.typed" in names and "_bnswap_command.py" in names
     configs = {n for n in names if n.startswith("bnswap/app/configs/") and n.endswith(".yaml")}
     assert (
