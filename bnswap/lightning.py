@@ -553,8 +553,6 @@ class BNSwap(_BNSwapBase, pl.Callback):
         ValueError: unknown backend 'cudnn'; choose one of 'aten', 'ort'
     """
 
-    __init__ = _BNSwapBase.__init__
-
 
 def __getattr__(name: str) -> Any:
     if name == "BNSwapPL":  # the callback for pytorch_lightning.Trainer
