@@ -260,9 +260,9 @@ def _dispatcher_file() -> str:
     return os.path.abspath(_swap_module.__file__ or "").replace(os.sep, "/")
 
 
-#: The convolutions torch's own eval conv-BN pass folds into (its list, for traced graphs).
+#: The convolutions torch's own eval conv-BN pass folds into, by their ``torch`` names
+#: (its list for traced graphs; with ``torch._C._nn.linear``).
 _FOLDED_INPUTS = (
-    "linear",
     "conv1d",
     "conv2d",
     "conv3d",
@@ -292,7 +292,7 @@ def patch_inductor_conv_bn_eval(mod: Any) -> bool:
         return False
     config = sys.modules["torch._inductor.config"]
     op = _aten._batch_norm_no_update.default
-    inputs = (*(getattr(torch, n, None) for n in _FOLDED_INPUTS), torch._C._nn.linear)
+    inputs = (torch._C._nn.linear, *(getattr(torch, n) for n in _FOLDED_INPUTS))
 
     def enabled(match: Any) -> bool:
         return bool(not config.freezing and config.efficient_conv_bn_eval_fx_passes)
@@ -309,7 +309,7 @@ def patch_inductor_conv_bn_eval(mod: Any) -> bool:
         conv = bn.args[0]
         if not isinstance(conv, torch.fx.Node) or conv.op != "call_function":
             return
-        if not any(conv.target is f for f in inputs if f is not None) or len(conv.users) > 1:
+        if not any(conv.target is f for f in inputs) or len(conv.users) > 1:
             return
         if len(conv.args) < 2:
             return
