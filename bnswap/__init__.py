@@ -1,6 +1,6 @@
 """bnswap: swap ``nn.BatchNorm`` layers for layers on PyTorch's consolidated batch-norm
-ops (``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` /
-``batch_norm_backward``, pytorch PR 116092) or on ONNX Runtime's
+ops in training (``aten._batch_norm_with_update`` / ``batch_norm_backward``, pytorch PR
+116092; stock's ``aten.batch_norm`` in evaluation) or on ONNX Runtime's
 ``com.microsoft::BatchNormInternal``.
 
 ``import bnswap`` imports neither Lightning nor ONNX Runtime: ``bnswap.BNSwap`` (the

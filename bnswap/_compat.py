@@ -27,7 +27,8 @@ training", docs/after-training.md).
   compiles the same frames and graphs as without bnswap. Gate: ``trace_rules.add`` and
   ``BUILTIN_INLINE_WHEN_CALLED`` exist (tested on torch 2.13, 2.14).
 * **inductor's eval conv-BN pass** (``inductor``): a pattern for
-  ``aten._batch_norm_no_update`` in ``efficient_conv_bn_eval_pass``, so the opt-in pass
+  ``torch.batch_norm`` (what a swapped eval layer's dynamo graph holds, where stock's
+  holds ``F.batch_norm``) in ``efficient_conv_bn_eval_pass``, so the opt-in pass
   folds swapped eval layers as it folds stock's (:func:`patch_inductor_conv_bn_eval`).
   Gate: torch's ``efficient_conv_bn_eval_decomposed`` and the pass exist (torch 2.13,
   2.14).
@@ -85,7 +86,6 @@ import importlib.abc
 import importlib.machinery
 import inspect
 import logging
-import operator
 import os
 import sys
 import threading
@@ -276,10 +276,11 @@ def patch_inductor_conv_bn_eval(mod: Any) -> bool:
     """Let inductor's opt-in eval conv-BN pass
     (``torch._inductor.config.efficient_conv_bn_eval_fx_passes``) fold swapped layers:
     it matches ``F.batch_norm`` / ``aten.batch_norm`` / BatchNorm modules, and a swapped
-    eval layer's traced graph holds ``aten._batch_norm_no_update`` (its output 0 read by
-    ``getitem``). A pattern of the same pass for that op hands the same arguments to
-    torch's own ``efficient_conv_bn_eval_decomposed``: the same graph, memory and outputs
-    as stock's layer in that pass."""
+    eval layer's traced graph holds ``torch.batch_norm``, the function stock's
+    ``F.batch_norm`` ends in (swapped layers never call ``F.batch_norm``: a user's patch
+    of it reaches stock layers only). A pattern of the same pass for that function hands
+    the same arguments to torch's own ``efficient_conv_bn_eval_decomposed``: the same
+    graph, memory and outputs as stock's layer in that pass."""
     decomposed = getattr(mod, "efficient_conv_bn_eval_decomposed", None)
     pass_dict = getattr(mod, "efficient_conv_bn_eval_pass", None)
     pm = sys.modules.get("torch._inductor.pattern_matcher")
@@ -291,7 +292,7 @@ def patch_inductor_conv_bn_eval(mod: Any) -> bool:
     if params[:5] != ["bn_weight", "bn_bias", "bn_running_mean", "bn_running_var", "bn_eps"]:
         return False
     config = sys.modules["torch._inductor.config"]
-    op = _aten._batch_norm_no_update.default
+    op = torch.batch_norm
     inputs = (torch._C._nn.linear, *(getattr(torch, n) for n in _FOLDED_INPUTS))
 
     def enabled(match: Any) -> bool:
@@ -300,11 +301,9 @@ def patch_inductor_conv_bn_eval(mod: Any) -> bool:
     def fold(match: Any, *args: Any, **kwargs: Any) -> None:
         bn = match.nodes[0]
         graph = match.graph
-        users = list(bn.users)
-        if len(bn.args) != 7 or bn.kwargs or len(users) != 1:
-            return
-        out = users[0]
-        if out.target is not operator.getitem or out.args[1] != 0:
+        # torch.batch_norm(input, weight, bias, running_mean, running_var, training,
+        # momentum, eps, cudnn_enabled), as module_batch_norm calls it; evaluation only
+        if len(bn.args) != 9 or bn.kwargs or bn.args[5] is not False:
             return
         conv = bn.args[0]
         if not isinstance(conv, torch.fx.Node) or conv.op != "call_function":
@@ -315,7 +314,7 @@ def patch_inductor_conv_bn_eval(mod: Any) -> bool:
             return
         counters = sys.modules["torch._dynamo.utils"].counters
         counters["inductor"]["efficient_conv_bn_eval"] += 1
-        _, weight, bias, running_mean, running_var, _momentum, eps = bn.args
+        _, weight, bias, running_mean, running_var, _training, _momentum, eps, _ = bn.args
         with graph.inserting_before(bn):
             new = graph.create_node(
                 op="call_function",
@@ -334,8 +333,7 @@ def patch_inductor_conv_bn_eval(mod: Any) -> bool:
                 ),
                 name="efficient_conv_bn_eval",
             )
-        out.replace_all_uses_with(new)
-        graph.erase_node(out)
+        bn.replace_all_uses_with(new)
         graph.erase_node(bn)
         graph.erase_node(conv)
 
@@ -1063,7 +1061,7 @@ PATCHES: tuple[Patch, ...] = (
         patch_inductor_conv_bn_eval,
         "torch._inductor.fx_passes.pre_grad.efficient_conv_bn_eval_pass (a pattern added)",
         "inductor's opt-in eval conv-BN pass (efficient_conv_bn_eval_fx_passes) folds a "
-        "swapped eval layer's aten._batch_norm_no_update as it folds stock's F.batch_norm",
+        "swapped eval layer's torch.batch_norm as it folds stock's F.batch_norm",
         "efficient_conv_bn_eval_decomposed(bn_weight, bn_bias, bn_running_mean, "
         "bn_running_var, bn_eps, ...) and the pass exist; tested on torch 2.13 / 2.14",
     ),

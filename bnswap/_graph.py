@@ -1,29 +1,30 @@
 """The node rewrites of :mod:`bnswap.programs`, both directions: ``to_stock_ops`` (an
 exported graph's bnswap batch norms as stock's op, below) and ``to_consolidated_ops``
-(stock's batch-norm nodes as the consolidated ops: ``bnswap.convert(program)``, whose
-docstring gives the rules). They sit on the ground floor because :mod:`bnswap._compat`
-applies ``to_stock_ops`` for torch.onnx and torchao.
+(stock's batch-norm nodes as the ops bnswap's layers run: ``bnswap.convert(program)``,
+whose docstring gives the rules). They sit low because :mod:`bnswap._compat` applies
+``to_stock_ops`` for torch.onnx and torchao.
 
 ``to_stock_ops``: an exported graph's bnswap batch norms as stock's op.
 
-A swapped layer records the consolidated ops under ``torch.export`` (that is its point:
-``_batch_norm_with_update`` keeps cuDNN selectable where stock's graph binds the native
-kernel, pytorch issue 111384). Graph tools written against stock's graph look for
-``aten.batch_norm`` instead: torchao's pt2e quantization finds conv-BN pairs by that op
-(its QAT fold, its quantizers' conv-BN patterns; bnswap applies this rewrite for it
-automatically, :mod:`bnswap._compat`). This rewrite turns the graph into exactly what
-stock's layer records, node for node:
+A swapped layer in training records the consolidated ops under ``torch.export``
+(``_batch_norm_with_update``: its kernel is picked when it runs; in evaluation it records
+stock's own ``aten.batch_norm``). Graph tools written against stock's graph look for
+``aten.batch_norm``: torchao's pt2e quantization finds conv-BN pairs by that op (its QAT
+fold, its quantizers' conv-BN patterns; bnswap applies this rewrite for it automatically,
+:mod:`bnswap._compat`). This rewrite turns the graph into exactly what stock's layer
+records, node for node:
 
 * ``aten._batch_norm_with_update(x, w, b, running_mean, running_var, momentum, eps)``
   -> ``aten.batch_norm(x, w, b, running_mean, running_var, True, momentum, eps,
-  False)`` (``cudnn_enabled`` False, as ``torch.export`` records stock's call on torch
-  2.13 / 2.14 / 2.15: it traces with cuDNN off; on 2.9 the flag as it is, as stock's);
-  ``aten._batch_norm_no_update(...)`` -> the same with ``training``
-  False. The
-  ops' schemas (``native_functions.yaml``) take the same arguments, and both update
-  the statistics they are given in place with ``momentum`` and the unbiased batch
-  variance: the semantics are the same. Only the first output of the consolidated ops is
-  ever used (save_mean / save_invstd / reserve feed autograd).
+  False)`` (``cudnn_enabled`` as ``torch.export`` records stock's call: False on torch
+  2.13 / 2.14 / 2.15, which trace with cuDNN off; on 2.9 the flag as it is. No release
+  reads the argument: ``_batch_norm_impl_index`` asks ``torch.backends.cudnn.enabled``
+  when it runs); ``aten._batch_norm_no_update(...)``, which programs of earlier bnswap
+  releases hold, -> the same with ``training`` False. The ops' schemas
+  (``native_functions.yaml``) take the same arguments, and both update the statistics
+  they are given in place with ``momentum`` and the unbiased batch variance: the
+  semantics are the same. Only the first output of the consolidated ops is ever used
+  (save_mean / save_invstd / reserve feed autograd).
 * The stand-in ones / zeros bnswap passes for a missing weight / bias
   (``aten.full_like`` of the layer's tensor or of the input's channel view; in programs
   bnswap saved before, ``aten.full`` / ``ones`` / ``zeros``)
@@ -47,7 +48,7 @@ from torch._ops import OpOverload
 from torch.fx import GraphModule, Node
 from torch.fx.node import Argument
 
-from bnswap.functional import EMPTY_BATCH_MESSAGE
+from bnswap.functional import EMPTY_BATCH_MESSAGE, EMPTY_BATCH_MESSAGES
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -58,9 +59,17 @@ _aten = torch.ops.aten
 _WITH_UPDATE = _aten._batch_norm_with_update.default
 _WITH_UPDATE_FUNCTIONAL = _aten._batch_norm_with_update_functional.default
 _NO_UPDATE = _aten._batch_norm_no_update.default
+_BATCH_NORM = _aten.batch_norm.default
+#: bnswap's forward nodes :func:`to_stock_ops` rewrites (``_batch_norm_no_update``: in
+#: programs of earlier releases, which ran it in evaluation)
 _TARGETS = (_WITH_UPDATE, _WITH_UPDATE_FUNCTIONAL, _NO_UPDATE)
-#: the consolidated ops' nodes (forward and backward)
+#: the consolidated ops' nodes (forward and backward): a graph holding one needs
+#: bnswap's patches (:func:`bnswap._compat.install_for`)
 CONSOLIDATED_TARGETS = (*_TARGETS, _aten.batch_norm_backward.default)
+#: the consolidated nodes bnswap's layers record today, which ``convert`` keeps
+#: (``_batch_norm_no_update`` is not among them: it has no kernel off the CPU, and
+#: ``convert`` rewrites it)
+CURRENT_TARGETS = (_WITH_UPDATE, _WITH_UPDATE_FUNCTIONAL, _aten.batch_norm_backward.default)
 
 
 def _export_cudnn_enabled() -> bool:
@@ -208,13 +217,43 @@ def _rewrite(
     return True
 
 
+def _eval_to_core(
+    graph: torch.fx.Graph, node: Node, renamed: Callable[[str, str], None] | None
+) -> bool:
+    """``aten.batch_norm(..., training=False, ...)`` in a core ATen graph (what
+    ``bnswap.convert`` made of ``_native_batch_norm_legit_no_training``) as that op again:
+    output 0 of ``_native_batch_norm_legit_no_training(x, w, b, running_mean,
+    running_var, momentum, eps)``. False (unchanged) for a node in training."""
+    call = stock_call(node)
+    assert call is not None  # an aten.batch_norm node
+    (x, w, b, mean, var, training, momentum, eps), _ = call
+    if training is not False:
+        return False
+    with graph.inserting_before(node):
+        new = graph.call_function(
+            _aten._native_batch_norm_legit_no_training.default, (x, w, b, mean, var, momentum, eps)
+        )
+        out = graph.call_function(operator.getitem, (new, 0))
+    for n in (new, out):
+        n.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    _set_val(new, _fake_mode(graph))
+    val = _val(new)
+    if isinstance(val, (tuple, list)):
+        out.meta["val"] = val[0]
+    node.replace_all_uses_with(out)
+    if renamed is not None:  # an ExportedProgram's signature names its outputs
+        renamed(node.name, out.name)
+    graph.erase_node(node)
+    return True
+
+
 def _drop_empty_batch_asserts(graph: torch.fx.Graph) -> None:
     for node in list(graph.nodes):
         if (
             node.op == "call_function"
             and node.target is _aten._assert_scalar.default
             and len(node.args) > 1
-            and node.args[1] == EMPTY_BATCH_MESSAGE
+            and node.args[1] in EMPTY_BATCH_MESSAGES
         ):
             cond = node.args[0]
             graph.erase_node(node)
@@ -353,10 +392,11 @@ def to_stock_ops(
             continue
         changed = False
         for node in list(graph.nodes):
-            if (
-                node.op == "call_function"
-                and node.target in _TARGETS
-                and _rewrite(graph, node, core_aten, renamed if sub is gm else None)
+            if node.op != "call_function":
+                continue
+            names = renamed if sub is gm else None
+            if (node.target in _TARGETS and _rewrite(graph, node, core_aten, names)) or (
+                core_aten and node.target is _BATCH_NORM and _eval_to_core(graph, node, names)
             ):
                 count += 1
                 changed = True
@@ -379,6 +419,8 @@ _STOCK: dict[object, tuple[tuple[int | None, ...], bool]] = {
     _aten._native_batch_norm_legit.default: ((0, 1, 2, 3, 4, 5, 6, 7), False),
     _aten._native_batch_norm_legit.no_stats: ((0, 1, 2, None, None, 3, 4, 5), True),
     _aten.native_batch_norm.default: ((0, 1, 2, 3, 4, 5, 6, 7), False),
+    # programs of earlier bnswap releases: evaluation on an op with no kernel off the CPU
+    _NO_UPDATE: ((0, 1, 2, 3, 4, None, 5, 6), False),
 }
 _BACKWARD = _aten.native_batch_norm_backward.default
 #: every op :func:`to_consolidated_ops` rewrites
@@ -402,17 +444,30 @@ def stock_call(node: Node) -> tuple[list[Argument], bool] | None:
     pos, functional = _STOCK[node.target]
     args = [_arg(node, i) for i in pos]
     if pos[5] is None:
-        args[5] = False  # _native_batch_norm_legit_no_training
+        args[5] = False  # _native_batch_norm_legit_no_training, _batch_norm_no_update
     return args, functional
 
 
+def runs_bnswap_op(node: Node) -> bool:
+    """Whether ``node`` runs the op a swapped layer runs in its place already: a
+    consolidated op of training (:data:`CURRENT_TARGETS`), or stock's ``aten.batch_norm``
+    in evaluation (what a swapped layer calls then). :func:`convert` keeps it."""
+    if node.op != "call_function":
+        return False
+    if node.target in CURRENT_TARGETS:
+        return True
+    call = stock_call(node) if node.target is _BATCH_NORM else None
+    return call is not None and call[0][5] is False
+
+
 def consolidated_target(node: Node) -> tuple[OpOverload | None, str]:
-    """The consolidated op a stock batch-norm node becomes (None: it stays), and why
-    it stays (``"-"`` when it does not). ``native_batch_norm_backward`` becomes
-    ``batch_norm_backward`` when its forward node is rewritten too."""
+    """The op a stock batch-norm node becomes (None: it stays), and why it stays (``"-"``
+    when it does not): a consolidated op in training, ``aten.batch_norm`` in evaluation.
+    ``native_batch_norm_backward`` becomes ``batch_norm_backward`` when its forward node
+    is rewritten into a consolidated op too."""
     if node.op == "call_function" and node.target is _BACKWARD:
         fwd = _forward_of(node)
-        if fwd is None or consolidated_target(fwd)[0] is None:
+        if fwd is None or consolidated_target(fwd)[0] not in _TARGETS:
             return None, (
                 "its forward is no stock batch-norm node this rewrite turns "
                 "into a consolidated op (the cuDNN reserve comes from it)"
@@ -424,7 +479,7 @@ def consolidated_target(node: Node) -> tuple[OpOverload | None, str]:
     (x, w, b, mean, var, training, momentum, _eps), functional = call
     if (
         any(u.op != "call_function" or u.target is not operator.getitem for u in node.users)
-        and node.target is not _aten.batch_norm.default
+        and node.target is not _BATCH_NORM
     ):
         return None, "an output is used other than by indexing"
     if (mean is None) != (var is None):
@@ -435,16 +490,27 @@ def consolidated_target(node: Node) -> tuple[OpOverload | None, str]:
         return None, "evaluation without running statistics (stock raises)"
     if not training and functional:
         return None, "a functional op in evaluation (no consolidated counterpart)"
+    if not training:
+        if node.target is _BATCH_NORM:
+            return None, _EVAL_KEPT
+        if any(u.args[1] != 0 and u.users for u in node.users):
+            return None, (
+                "evaluation with save_mean / save_invstd used (a backward graph): "
+                "aten.batch_norm returns the output alone"
+            )
+        return _BATCH_NORM, "-"
     if w is None and b is None and mean is None and _rank(x) is None:
         return None, (
             "no shape metadata (node.meta['val']) for the input's channel "
             "view the stand-in weight / bias / statistics are made like"
         )
-    if not training:
-        return _NO_UPDATE, "-"
     if functional or mean is None:
         return _WITH_UPDATE_FUNCTIONAL, "-"
     return _WITH_UPDATE, "-"
+
+
+#: Why stock's ``aten.batch_norm`` in evaluation stays: it is the op a swapped layer runs.
+_EVAL_KEPT = "evaluation: aten.batch_norm picks its kernel when it runs (a swapped layer's op)"
 
 
 def _forward_of(node: Node) -> Node | None:
@@ -576,6 +642,8 @@ def _to_consolidated(
     # constants: consolidated_target checked momentum; eps is the schema's float literal
     assert isinstance(momentum, (int, float)) and isinstance(eps, (int, float))
     meta = dict(node.meta)
+    if target is _BATCH_NORM:
+        return _to_eval_batch_norm(graph, node, [x, w, b, mean, var], momentum, eps, renamed)
     _assert_not_empty(graph, x, meta)
     with graph.inserting_before(node):
         if w is None or b is None or mean is None:
@@ -609,6 +677,40 @@ def _to_consolidated(
             assert isinstance(i, int)  # consolidated_target: only getitem users
             u.args = (new, i if i < 3 else i + 1)  # the same getitem nodes: names stay
     graph.erase_node(node)
+    return new
+
+
+def _to_eval_batch_norm(
+    graph: torch.fx.Graph,
+    node: Node,
+    args: list[Argument],
+    momentum: float,
+    eps: float,
+    renamed: Callable[[str, str], None] | None,
+) -> Node:
+    """An evaluation node (its output 0 alone used: :func:`consolidated_target`) as stock's
+    ``aten.batch_norm(x, w, b, running_mean, running_var, False, momentum, eps,
+    cudnn_enabled)``, the op a swapped layer runs in evaluation; stand-ins of an earlier
+    bnswap's ``_batch_norm_no_update`` node become None again, as stock passes them."""
+    (x, w, b, mean, var), constants = (
+        _stand_ins(node, training=False) if node.target is _NO_UPDATE else (args, [])
+    )
+    with graph.inserting_before(node):
+        new = graph.call_function(
+            _BATCH_NORM, (x, w, b, mean, var, False, momentum, eps, _export_cudnn_enabled())
+        )
+    new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        new.meta["val"] = val[0]
+    for u in list(node.users):
+        if u.args[1] == 0:
+            u.replace_all_uses_with(new)
+            if renamed is not None:  # an ExportedProgram's signature names its outputs
+                renamed(u.name, new.name)
+        graph.erase_node(u)  # (consolidated_target: the other outputs are unused)
+    graph.erase_node(node)
+    _erase_unused(graph, constants)
     return new
 
 

@@ -24,7 +24,7 @@ class Rows(Sequence[Row], Generic[Row]):
     #: What :meth:`summary` counts ("BatchNorm layers", "batch-norm nodes").
     counted = "rows"
     #: What :meth:`summary` calls the ``keep`` rows ("already swapped" layers, nodes
-    #: "already on the consolidated ops").
+    #: "already on bnswap's ops").
     kept_as = "already swapped"
     rows: tuple[Any, ...]
     #: Whether ``apply`` has carried the plan out (set by a successful ``apply``): the
@@ -80,7 +80,7 @@ class Rows(Sequence[Row], Generic[Row]):
         * ``"bnswap plan: N of M <counted> would be swapped, K skipped"``;
         * with J of them swapped already (``keep``), ``"bnswap plan: N of M <counted>
           would be swapped, J already swapped, K skipped"`` (N + J + K = M; a program's
-          plan says "already on the consolidated ops": :attr:`kept_as`);
+          plan says "already on bnswap's ops": :attr:`kept_as`);
         * with every one not skipped swapped already: ``"bnswap plan: all M <counted>
           already swapped: nothing would change"``, or ``"bnswap plan: J of M <counted>
           already swapped, K skipped: nothing would change"``.

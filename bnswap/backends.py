@@ -5,9 +5,10 @@ A :class:`Backend` says which kernel a plan row shows, whether the backend can s
 batch statistics across processes, whether and how a converted model is wrapped (and
 unwrapped), and what it checks before anything changes. Two exist:
 
-- ``"aten"``: PyTorch's consolidated batch-norm ops (``aten._batch_norm_with_update`` /
-  ``_batch_norm_no_update`` / ``batch_norm_backward``, pytorch PR 116092); the model runs
-  as it is; the kernel is ``torch._C._select_batch_norm_backend``'s choice per layer.
+- ``"aten"``: PyTorch's consolidated batch-norm ops in training
+  (``aten._batch_norm_with_update`` / ``batch_norm_backward``, pytorch PR 116092), stock's
+  ``aten.batch_norm`` in evaluation; the model runs as it is, on any device; the kernel is
+  ``torch._C._select_batch_norm_backend``'s choice per layer, when it runs.
 - ``"ort"``: ONNX Runtime training (``com.microsoft::BatchNormInternal``, ORT PR 7539); the
   converted model runs inside an ``ORTModule`` (:func:`bnswap.ort.wrap`). ``bnswap.ort``
   is imported only when a model is wrapped or the backend is checked.

@@ -84,8 +84,9 @@ def convert(
     unsynchronized path otherwise).
 
     A swapped layer keeps its class (``type(layer) is nn.BatchNorm2d``) and runs
-    ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` (pytorch PR 116092) in
-    eager, ``torch.compile`` and ``torch.export``; what hands the model to another runtime
+    ``aten._batch_norm_with_update`` (pytorch PR 116092) in training and stock's
+    ``aten.batch_norm`` in evaluation, in eager, ``torch.compile`` and ``torch.export``, on
+    every device; what hands the model to another runtime
     records stock's ops (``torch.jit.script`` / ``trace``, ``torch.onnx.export``; see the
     guide "After training", ``docs/after-training.md``).
 

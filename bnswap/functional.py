@@ -2,13 +2,18 @@
 ``functional``).
 
 :func:`module_batch_norm` reproduces ``torch.nn.modules.batchnorm._BatchNorm.forward`` +
-``F.batch_norm`` exactly, on PyTorch's consolidated, backend-agnostic ops (pytorch PR
-116092): ``aten::_batch_norm_with_update`` with batch statistics,
-``aten::_batch_norm_no_update`` with running statistics, ``aten::batch_norm_backward``
-as their derivative. The input checks (:func:`check_batch_norm_input`) and torch's
+``F.batch_norm`` exactly. With batch statistics (training, or a layer without running
+statistics) it runs PyTorch's consolidated, backend-agnostic ops (pytorch PR 116092):
+``aten::_batch_norm_with_update``, with ``aten::batch_norm_backward`` as its derivative.
+With running statistics (evaluation) it makes stock's own call, ``torch.batch_norm(...,
+training=False, ...)``, with the layer's own weight and bias: ``aten::batch_norm`` picks
+cuDNN / MIOpen / native when it runs, on every device, and is what stock's graphs hold.
+Not ``aten::_batch_norm_no_update``: its only kernel (``CompositeExplicitAutograd`` in
+``native_functions.yaml``) calls ``batch_norm_cpu``, which refuses every tensor that is
+not on the CPU, so it cannot run on a GPU (``docs/design.md``, "The evaluation op").
+The input checks (:func:`check_batch_norm_input`) and torch's
 ``exponential_average_factor`` rule (:func:`exponential_average_factor`) live here too.
-What these ops need on torch 2.13, and how the core provides it: ``docs/architecture.md``,
-"The core".
+What these ops need, and how the core provides it: ``docs/architecture.md``, "The core".
 """
 
 from __future__ import annotations
@@ -104,19 +109,27 @@ _aten = torch.ops.aten
 # Xeon, which made a bnswap layer measurably slower than stock on small inputs
 # (benchmarks P3). The graphs record the same ``.default`` overloads either way.
 _with_update = _aten._batch_norm_with_update.default
-_no_update = _aten._batch_norm_no_update.default
 # Eager calls skip the OpOverload's Python ``__call__`` (it only calls ``_op``: one frame
 # per forward, benchmarks P3); traced code keeps the OpOverloads dynamo knows.
 _with_update_eager = _with_update._op
-_no_update_eager = _no_update._op
 
 #: The message of the runtime assertion an exported program raises when a bnswap layer
 #: gets an empty batch (see :func:`module_batch_norm`).
 EMPTY_BATCH_MESSAGE = (
     "bnswap: a batch norm of this exported program got an empty input (a batch of 0); "
+    "the consolidated op it runs in training (aten._batch_norm_with_update) rejects "
+    "empty input, and an exported graph has no eager early return. Skip empty "
+    "batches, or call bnswap.to_stock_ops(exported.module()) for stock's aten.batch_norm."
+)
+
+#: The same assertion's message in programs earlier bnswap releases wrote (they named
+#: ``_batch_norm_no_update`` too): :func:`bnswap.to_stock_ops` removes either.
+EMPTY_BATCH_MESSAGES = (
+    EMPTY_BATCH_MESSAGE,
+    "bnswap: a batch norm of this exported program got an empty input (a batch of 0); "
     "the consolidated ops it runs (aten._batch_norm_with_update / _batch_norm_no_update) "
     "reject empty input, and an exported graph has no eager early return. Skip empty "
-    "batches, or call bnswap.to_stock_ops(exported.module()) for stock's aten.batch_norm."
+    "batches, or call bnswap.to_stock_ops(exported.module()) for stock's aten.batch_norm.",
 )
 
 
@@ -406,7 +419,8 @@ def _tensors(bn: _BatchNorm) -> tuple[Tensor | None, ...]:
 
 
 def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
-    """Normalize ``input`` the way ``bn`` (a ``_BatchNorm``) would, on the consolidated ops.
+    """Normalize ``input`` the way ``bn`` (a ``_BatchNorm``) would: with batch statistics on
+    the consolidated ops, with running statistics on stock's ``aten::batch_norm``.
 
     Exactly ``_BatchNorm.forward`` semantics: batch statistics in training or when the
     layer has no running statistics, running statistics otherwise; running_mean /
@@ -459,7 +473,12 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if momentum is not None and type(momentum) is not float:
         check_momentum(momentum)
     compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
-    if compiling and _is_exporting() and isinstance(input.numel(), torch.SymInt):
+    if (
+        use_batch_stats
+        and compiling
+        and _is_exporting()
+        and isinstance(input.numel(), torch.SymInt)
+    ):
         _assert_batch_not_empty(input)
 
     counts = training and bn.track_running_stats and nbt is not None  # as _BatchNorm.forward
@@ -477,13 +496,16 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         )
     )
 
-    if not compiling and torch._C._are_functorch_transforms_active():
-        # Inside torch.func transforms (vmap, grad, jacrev, ...): functorch has batching
-        # rules for aten::batch_norm but none for the consolidated ops, so run the op
-        # stock's F.batch_norm ends in, with its arguments (same results, same errors:
-        # F.batch_norm's checks ran above). Not F.batch_norm itself: a user's patch of it
-        # reaches stock layers only, in every mode (docs/kernels.md, "torch.compile").
-        assert not isinstance(factor, Tensor)  # a tensor factor only while compiling
+    if not use_batch_stats or (not compiling and torch._C._are_functorch_transforms_active()):
+        # Evaluation: stock's own call, on every device (aten._batch_norm_no_update has
+        # no kernel off the CPU: docs/design.md, "The evaluation op"), so its graphs are
+        # stock's. Inside torch.func transforms (vmap, grad, jacrev, ...) every mode takes
+        # it: functorch has batching rules for aten::batch_norm but none for the
+        # consolidated ops. The op stock's F.batch_norm ends in, with its arguments (same
+        # results, same errors: F.batch_norm's checks ran above); not F.batch_norm
+        # itself: a user's patch of it reaches stock layers only, in every mode
+        # (docs/kernels.md, "torch.compile").
+        assert not isinstance(factor, Tensor)  # a tensor factor only while counting, compiled
         return torch.batch_norm(
             input,
             weight,
@@ -497,17 +519,13 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
         )
     if input.numel() == 0:
         return _empty_batch(input, weight, bias)
-    if weight is None or bias is None or (use_batch_stats and not update):
+    if weight is None or bias is None or not update:
         # what bnswap's stand-ins are made like: a (C,) tensor of the layer, else a view
         # of the input (nothing of their own a captured graph would carry)
         first = next((t for t in (weight, bias, running_mean) if t is not None), None)
         like = _channel_view(input) if first is None else first
         weight, bias = _stand_ins(bn, like, weight, bias)
 
-    if not use_batch_stats:
-        return _normalize_with_running_stats(
-            input, weight, bias, running_mean, running_var, factor, bn.eps, compiling
-        )
     if not update:
         return _normalize_with_batch_stats(input, weight, bias, like, factor, bn.eps)
     assert running_mean is not None and running_var is not None  # update says so (and the check)
@@ -584,24 +602,6 @@ def _stand_ins(
     if bias is None:
         bias = torch.full_like(like, 0.0)
     return weight, bias
-
-
-def _normalize_with_running_stats(
-    input: Tensor,
-    weight: Tensor,
-    bias: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    factor: float | Tensor,
-    eps: float,
-    compiling: bool,
-) -> Tensor:
-    """Eval (or a layer that tracks but is not training): the running statistics
-    normalize; nothing moves."""
-    out: Tensor = (_no_update if compiling else _no_update_eager)(
-        input, weight, bias, running_mean, running_var, factor, eps
-    )[0]
-    return out
 
 
 def _normalize_with_batch_stats(

@@ -4,9 +4,9 @@ A swapped layer keeps its class (``type(layer) is nn.BatchNorm2d``); only its fo
 differs (:mod:`bnswap._swap`). For torch's ``BatchNorm1d/2d/3d`` (and their subclasses that
 keep torch's ``forward``, such as the lazy classes) that forward is
 :func:`batch_norm_forward`: ``_BatchNorm.forward`` with its ``F.batch_norm`` call replaced by
-:func:`module_batch_norm`, i.e. ``aten._batch_norm_with_update`` in training and
-``aten._batch_norm_no_update`` in evaluation (pytorch PR 116092), with exactly
-``nn.BatchNorm``'s semantics.
+:func:`module_batch_norm`, i.e. ``aten._batch_norm_with_update`` in training (pytorch PR
+116092) and stock's own ``aten.batch_norm`` in evaluation, with exactly ``nn.BatchNorm``'s
+semantics, on every device.
 
 :class:`BatchNorm1d`, :class:`BatchNorm2d` and :class:`BatchNorm3d` build such layers and
 recognise them: ``bnswap.BatchNorm2d(8)`` returns an ``nn.BatchNorm2d`` that is already

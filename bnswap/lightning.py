@@ -507,8 +507,9 @@ class BNSwap(_BNSwapBase, pl.Callback):
     in for Lightning's ``TorchSyncBatchNorm``: ``docs/lightning.md``.
 
     Args:
-        backend: ``"aten"``: PyTorch's consolidated ops (``aten._batch_norm_with_update``
-            / ``_batch_norm_no_update`` / ``batch_norm_backward``). ``"ort"``: the same
+        backend: ``"aten"``: PyTorch's consolidated ops in training
+            (``aten._batch_norm_with_update`` / ``batch_norm_backward``; stock's
+            ``aten.batch_norm`` in evaluation). ``"ort"``: the same
             swap, and each direct child of the LightningModule that holds BatchNorm is
             wrapped with :func:`bnswap.ort.wrap` (ONNX Runtime's ``BatchNormInternal``);
             a child holding a layer bnswap does not swap stays eager.

@@ -1,15 +1,16 @@
 """``bnswap.programs``: exported programs and graph modules, in both directions.
 
-bnswap's layers record the consolidated batch-norm ops (``aten._batch_norm_with_update``
-/ ``_batch_norm_no_update`` / ``batch_norm_backward``, pytorch PR 116092) when a
-converted model is exported. A graph made without bnswap (a ``torch.export`` program of
-a stock model, a ``.pt2`` file someone sent) records stock's ops, which bind the native
-kernel on CUDA (pytorch issue 111384: ``torch.export`` traces with cuDNN off, pytorch PR
-148140; ``run_decompositions()`` gives ``_native_batch_norm_legit_functional``). The two
-directions of one rewrite:
+bnswap's layers record the consolidated batch-norm ops in training
+(``aten._batch_norm_with_update`` / ``batch_norm_backward``, pytorch PR 116092) and
+stock's ``aten.batch_norm`` in evaluation when a converted model is exported. A graph
+made without bnswap (a ``torch.export`` program of a stock model, a ``.pt2`` file someone
+sent) records stock's ops: ``aten.batch_norm``, which picks its kernel when it runs (its
+``cudnn_enabled`` argument is read by no release), in the training IR, and the
+``_native_batch_norm_legit*`` ops, which bind the native kernel, after
+``run_decompositions()`` and in AOT graphs. The two directions of one rewrite:
 
-* :func:`convert` (``bnswap.convert(program)``): stock's batch-norm nodes become the
-  consolidated ops, which pick cuDNN / MIOpen / native at run time;
+* :func:`convert` (``bnswap.convert(program)``): stock's batch-norm nodes become the ops
+  a swapped layer runs, which pick cuDNN / MIOpen / native when they run;
 * :func:`bnswap.to_stock_ops`: bnswap's nodes become stock's, for graph tools written against
   stock's graph (torchao's pt2e, ONNX; bnswap applies it for them).
 
@@ -35,11 +36,13 @@ from torch.fx import GraphModule, Node
 from bnswap import _compat
 from bnswap._graph import (
     _BACKWARD,
+    _EVAL_KEPT,
     CONSOLIDATED_TARGETS,
     STOCK_TARGETS,
     _forward_of,
     check_program,
     consolidated_target,
+    runs_bnswap_op,
     stock_call,
     to_consolidated_ops,
     to_stock_ops,
@@ -265,7 +268,7 @@ class ProgramPlan(Rows[NodeRow]):
         self._patterns = (include, exclude)
 
     counted = "batch-norm nodes"
-    kept_as = "already on the consolidated ops"
+    kept_as = "already on bnswap's ops"
 
     def apply(self) -> Program:
         """:func:`convert` the program with the plan's patterns: a new ExportedProgram
@@ -400,13 +403,15 @@ def _plan_nodes(
         if not isinstance(graph, torch.fx.Graph):
             continue
         for n in graph.nodes:
-            if n.op == "call_function" and n.target in CONSOLIDATED_TARGETS:
+            if runs_bnswap_op(n):
                 row = NodeRow(
                     n.name,
                     str(n.target),
                     "keep",
                     str(n.target),
-                    "already the consolidated op",
+                    "already the consolidated op"
+                    if n.target in CONSOLIDATED_TARGETS
+                    else _EVAL_KEPT,
                     "-",
                     already=True,
                     node=n,
@@ -466,7 +471,7 @@ def convert(
     include: Iterable[str] | str | None = None,
     exclude: Iterable[str] | str | None = None,
 ) -> Program:
-    """Make every stock batch-norm node of ``program`` run the consolidated ops
+    """Make every stock batch-norm node of ``program`` run the ops a swapped layer runs
     (``bnswap.convert(program)`` comes here).
 
     The rules (the ops' schemas, ``native_functions.yaml``; the consolidated ops take
@@ -475,12 +480,16 @@ def convert(
 
     * ``aten.batch_norm`` (``torch.export``'s training IR, any ``cudnn_enabled``),
       ``native_batch_norm``, ``_native_batch_norm_legit`` in training ->
-      ``_batch_norm_with_update`` (updates its statistics in place, as they did); in
-      evaluation -> ``_batch_norm_no_update``;
+      ``_batch_norm_with_update`` (updates its statistics in place, as they did);
     * ``_native_batch_norm_legit_functional`` (``run_decompositions()``) ->
       ``_batch_norm_with_update_functional``: its new running_mean / running_var outputs
       are the same ``getitem`` nodes, so the signature's ``buffers_to_mutate`` stay;
-      ``_native_batch_norm_legit_no_training`` -> ``_batch_norm_no_update``;
+    * evaluation: ``aten.batch_norm`` stays (it picks cuDNN / MIOpen / native when it
+      runs: what a swapped layer runs in evaluation); ``_native_batch_norm_legit_no_training``,
+      ``native_batch_norm`` / ``_native_batch_norm_legit`` with ``training=False`` (they
+      bind the native kernel) and the ``_batch_norm_no_update`` of programs earlier bnswap
+      releases wrote (it has no kernel off the CPU) -> ``aten.batch_norm(...,
+      training=False, ...)``, when only their output 0 is used;
     * no running statistics (``track_running_stats=False``,
       ``_native_batch_norm_legit.no_stats``) -> ``_batch_norm_with_update_functional`` on
       throw-away statistics; a missing weight / bias (``affine=False``) -> stand-in ones /
@@ -498,8 +507,9 @@ def convert(
       ``aten.batch_norm`` returns early. :func:`bnswap.to_stock_ops` removes it again.
 
     A node is left as it is (:func:`plan` says why) when its training flag or momentum is
-    not a constant, or it has neither a weight, a bias nor statistics and its input no
-    shape metadata (the rank of the view its stand-ins are made like).
+    not a constant, an evaluation node's save_mean / save_invstd are used (a backward
+    graph), or it has neither a weight, a bias nor statistics and its input no shape
+    metadata (the rank of the view its stand-ins are made like).
 
     Args:
         program: a ``torch.export.ExportedProgram`` (not changed: a new program is
@@ -510,7 +520,8 @@ def convert(
 
     Returns:
         The new ``ExportedProgram`` (``torch.export.save`` / ``load`` round-trip it,
-        ``.module()`` runs it, ``run_decompositions({})`` keeps the consolidated ops), or
+        ``.module()`` runs it on any device, ``run_decompositions({})`` keeps the
+        consolidated ops of training; ``aten.batch_norm`` decomposes there, as stock's), or
         the ``GraphModule`` itself. A program with no stock batch-norm node (none at all,
         or only consolidated ones: converted already, e.g. a ``.pt2`` that ``bnswap
         convert`` wrote, loaded) is returned itself. A program holding consolidated nodes

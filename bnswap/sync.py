@@ -31,7 +31,10 @@ backward's two sums in one ``native_batch_norm_backward`` pass, the input gradie
 two passes), on CUDA stock SyncBatchNorm's (``batch_norm_stats``'s kernel,
 ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``); elsewhere, and in code
 being compiled, the same formulation in portable torch ops. The normalization itself is
-``aten._batch_norm_no_update`` with the global statistics everywhere.
+stock's evaluation call, ``torch.batch_norm(..., training=False, ...)``, with the global
+statistics: ``aten::batch_norm`` picks cuDNN / MIOpen / native on every device
+(``aten._batch_norm_no_update`` has no kernel off the CPU: ``docs/design.md``, "The
+evaluation op").
 
 In eager mode the collectives are plain c10d calls; in code being compiled,
 ``torch.distributed._functional_collectives`` inside the ``torch.autograd.Function``, so
@@ -199,12 +202,22 @@ def sync_group(layer: nn.Module) -> Any:
     return group
 
 
-_no_update = torch.ops.aten._batch_norm_no_update.default
 _native_backward = torch.ops.aten.native_batch_norm_backward.default
 
 #: Input dtypes whose statistics are computed in their own dtype; float16 / bfloat16 input
 #: is computed in float32 (torch's opmath type for them, what stock's kernels accumulate in).
 _FULL = frozenset((torch.float32, torch.float64))
+
+
+def _normalize(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float
+) -> Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` per channel, on stock's evaluation
+    call (``aten::batch_norm`` with ``training=False``: cuDNN / MIOpen / native, picked
+    when it runs, on every device)."""
+    return torch.batch_norm(
+        x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled
+    )
 
 
 def _reduce_dims(x: Tensor) -> list[int]:
@@ -295,15 +308,15 @@ def _cpu_input_grad(
     if not (_cpu_kernel_layout(x) and _cpu_kernel_layout(dy)):
         return None
     # dx = (dy - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) scale is, per channel,
-    # (x - mean) b + d + dy scale: two passes, the first on the normalization kernel (it
-    # computes x b + (d - mean b), as it rounds the forward's normalization), then one
-    # addcmul_
+    # (x - mean) b + d + dy scale: two passes, the first on the evaluation normalization
+    # kernel (variance 1, eps 0: it computes x b + (d - mean b), as it rounds the
+    # forward's normalization), then one addcmul_
     c = mean.numel()
     scale = invstd if weight is None else torch.mul(invstd, weight)
     neg = scale.mul(-1.0 / n)
     d = torch.mul(sums.narrow(0, 0, c), neg)
     b = torch.mul(sums.narrow(0, c, c), invstd).mul_(invstd).mul_(neg)
-    grad_input: Tensor = _no_update(x, b, d, mean, torch.ones_like(mean), 0.0, 0.0)[0]
+    grad_input = _normalize(x, b, d, mean, torch.ones_like(mean), 0.0)
     return grad_input.addcmul_(dy, _channel_view(scale, dy))
 
 
@@ -361,7 +374,7 @@ def _cuda_input_grad(
 #: Device types whose own batch-norm kernels fill the per-device slots of the formulation
 #: in eager mode (:class:`Slots`): ``"cpu"``, ATen's native CPU kernels
 #: (``batch_norm_update_stats``, the statistics kernel of training batch norm itself;
-#: ``native_batch_norm_backward`` for the two sums; ``_batch_norm_no_update`` and one
+#: ``native_batch_norm_backward`` for the two sums; the evaluation ``batch_norm`` and one
 #: ``addcmul_`` for the input gradient), for NCHW-contiguous input
 #: (:func:`_cpu_kernel_layout`); ``"cuda"``, stock SyncBatchNorm's CUDA kernels
 #: (``batch_norm_stats``'s kernel, reached through ``batch_norm_update_stats``;
@@ -446,9 +459,195 @@ def _sum_over_ranks(t: Tensor, group: Any, world: int, compiling: bool) -> Tenso
     return _wait(_funcol().all_reduce(t, "sum", group))
 
 
+class RankStats(NamedTuple):
+    """One rank's share of the forward before the collective (:func:`rank_stats`)."""
+
+    #: ``input`` in the accumulation dtype (float32 for half input), ``(N, C, *)``
+    x: Tensor
+    #: (2C + 1,): this rank's count ``n_i``, per-channel mean and biased variance
+    packed: Tensor
+    #: the device kernels of the slots (None: the portable ops)
+    slots: Slots | None
+    #: weight and bias are in the accumulation dtype (the device kernels take them)
+    params_acc: bool
+
+
+class GlobalStats(NamedTuple):
+    """The global batch's statistics, equal on every rank (:func:`global_stats`)."""
+
+    #: (C,) mean and biased variance of the global batch, in the accumulation dtype
+    mean: Tensor
+    var: Tensor
+    #: (C,) ``1 / sqrt(var + eps)``
+    invstd: Tensor
+    #: (C,) unbiased variance ``M2 / (n - 1)``, for running_var
+    unbiased: Tensor
+    #: the global count: an int in eager mode, a 0-dim tensor in code being compiled
+    total: Tensor | int
+    #: (R,) the per-rank counts
+    counts: Tensor
+    #: ``max(total, 1)``: the divisor of the backward's means
+    n: Tensor | int
+
+
+def rank_stats(
+    input: Tensor, weight: Tensor | None, bias: Tensor | None, compiling: bool
+) -> RankStats:
+    """This rank's per-channel count, mean and biased variance of ``input`` ``(N, C, *)``
+    (N may be 0), packed as the (2C + 1,) tensor every rank all-gathers: the device's
+    statistics kernel where it takes the tensors (:class:`Slots`, eager), else two
+    portable passes."""
+    x = input if input.dtype in _FULL else input.float()
+    acc = x.dtype
+    c = x.shape[1]
+    count = x.numel() // c if c else 0
+    params_acc = (weight is None or weight.dtype == acc) and (bias is None or bias.dtype == acc)
+    slots = None if compiling or not params_acc else DEVICE_KERNELS.get(x.device.type)
+    stats = slots.stats(x) if slots is not None and count else None
+    if stats is not None:
+        mean, var = stats
+    elif count:
+        # two passes (the mean, then squared deviations from it): as accurate as
+        # Welford's torch.var_mean and 2-7x faster on CPU for (N, C, H, W) input
+        dims = _reduce_dims(x)
+        mean = x.mean(dims)
+        dev = x - _channel_view(mean, x)
+        var = (dev * dev).mean(dims)
+    else:  # an empty rank: n_i = 0 adds nothing to the global sums
+        mean = var = x.new_zeros(c)
+    packed = torch.cat([mean.new_full((1,), count), mean, var])
+    return RankStats(x, packed, slots, params_acc)
+
+
+def global_stats(
+    gathered: Tensor, eps: float, compiling: bool, size: torch.Size, group: Any
+) -> GlobalStats:
+    """The global batch's statistics from ``gathered``, the (R, 2C + 1) rows every rank's
+    :func:`rank_stats` packed (the all_gather's result, in rank order): Chan et al.'s
+    combination, identical on every rank.
+
+    Raises:
+        ValueError: (eager) the global batch has one value per channel (stock's message,
+            naming the group's size); compiled code asserts it on the device instead
+            (:data:`ONE_VALUE_MESSAGE`, a RuntimeError).
+    """
+    c = (gathered.shape[1] - 1) // 2
+    # (method calls, not indexing: each op of this per-layer bookkeeping costs
+    # microseconds, and a step has two per layer)
+    counts = gathered.select(1, 0)
+    means, vars_ = gathered.narrow(1, 1, c), gathered.narrow(1, c + 1, c)
+    total: Tensor | int
+    if compiling:
+        total = counts.sum()
+        # a device-side assertion: reading the count would break the graph
+        torch._assert_async(total != 1, ONE_VALUE_MESSAGE)
+        n: Tensor | int = total.clamp(min=1)
+        bessel: Tensor | float = n / (total - 1).clamp(min=1)
+    else:
+        # read (a device sync on CUDA, as stock); tolist: one call, no tensor op
+        total = int(sum(counts.tolist()))
+        if total == 1:
+            raise ValueError(_one_value_message(size, group))
+        n = max(total, 1)
+        bessel = n / max(total - 1, 1)
+    # Chan et al.'s combination, with w_i = n_i / n and v_i = M2_i / n_i:
+    # mean = sum(w_i mean_i), var = M2 / n = sum(w_i (v_i + (mean_i - mean)^2))
+    w = counts / n
+    g_mean = torch.mv(means.t(), w)
+    dev = torch.sub(means, g_mean)
+    var = torch.mv(dev.mul_(dev).add_(vars_).t(), w)
+    invstd = torch.rsqrt(var.add(eps))
+    unbiased = var.mul(bessel)  # M2 / (n - 1)
+    return GlobalStats(g_mean, var, invstd, unbiased, total, counts, n)
+
+
+def rank_output(
+    input: Tensor,
+    local: RankStats,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    stats: GlobalStats,
+    eps: float,
+) -> Tensor:
+    """This rank's output: ``input`` normalized with the global statistics, in its dtype."""
+    if input.numel() and local.params_acc:
+        # the normalization itself on the device's batch-norm kernel: stock's
+        # evaluation call with the global statistics (one vectorized pass; memory
+        # format and half input as stock's kernels handle them)
+        return _normalize(input, weight, bias, stats.mean, stats.var, eps)
+    x, acc = local.x, local.x.dtype
+    scale = stats.invstd if weight is None else stats.invstd * weight.to(acc)
+    out = (x - _channel_view(stats.mean, x)) * _channel_view(scale, x)
+    if bias is not None:
+        out = out + _channel_view(bias.to(acc), x)
+    return out.to(input.dtype)
+
+
+def rank_sums(
+    grad_out: Tensor,
+    input: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    slots: Slots | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, bool]:
+    """The backward's share of this rank before the collective: ``(dy, x, sum_dy,
+    sum_dy_xmu, xmu, kernels)``, with ``dy`` / ``x`` in the statistics' dtype, the two
+    per-channel (C,) sums, ``x - mean`` when the portable ops computed it (else None),
+    and whether the device's kernels computed the sums."""
+    acc = mean.dtype
+    x = input if input.dtype == acc else input.to(acc)
+    dy = grad_out if grad_out.dtype == acc else grad_out.to(acc)
+    local = slots.sums(dy, x, mean, invstd, weight) if slots is not None and input.numel() else None
+    xmu = None
+    if local is not None:
+        sum_dy, sum_dy_xmu = local
+    elif input.numel():
+        xmu = x - _channel_view(mean, dy)
+        dims = _reduce_dims(dy)
+        sum_dy, sum_dy_xmu = dy.sum(dims), (dy * xmu).sum(dims)
+    else:
+        sum_dy = sum_dy_xmu = torch.zeros_like(mean)
+    return dy, x, sum_dy, sum_dy_xmu, xmu, local is not None
+
+
+def rank_input_grad(
+    dy: Tensor,
+    x: Tensor,
+    xmu: Tensor | None,
+    mean: Tensor,
+    invstd: Tensor,
+    weight: Tensor | None,
+    sums: Tensor,
+    counts: Tensor,
+    n: Tensor | int,
+    slots: Slots | None,
+) -> Tensor:
+    """This rank's input gradient (in the statistics' dtype) from ``sums``, the (2C,)
+    ``[sum(dy), sum(dy * (x - mean))]`` added over every rank: the device's kernel where
+    it takes the tensors, else the portable ops."""
+    grad_input = (
+        slots.input_grad(dy, x, mean, invstd, weight, sums, counts, n)
+        if slots is not None
+        else None
+    )
+    if grad_input is not None:
+        return grad_input
+    c = mean.numel()
+    if xmu is None:
+        xmu = x - _channel_view(mean, dy)
+    scale = invstd if weight is None else invstd * weight.to(mean.dtype)
+    mean_dy, mean_dy_xmu = sums[:c] / n, sums[c:] / n
+    return (
+        dy - _channel_view(mean_dy, dy) - xmu * _channel_view(invstd * invstd * mean_dy_xmu, dy)
+    ) * _channel_view(scale, dy)
+
+
 class _SyncBatchNorm(torch.autograd.Function):
     """Global batch statistics and normalization: one all_gather forward, one
-    collective backward (:func:`_sum_over_ranks`)."""
+    collective backward (:func:`_sum_over_ranks`). Between them, each rank's steps:
+    :func:`rank_stats`, :func:`global_stats`, :func:`rank_output`; :func:`rank_sums`,
+    :func:`rank_input_grad`."""
 
     @staticmethod
     def forward(
@@ -462,122 +661,39 @@ class _SyncBatchNorm(torch.autograd.Function):
         size: torch.Size,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | int]:
         compiling = torch.compiler.is_compiling()
-        x = input if input.dtype in _FULL else input.float()
-        acc = x.dtype
-        c = x.shape[1]
-        count = x.numel() // c if c else 0
-        params_acc = (weight is None or weight.dtype == acc) and (bias is None or bias.dtype == acc)
-        slots = None if compiling or not params_acc else DEVICE_KERNELS.get(x.device.type)
-        stats = slots.stats(x) if slots is not None and count else None
-        if stats is not None:
-            mean, var = stats
-        elif count:
-            # two passes (the mean, then squared deviations from it): as accurate as
-            # Welford's torch.var_mean and 2-7x faster on CPU for (N, C, H, W) input
-            dims = _reduce_dims(x)
-            mean = x.mean(dims)
-            dev = x - _channel_view(mean, x)
-            var = (dev * dev).mean(dims)
-        else:  # an empty rank: n_i = 0 adds nothing to the global sums
-            mean = var = x.new_zeros(c)
-        packed = torch.cat([mean.new_full((1,), count), mean, var])
-        gathered = _all_gather(packed, group, world, compiling).view(world, 2 * c + 1)
-        # (method calls, not indexing: each op of this per-layer bookkeeping costs
-        # microseconds, and a step has two per layer)
-        counts = gathered.select(1, 0)
-        means, vars_ = gathered.narrow(1, 1, c), gathered.narrow(1, c + 1, c)
-        total: Tensor | int
-        if compiling:
-            total = counts.sum()
-            # a device-side assertion: reading the count would break the graph
-            torch._assert_async(total != 1, ONE_VALUE_MESSAGE)
-            n: Tensor | int = total.clamp(min=1)
-            bessel: Tensor | float = n / (total - 1).clamp(min=1)
-        else:
-            # read (a device sync on CUDA, as stock); tolist: one call, no tensor op
-            total = int(sum(counts.tolist()))
-            if total == 1:
-                raise ValueError(_one_value_message(size, group))
-            n = max(total, 1)
-            bessel = n / max(total - 1, 1)
-        # Chan et al.'s combination, with w_i = n_i / n and v_i = M2_i / n_i:
-        # mean = sum(w_i mean_i), var = M2 / n = sum(w_i (v_i + (mean_i - mean)^2))
-        w = counts / n
-        g_mean = torch.mv(means.t(), w)
-        dev = torch.sub(means, g_mean)
-        var = torch.mv(dev.mul_(dev).add_(vars_).t(), w)
-        invstd = torch.rsqrt(var.add(eps))
-        unbiased = var.mul(bessel)  # M2 / (n - 1)
-        if count and params_acc:
-            # the normalization itself on bnswap's kernel: aten._batch_norm_no_update with
-            # the global statistics (one vectorized pass; memory format and half input as
-            # the consolidated ops handle them)
-            out = _no_update(
-                input,
-                weight if weight is not None else torch.ones_like(g_mean),
-                bias if bias is not None else torch.zeros_like(g_mean),
-                g_mean,
-                var,
-                0.0,
-                eps,
-            )[0]
-        else:
-            scale = invstd if weight is None else invstd * weight.to(acc)
-            out = (x - _channel_view(g_mean, x)) * _channel_view(scale, x)
-            if bias is not None:
-                out = out + _channel_view(bias.to(acc), x)
-            out = out.to(input.dtype)
-        ctx.save_for_backward(input, weight, g_mean, invstd, counts)
+        local = rank_stats(input, weight, bias, compiling)
+        c = local.x.shape[1]
+        gathered = _all_gather(local.packed, group, world, compiling).view(world, 2 * c + 1)
+        stats = global_stats(gathered, eps, compiling, size, group)
+        out = rank_output(input, local, weight, bias, stats, eps)
+        ctx.save_for_backward(input, weight, stats.mean, stats.invstd, stats.counts)
         ctx.group, ctx.world, ctx.has_bias = group, world, bias is not None
-        ctx.slots, ctx.compiling = slots, compiling
-        ctx.n = None if compiling else n  # compiled: from the saved counts
-        ctx.mark_non_differentiable(g_mean, unbiased)
+        ctx.slots, ctx.compiling = local.slots, compiling
+        ctx.n = None if compiling else stats.n  # compiled: from the saved counts
+        ctx.mark_non_differentiable(stats.mean, stats.unbiased)
         ctx.set_materialize_grads(False)  # (no zero gradients for the statistics)
         if compiling:
-            ctx.mark_non_differentiable(total)
-        return out, g_mean, unbiased, total
+            ctx.mark_non_differentiable(stats.total)
+        return out, stats.mean, stats.unbiased, stats.total
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple:
         input, weight, mean, invstd, counts = ctx.saved_tensors
         slots, compiling = ctx.slots, ctx.compiling
-        acc = mean.dtype
-        c = input.shape[1]
-        x = input if input.dtype == acc else input.to(acc)
-        dy = grad_out if grad_out.dtype == acc else grad_out.to(acc)
-        local = (
-            slots.sums(dy, x, mean, invstd, weight) if slots is not None and input.numel() else None
+        dy, x, sum_dy, sum_dy_xmu, xmu, kernels = rank_sums(
+            grad_out, input, mean, invstd, weight, slots
         )
-        xmu = None
-        if local is not None:
-            sum_dy, sum_dy_xmu = local
-        elif input.numel():
-            xmu = x - _channel_view(mean, dy)
-            dims = _reduce_dims(dy)
-            sum_dy, sum_dy_xmu = dy.sum(dims), (dy * xmu).sum(dims)
-        else:
-            sum_dy = sum_dy_xmu = torch.zeros_like(mean)
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             sums = _sum_over_ranks(torch.cat([sum_dy, sum_dy_xmu]), ctx.group, ctx.world, compiling)
             n = ctx.n if ctx.n is not None else counts.sum().clamp(min=1)
-            if local is not None:
-                grad_input = slots.input_grad(dy, x, mean, invstd, weight, sums, counts, n)
-            if grad_input is None:
-                if xmu is None:
-                    xmu = x - _channel_view(mean, dy)
-                scale = invstd if weight is None else invstd * weight.to(acc)
-                mean_dy, mean_dy_xmu = sums[:c] / n, sums[c:] / n
-                grad_input = (
-                    dy
-                    - _channel_view(mean_dy, dy)
-                    - xmu * _channel_view(invstd * invstd * mean_dy_xmu, dy)
-                ) * _channel_view(scale, dy)
-            grad_input = grad_input.to(input.dtype)
+            grad_input = rank_input_grad(
+                dy, x, xmu, mean, invstd, weight, sums, counts, n, slots if kernels else None
+            ).to(input.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(weight.dtype if weight is not None else acc)
+            grad_bias = sum_dy.to(weight.dtype if weight is not None else mean.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 

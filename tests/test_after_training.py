@@ -335,7 +335,9 @@ def test_to_stock_ops_gives_stocks_exported_graph_for_every_flag():
         swapped = bnswap.convert(copy.deepcopy(stock))
         gs = torch.export.export(stock, (X,)).module()
         gb = torch.export.export(swapped, (X,)).module()
-        assert bnswap.to_stock_ops(gb) == 1 and bnswap.to_stock_ops(gs) == 0
+        # (evaluation with running statistics records stock's op already: nothing to do)
+        batch_stats = train or kwargs.get("track_running_stats", True) is False
+        assert bnswap.to_stock_ops(gb) == int(batch_stats) and bnswap.to_stock_ops(gs) == 0
         nodes = [(n.op, str(n.target), len(n.args)) for n in gs.graph.nodes]
         assert [(n.op, str(n.target), len(n.args)) for n in gb.graph.nodes] == nodes, kwargs
         for n_s, n_b in zip(gs.graph.nodes, gb.graph.nodes, strict=True):
@@ -494,7 +496,9 @@ def test_onnx_dynamo_export_of_an_exported_program_like_stock(train, kwargs):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             protos.append(torch.onnx.export(ep, (X,), dynamo=True, verbose=False).model_proto)
-        assert bnswap.to_stock_ops(copy.deepcopy(ep)) == (1 if m is swapped else 0)
+        # (evaluation with running statistics: stock's op already)
+        bnswap_ops = m is swapped and (train or kwargs.get("track_running_stats") is False)
+        assert bnswap.to_stock_ops(copy.deepcopy(ep)) == int(bnswap_ops)
     ps, pb = protos
     assert _ops(pb) == _ops(ps)
     assert torch.equal(_run_onnx(pb, X), _run_onnx(ps, X))
@@ -618,20 +622,6 @@ def _bn_with_stats(affine: bool) -> nn.BatchNorm2d:
     return bn
 
 
-def _stock_with(
-    bn: nn.BatchNorm2d, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """Stock eval BatchNorm2d, float64, with ``bn``'s statistics and the given affine
-    parameters (ones / zeros for None): what the core must compute with those stand-ins."""
-    ref = nn.BatchNorm2d(8).double().eval()
-    with torch.no_grad():
-        ref.running_mean.copy_(bn.running_mean)
-        ref.running_var.copy_(bn.running_var)
-        ref.weight.copy_(torch.ones(8) if weight is None else weight)
-        ref.bias.copy_(torch.zeros(8) if bias is None else bias)
-        return ref(X8.double()).float()
-
-
 def test_stand_ins_are_used_only_while_tracing_inside_the_block_and_nested_blocks_restore():
     """The core's generic stand-ins provider (``consolidated_ops_while_tracing(stand_ins=
     ...)``, used by bnswap.ort for its per-layer trace buffers): consulted only while the
@@ -642,7 +632,9 @@ def test_stand_ins_are_used_only_while_tracing_inside_the_block_and_nested_block
 
     from bnswap.functional import consolidated_ops_while_tracing
 
-    bn = _bn_with_stats(affine=False)
+    # (batch statistics: where the ops need stand-ins; with running statistics a layer
+    # makes stock's own call, with None for a missing weight / bias)
+    bn = nn.BatchNorm2d(8, affine=False, track_running_stats=False)
     g = torch.Generator().manual_seed(5)
     w_a, w_b, b_b = (torch.rand(8, generator=g) + 0.5 for _ in range(3))
     calls: list[tuple[str, nn.Module]] = []
@@ -663,6 +655,16 @@ def test_stand_ins_are_used_only_while_tracing_inside_the_block_and_nested_block
                 lambda x: bnswap.module_batch_norm(bn, x), (X8,), check_trace=False
             )
         return fn(X8)
+
+    def _stock_with(_bn: nn.Module, weight, bias) -> torch.Tensor:
+        """Stock BatchNorm2d on batch statistics, float64, with the given affine
+        parameters (ones / zeros for None): what the core must compute with those
+        stand-ins."""
+        ref = nn.BatchNorm2d(8, track_running_stats=False).double()
+        with torch.no_grad():
+            ref.weight.copy_(torch.ones(8) if weight is None else weight)
+            ref.bias.copy_(torch.zeros(8) if bias is None else bias)
+            return ref(X8.double()).float()
 
     plain = _stock_with(bn, None, None)
     tol = dict(rtol=1e-5, atol=1e-5)
@@ -687,7 +689,7 @@ def test_stand_ins_are_used_only_while_tracing_inside_the_block_and_nested_block
     assert calls == [("a", bn), ("b", bn), ("a", bn)]
     torch.testing.assert_close(traced(), plain, **tol)  # after the block
     # a layer with its own weight and bias never asks
-    own = _bn_with_stats(affine=True).requires_grad_(False)  # (traced as constants)
+    own = nn.BatchNorm2d(8, track_running_stats=False).requires_grad_(False)  # (constants)
     with consolidated_ops_while_tracing(stand_ins=a), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         torch.jit.trace(lambda x: bnswap.module_batch_norm(own, x), (X8,), check_trace=False)

@@ -24,7 +24,15 @@ import bnswap
 plan_module = importlib.import_module("bnswap.plan")  # bnswap.plan is the function
 
 aten = torch.ops.aten
-OPS = (aten._batch_norm_with_update.default, aten._batch_norm_no_update.default)
+#: what a swapped layer's batch norm dispatches to below autograd on the CPU: the
+#: consolidated op with batch statistics; with running statistics stock's
+#: aten.batch_norm, which decomposes (its kernel chosen when it runs) into
+#: native_batch_norm on the CPU; _batch_norm_no_update never (no kernel off the CPU)
+OPS = (
+    aten._batch_norm_with_update.default,
+    aten.native_batch_norm.default,
+    aten._batch_norm_no_update.default,
+)
 
 
 class Recorder(TorchDispatchMode):
@@ -45,7 +53,8 @@ FLAGS = list(itertools.product([True, False], [True, False], [True, False], [0.1
 def test_the_core_hands_the_ops_what_cudnn_needs(affine, track, training, momentum):
     """Guards: an affine=False layer passing None for its bias (or weight) still runs on
     the CPU, bitwise as stock, but can never select cuDNN (and batch_norm_backward needs
-    a weight): the eager parity tests cannot see it."""
+    a weight): the eager parity tests cannot see it. With running statistics the layer
+    makes stock's call, with its own tensors (None for affine=False, as stock)."""
     bn = bnswap.convert(
         nn.BatchNorm2d(5, affine=affine, track_running_stats=track, momentum=momentum)
     ).train(training)
@@ -57,6 +66,10 @@ def test_the_core_hands_the_ops_what_cudnn_needs(affine, track, training, moment
     inp, weight, bias, mean, var = args[:5]
     uses_batch_stats = training or not track
     assert func is (OPS[0] if uses_batch_stats else OPS[1])
+    if not uses_batch_stats:  # stock's evaluation call, stock's arguments
+        assert (weight, bias, mean, var) == (bn.weight, bn.bias, bn.running_mean, bn.running_var)
+        assert args[5] is False  # training
+        return
     for t in (weight, bias, mean, var):
         assert isinstance(t, torch.Tensor) and t.shape == (5,) and t.dtype == torch.float32
     if affine:

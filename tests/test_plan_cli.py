@@ -422,13 +422,13 @@ def test_a_config_without_the_callback_says_training_it_keeps_stock(capsys):
 
 
 # ------------------------------------------------------------------ programs (.pt2)
-def _program_file(tmp_path, eval_mode: bool = False):
+def _program_file(tmp_path):
     import torch
     from torch import nn
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4, affine=False))
-    model.train(not eval_mode)
+    model.train()
     x = torch.randn(2, 3, 8, 8)
     ep = torch.export.export(model, (x,))
     path = tmp_path / "model.pt2"
@@ -437,12 +437,12 @@ def _program_file(tmp_path, eval_mode: bool = False):
 
 
 def test_plan_of_a_program_file_one_row_per_node(capsys, tmp_path):
-    path, _, _ = _program_file(tmp_path, eval_mode=True)
+    path, _, _ = _program_file(tmp_path)
     code, out, _ = run(capsys, "--program", str(path), "--format", "json")
     data = json.loads(out)
     assert code == 0 and data["summary"]["nodes"] == 2 and data["summary"]["swapped"] == 2
     assert [(r["node"], r["op"], r["becomes"], r["kernel"]) for r in data["nodes"]] == [
-        (n, "aten.batch_norm.default", "aten._batch_norm_no_update.default", "Native")
+        (n, "aten.batch_norm.default", "aten._batch_norm_with_update.default", "Native")
         for n in ("batch_norm", "batch_norm_1")
     ]
     code, out, _ = run(
@@ -460,7 +460,7 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     done = tmp_path / "done.pt2"
     assert plan_cli.convert_main([str(path), "-o", str(done)]) == 0
     capsys.readouterr()
-    summary = "all 2 batch-norm nodes already on the consolidated ops: nothing would change"
+    summary = "all 2 batch-norm nodes already on bnswap's ops: nothing would change"
     code, out, _ = run(capsys, "--program", str(done))
     assert code == 0 and out.startswith(f"bnswap plan: {summary}\n")
     assert [ln.split()[2] for ln in out.splitlines()[3:5]] == ["keep", "keep"]
@@ -471,7 +471,7 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     assert plan_cli.convert_main([str(done), "-o", str(tmp_path / "again.pt2")]) == 0
     # (convert reports the applied plan: what was done)
     assert capsys.readouterr().out.startswith(
-        "bnswap convert: all 2 batch-norm nodes already on the consolidated ops: nothing changed\n"
+        "bnswap convert: all 2 batch-norm nodes already on bnswap's ops: nothing changed\n"
     )
 
 
@@ -617,7 +617,7 @@ def test_convert_refuses_to_overwrite_its_input(capsys, tmp_path, monkeypatch, s
 
     monkeypatch.chdir(tmp_path)
     torch.export.save(
-        torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(), (torch.randn(2, 3, 4, 4),)),
+        torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).train(), (torch.randn(2, 3, 4, 4),)),
         "m.pt2",
     )
     before = (tmp_path / "m.pt2").read_bytes()
@@ -640,7 +640,7 @@ def test_convert_refuses_to_overwrite_its_input(capsys, tmp_path, monkeypatch, s
     assert plan_cli.convert_main(["m.pt2", "-o", "new.pt2"]) == 0  # another file: written
     assert (tmp_path / "m.pt2").read_bytes() == before
     new = torch.export.load("new.pt2")
-    assert any("_batch_norm_no_update" in str(n.target) for n in new.graph.nodes)
+    assert any("_batch_norm_with_update" in str(n.target) for n in new.graph.nodes)
 
 
 def test_plan_for_ort_says_when_onnx_runtime_is_missing(capsys, monkeypatch):
@@ -1005,7 +1005,7 @@ def test_layers_excluded_on_purpose_exit_0_and_layers_bnswap_cannot_swap_3(
 def test_a_program_node_excluded_on_purpose_exits_0_in_plan_and_convert(capsys, tmp_path):
     """Issue 26's exit rule for programs: a node left out by ``--exclude`` /
     ``--include`` (``bnswap plan --program``, ``bnswap convert``) is no reason for 3."""
-    path, ep, _ = _program_file(tmp_path, eval_mode=True)
+    path, ep, _ = _program_file(tmp_path)
     for option, value in (("--exclude", "batch_norm_1"), ("--include", "batch_norm")):
         code, out, _ = front_door(capsys, "plan", "--program", str(path), option, value)
         ref = bnswap.plan(ep, **{option[2:]: value})

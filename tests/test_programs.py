@@ -20,9 +20,11 @@ X = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
 CONSOLIDATED = {
     "aten._batch_norm_with_update.default",
     "aten._batch_norm_with_update_functional.default",
-    "aten._batch_norm_no_update.default",
     "aten.batch_norm_backward.default",
 }
+#: what a converted program runs in evaluation: stock's own op (it picks its kernel when
+#: it runs, on every device; _batch_norm_no_update has no kernel off the CPU)
+EVAL_OP = "aten.batch_norm.default"
 
 
 def model(no_stats: bool = True) -> nn.Module:
@@ -63,12 +65,29 @@ def test_convert_program_runs_bitwise_like_the_original(train, decomposed):
     new = bnswap.convert(ep)
     assert new is not ep and bn_ops(ep.graph_module) == before  # the input is unchanged
     ops = bn_ops(new.graph_module)
-    assert len(ops) == 4 and set(ops) <= CONSOLIDATED, ops
+    # training: the consolidated ops; evaluation: aten.batch_norm, but for the
+    # track_running_stats=False layer (batch statistics in eval too)
+    update, functional = (
+        "aten._batch_norm_with_update.default",
+        "aten._batch_norm_with_update_functional.default",
+    )
+    # (the third layer keeps no statistics: batch statistics in eval too)
+    expected = (
+        [update, update, functional, update]
+        if train and not decomposed
+        else [functional] * 4
+        if train
+        else [EVAL_OP, EVAL_OP, functional, EVAL_OP]
+    )
+    assert ops == expected, ops
     assert new.graph_signature.buffers_to_mutate == ep.graph_signature.buffers_to_mutate
     new.validate()
     same_runs(ep.module(), new.module())
     kept = bn_ops(new.run_decompositions({}).graph_module)
-    assert len(kept) == 4 and set(kept) <= CONSOLIDATED, kept
+    # training keeps the consolidated ops (functional); aten.batch_norm decomposes, as
+    # stock's does
+    core = {EVAL_OP: "aten._native_batch_norm_legit_no_training.default", update: functional}
+    assert kept == [core.get(o, o) for o in expected], kept
 
 
 @pytest.mark.parametrize("decomposed", [False, True], ids=["training_ir", "decomposed"])
@@ -110,7 +129,8 @@ def test_converted_dynamic_batch_program_refuses_an_empty_batch_before_any_state
         assert EMPTY_BATCH_MESSAGE in str(err.value)
         assert all(torch.equal(before[k], v) for k, v in mod.state_dict().items())
     ref, gm = ep.module(), new.module()
-    assert bnswap.to_stock_ops(gm, core_aten=decomposed) == 3
+    # (in eval, the one node with batch statistics, and with core_aten the two eval nodes)
+    assert bnswap.to_stock_ops(gm, core_aten=decomposed) == (3 if train or decomposed else 1)
     assert "got an empty input" not in gm.code  # the assertions went with the nodes
     assert bn_ops(gm) == bn_ops(ref)  # stock's ops again, node for node
     empty = torch.randn(0, 3, 8, 8)
@@ -225,15 +245,15 @@ def test_a_backward_node_whose_forward_is_excluded_is_planned_as_skipped():
 
 
 def test_plan_of_a_program_one_row_per_node():
-    ep = torch.export.export(model().eval(), (X,))
+    ep = torch.export.export(model().train(), (X,))
     p = bnswap.plan(ep, device="cuda")
     assert isinstance(p, bnswap.ProgramPlan) and len(p) == 4 and not p.skipped
     assert [r.name for r in p] == [
         n for n in (n.name for n in ep.graph.nodes) if n.startswith("batch_norm")
     ]
-    assert [r.becomes for r in p] == ["aten._batch_norm_no_update.default"] * 2 + [
+    assert [r.becomes for r in p] == ["aten._batch_norm_with_update.default"] * 2 + [
         "aten._batch_norm_with_update_functional.default",
-        "aten._batch_norm_no_update.default",
+        "aten._batch_norm_with_update.default",
     ]
     if not torch.cuda.is_available():
         assert {r.kernel for r in p} == {"Cudnn (predicted)"}
@@ -306,13 +326,15 @@ def test_core_aten_patch_applied_at_first_conversion_not_at_import():
 
 @pytest.mark.slow
 def test_aot_inductor_package_of_a_bnswap_program_matches_eager(tmp_path):
-    """aoti_compile_and_package / aoti_load_package of a converted program on CPU:
-    eager's output within float rounding."""
+    """aoti_compile_and_package / aoti_load_package of a converted training program on
+    CPU: eager's output within float rounding. (An evaluation program converts to
+    stock's own aten.batch_norm: AOTInductor compiles it as stock's.)"""
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
-    stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
-    ep = bnswap.convert(torch.export.export(stock, (X,)))
-    assert "aten._batch_norm_no_update.default" in bn_ops(ep.graph_module)
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    ep = bnswap.convert(torch.export.export(copy.deepcopy(stock), (X,)))
+    assert "aten._batch_norm_with_update.default" in bn_ops(ep.graph_module)
     path = aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
     run = aoti_load_package(path)
     torch.testing.assert_close(run(X), stock(X), rtol=1e-5, atol=1e-5)
@@ -337,9 +359,14 @@ def test_plan_of_a_bnswap_program_says_already():
     ep = torch.export.export(bnswap.convert(model()).eval(), (X,))
     p = bnswap.plan(ep)
     assert len(p) == 4 and all(r.already and r.action == "keep" for r in p)
-    assert {r.reason for r in p} == {"already the consolidated op"}
+    # evaluation: stock's own op; the layer without statistics: a consolidated one
+    assert [r.reason for r in p] == [
+        "evaluation: aten.batch_norm picks its kernel when it runs (a swapped layer's op)"
+    ] * 2 + ["already the consolidated op"] + [
+        "evaluation: aten.batch_norm picks its kernel when it runs (a swapped layer's op)"
+    ]
     assert p.summary() == (
-        "bnswap plan: all 4 batch-norm nodes already on the consolidated ops: nothing would change"
+        "bnswap plan: all 4 batch-norm nodes already on bnswap's ops: nothing would change"
     )
     assert repr(p) == "ProgramPlan(0 swap, 4 keep, 0 skip)"
     assert {r.kernel for r in p} == {"Native"}

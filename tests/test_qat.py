@@ -237,8 +237,7 @@ def test_plan_of_a_graph_module_lists_its_batch_norm_nodes():
         assert [r.kernel for r in p] == [expected] * 2
         assert [r.kernel for r in bnswap.plan(program, device="cpu")] == ["Native"] * 2
         assert p.summary() == (
-            "bnswap plan: all 2 batch-norm nodes already on the consolidated ops: "
-            "nothing would change"
+            "bnswap plan: all 2 batch-norm nodes already on bnswap's ops: nothing would change"
         )
     mixed = bnswap.plan(prepared(stock, shape, "xnnpack"))
     assert [r.action for r in mixed] == ["swap", "swap"]

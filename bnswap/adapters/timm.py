@@ -43,8 +43,8 @@ def batch_norm_act_2d(layer: _timm_norm_act.BatchNormAct2d, x: Tensor) -> Tensor
 
     timm's rank check (``AssertionError`` for input that is not 4D, as timm raises),
     batch norm with ``nn.BatchNorm2d`` semantics (running statistics updated in training,
-    ``momentum=None`` as a cumulative average) on ``aten._batch_norm_with_update`` /
-    ``aten._batch_norm_no_update`` (:func:`bnswap.module_batch_norm`), then
+    ``momentum=None`` as a cumulative average) on ``aten._batch_norm_with_update`` in
+    training, ``aten.batch_norm`` in evaluation (:func:`bnswap.module_batch_norm`), then
     ``layer.drop``, then ``layer.act``. Shape: (N, C, H, W) in and out, memory format
     preserved.
 

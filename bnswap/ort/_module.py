@@ -116,7 +116,7 @@ def graph_mode(model_training: bool, layers: Sequence[tuple[str, nn.Module]]) ->
     written) when the model or any of its BatchNorm ``layers`` is in train mode, else the
     inference graph. Each module keeps its own mode inside the exported graph
     (:func:`bnswap.ort._compat.apply`'s export keeps every flag), so a frozen
-    (eval-mode) BatchNorm in a training model exports as ``_batch_norm_no_update``
+    (eval-mode) BatchNorm in a training model exports as ``aten::batch_norm(training=False)``
     (running statistics, never updated) and a train-mode one in an eval model (AdaBN)
     as ``_batch_norm_with_update``, as eager PyTorch runs them."""
     return model_training or any(m.training for _, m in layers)

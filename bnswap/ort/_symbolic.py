@@ -8,8 +8,12 @@ layers trace to
   statistics), exported as ONNX ``BatchNormalization`` (opset 15) with
   ``training_mode=1``, which ORT's pre-training transform rewrites into
   ``com.microsoft::BatchNormInternal`` + ``BatchNormalizationGrad``;
-* ``aten::_batch_norm_no_update(...)`` (running statistics), exported as
-  ``BatchNormalization`` with ``training_mode=0``.
+* ``aten::batch_norm(..., training=False, ...)`` (running statistics: what a swapped
+  layer runs in evaluation, stock's own call), exported as ``BatchNormalization`` with
+  ``training_mode=0``, or written out element-wise for a frozen layer inside ORT's
+  training graph (below); with ``training=True`` (code that calls ``F.batch_norm``
+  itself) torch's own symbolic; ``aten::_batch_norm_no_update`` (what earlier bnswap
+  releases ran in evaluation) the same way.
 
 ONNX momentum is the weight of the *old* running value (``1 - torch momentum``). The
 training symbolic always emits ONNX ``momentum=0``: ORT's ``BatchNormInternal``
@@ -144,6 +148,40 @@ def _batch_norm_no_update(
     return out, None, None, None
 
 
+def _batch_norm(
+    g: _G,
+    input: _V,
+    weight: _V,
+    bias: _V,
+    running_mean: _V,
+    running_var: _V,
+    training: _V,
+    momentum: _V,
+    eps: _V,
+    cudnn_enabled: _V,
+) -> _V:
+    """``aten::batch_norm``: in evaluation as :func:`_batch_norm_no_update` (a frozen
+    layer in ORT's training graph needs it); in training, torch's own symbolic."""
+    sh = _helpers()
+    if sh._maybe_get_const(training, "i"):
+        opset = importlib.import_module(f"{_TSE}.symbolic_opset14")
+        return opset.batch_norm(
+            g,
+            input,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            training,
+            momentum,
+            eps,
+            cudnn_enabled,
+        )
+    return _batch_norm_no_update(g, input, weight, bias, running_mean, running_var, momentum, eps)[
+        0
+    ]
+
+
 def _frozen_batch_norm(
     g: _G,
     sh: Any,
@@ -173,7 +211,7 @@ def _frozen_batch_norm(
 
 
 def register(opset: int) -> None:
-    """Register both symbolics for ``opset`` (>= 15, ORT uses 17) in torch's exporter.
+    """Register the symbolics for ``opset`` (>= 15, ORT uses 17) in torch's exporter.
 
     Call inside :func:`bnswap.ort._compat.ort_scope`, which undoes the registration.
     """
@@ -181,6 +219,7 @@ def register(opset: int) -> None:
 
     register_custom_op_symbolic("aten::_batch_norm_with_update", _batch_norm_with_update, opset)
     register_custom_op_symbolic("aten::_batch_norm_no_update", _batch_norm_no_update, opset)
+    register_custom_op_symbolic("aten::batch_norm", _batch_norm, opset)
 
 
 def keep_running_stat_aliases(model: onnx.ModelProto) -> int:
