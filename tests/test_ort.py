@@ -1325,6 +1325,44 @@ def test_meta_device_model_is_refused_unchanged_and_the_documented_order_works()
     train_pair(model, ref, wrapped, lambda i: torch.randn(4, 3, 6, 6) + i, steps=2)
 
 
+def test_the_devices_onnx_runtime_runs_are_said_plainly():
+    """The ORT backend runs the CPU (onnxruntime-training-cpu, tested) and CUDA (ONNX
+    Runtime's GPU training build): a layer on CUDA with a build that has no
+    CUDAExecutionProvider is refused naming the build to install (a fake CUDA layer:
+    torch's FakeTensorMode makes one without a GPU), a layer on any other device (torch's
+    Lazy device, a real one) before ONNX Runtime is touched; nothing changes either way.
+    The providers are this ONNX Runtime's own."""
+    import onnxruntime
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bnswap.ort._layers import check_devices
+
+    providers = list(onnxruntime.get_available_providers())
+    check_devices(bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))), providers)
+    with FakeTensorMode():
+        on_cuda = nn.Sequential(nn.BatchNorm2d(4, device="cuda"))
+    if "CUDAExecutionProvider" in providers:
+        check_devices(on_cuda, providers)
+    else:
+        with pytest.raises(
+            bnswap.ort.UnsupportedLayerError,
+            match=r"layer '0' is on cuda:0; this ONNX Runtime \(providers: "
+            r"CPUExecutionProvider\) cannot run CUDA: it needs CUDAExecutionProvider\. For "
+            r"CUDA install ONNX Runtime's GPU training build \(bnswap's 'ort' extra",
+        ):
+            check_devices(on_cuda, providers)
+    pytest.importorskip("torch._lazy")
+    import torch._lazy.ts_backend
+
+    torch._lazy.ts_backend.init()
+    on_lazy = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).to("lazy")
+    with pytest.raises(
+        bnswap.ort.UnsupportedLayerError, match=r"is on lazy:0; ORTModule runs on CPU or CUDA"
+    ):
+        bnswap.ort.wrap(on_lazy)
+    assert not on_lazy._forward_pre_hooks and "_bnswap_trace_weight" not in on_lazy[1]._buffers
+
+
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
 def test_frozen_batchnorm1d_on_2d_input_matches_stock(affine):
     """The frozen layer's element-wise export on (N, C) inputs, with and without affine

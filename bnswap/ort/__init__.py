@@ -27,7 +27,7 @@ from torch import nn
 
 from bnswap._swap import WRAPPER_STATE
 from bnswap.extras import install_command
-from bnswap.ort._layers import check_layers, trace_constants
+from bnswap.ort._layers import check_devices, check_layers, trace_constants
 from bnswap.ort._logs import LOG_LEVEL_ENV, ort_log_level
 from bnswap.ort._original import UnwrappedCallWarning
 from bnswap.ort._original import release as _release
@@ -201,7 +201,8 @@ def wrap(
 
     Args:
         module: an ``nn.Module`` (not a LightningModule: wrap its children) with float32
-            BatchNorm parameters on CPU (or CUDA with a CUDA ORT build).
+            BatchNorm parameters on the CPU (tested: onnxruntime-training-cpu 1.19.2) or
+            CUDA (ONNX Runtime's GPU training build; untested here). No other device.
         fallback: ``None`` (default): anything ORT cannot export or run raises
             :class:`ORTRunError`. ``"aten"``: warn (``RuntimeWarning``) and run the
             model eagerly on bnswap's aten layers instead.
@@ -220,7 +221,9 @@ def wrap(
         UnsupportedVersionError, BuildError: untested versions; the extension cannot be
             built (``fallback=None``; with ``"aten"``: a warning and ``module``).
         UnsupportedLayerError: a BatchNorm layer is not swapped, not initialized, not
-            float32 or not on CPU / CUDA (raised before ORT is imported).
+            float32 or not on CPU / CUDA (raised before ORT is imported); on CUDA with an
+            ONNX Runtime build without ``CUDAExecutionProvider`` (the CPU build,
+            ``ort-cpu``: :func:`bnswap.ort._layers.check_devices`).
         TypeError: ``module`` is not an ``nn.Module`` or is a LightningModule.
         ValueError: unknown ``fallback``.
         ORTRunError: ORT cannot build the wrapper (``fallback=None``).
@@ -263,6 +266,8 @@ def wrap(
         opts = dict(DEFAULT_SESSION_OPTIONS)
         opts.update(session_options or {})
         import onnxruntime
+
+        check_devices(module, list(onnxruntime.get_available_providers()))
 
         onnxruntime.set_seed(int(__import__("torch").initial_seed() % sys.maxsize))
         return BNSwapORTModule(

@@ -14,9 +14,11 @@ from bnswap._swap import add_internal_buffer, drop_internal_buffers, is_swapped
 from bnswap.ort.errors import UnsupportedLayerError
 
 __all__ = [
+    "PROVIDERS",
     "TRACE_BIAS",
     "TRACE_WEIGHT",
     "bn_layers",
+    "check_devices",
     "check_layers",
     "trace_constants",
     "trace_stand_ins",
@@ -103,6 +105,46 @@ def check_layers(module: nn.Module) -> None:
                 raise UnsupportedLayerError(
                     f"bnswap.ort.wrap: layer {label!r} is on {t.device}; "
                     "ORTModule runs on CPU or CUDA."
+                )
+
+
+#: ONNX Runtime's execution provider for each device type ORTModule can run a model on.
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def check_devices(module: nn.Module, providers: list[str]) -> None:
+    """Raise unless the installed ONNX Runtime can run every BatchNorm layer's device:
+    the CPU with ``CPUExecutionProvider``, CUDA with ``CUDAExecutionProvider`` (only in
+    ONNX Runtime's GPU training build: the ``ort`` extra; ``onnxruntime-training-cpu``,
+    the ``ort-cpu`` extra, has none). Other devices are refused by :func:`check_layers`.
+
+    Args:
+        module: the model; its layers passed :func:`check_layers`.
+        providers: ``onnxruntime.get_available_providers()``.
+
+    Raises:
+        UnsupportedLayerError: ``"bnswap.ort.wrap: layer 'name' is on cuda:0; this ONNX
+            Runtime (providers: CPUExecutionProvider) cannot run CUDA ..."``.
+
+    Examples::
+
+        >>> from torch import nn
+        >>> from bnswap.ort._layers import check_devices
+        >>> check_devices(nn.Sequential(nn.BatchNorm1d(2)), ["CPUExecutionProvider"])
+    """
+    for name, m in bn_layers(module):
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is None:
+                continue
+            dev = t.device.type
+            if PROVIDERS.get(dev, "") not in providers:
+                raise UnsupportedLayerError(
+                    f"bnswap.ort.wrap: layer {name or type(m).__name__!r} is on {t.device}; "
+                    f"this ONNX Runtime (providers: {', '.join(providers) or 'none'}) cannot "
+                    f"run {dev.upper()}: it needs {PROVIDERS.get(dev, 'a provider for it')}. "
+                    "For CUDA install ONNX Runtime's GPU training build (bnswap's 'ort' extra; "
+                    "'ort-cpu' is the CPU build), move the model to the CPU, or use "
+                    "backend='aten' (every device)."
                 )
 
 
