@@ -3,10 +3,11 @@
 bnswap's layers record the consolidated batch-norm ops (``aten._batch_norm_with_update``
 / ``_batch_norm_no_update`` / ``batch_norm_backward``, pytorch PR 116092) when a
 converted model is exported. A graph made without bnswap (a ``torch.export`` program of
-a stock model, a ``.pt2`` file someone sent) records stock's ops, which bind the native
-kernel on CUDA (pytorch issue 111384: ``torch.export`` traces with cuDNN off, pytorch PR
-148140; ``run_decompositions()`` gives ``_native_batch_norm_legit_functional``). The two
-directions of one rewrite:
+a stock model, a ``.pt2`` file someone sent) records stock's ops: ``aten.batch_norm``
+(``cudnn_enabled=False``: ``torch.export`` traces with cuDNN off), which selects its
+kernel at run time all the same (torch ignores that argument), or, in AOT graphs and
+after ``run_decompositions()``, ``_native_batch_norm_legit_functional``, which binds the
+native kernel on CUDA (:mod:`bnswap.kernels`). The two directions of one rewrite:
 
 * :func:`convert` (``bnswap.convert(program)``): stock's batch-norm nodes become the
   consolidated ops, which pick cuDNN / MIOpen / native at run time;
