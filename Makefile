@@ -105,7 +105,7 @@ COMPAT_TORCH ?= 2.4.1 2.9.1 2.15.0
 COMPAT_DEPS ?= 'pytest>=8' 'hypothesis>=6.100' 'pytest-timeout>=2.3' numpy
 COMPAT_TESTS ?= tests/test_layers.py tests/test_convert.py tests/test_bad_inputs.py \
 	tests/test_atomic.py tests/test_registry.py tests/test_graphs.py tests/test_gradcheck.py \
-	tests/test_checkpoints.py tests/test_kernel_selection.py \
+	tests/test_checkpoints.py tests/test_kernel_selection.py tests/test_kernel_rule.py \
 	tests/test_isinstance_functions.py tests/test_patches.py tests/test_after_training.py \
 	tests/test_backends.py
 

@@ -11,20 +11,27 @@ bnswap layers and for stock ``nn.BatchNorm``:
   aten graph as captured: bnswap should run cuDNN, stock the native kernel: pytorch
   issue 111384) and with ``inductor`` (which generates its own kernels for both);
 * ``fsdp2_bf16``: FSDP2 with ``param_dtype=torch.bfloat16`` on a one-rank process group:
-  stock raises, bnswap's step runs cuDNN, its output equals stock's on float32 weights;
+  stock raises, bnswap's step runs the native kernel (bfloat16 input: torch's rule), its
+  output equals stock's on float32 weights;
 * ``exported``: graphs exported with ``torch.export`` / ``aot_export_module`` **on the
   CPU** and then moved to CUDA: the decomposed forward graph (``run_decompositions({})``,
   which keeps bnswap's ops; the default table gives core ATen, stock's ops) and the joint
   forward+backward train graph (bnswap: cuDNN; stock: native);
 * ``converted_program``: a *stock* model exported on the CPU, the program given to
   ``bnswap.convert``, both moved to CUDA (``torch.export.passes.move_to_device_pass``):
-  the converted program runs cuDNN where the original runs the native kernel (dry mode:
-  the two agree bitwise on the CPU and run on the meta device);
+  both run cuDNN, as ``bnswap.plan`` predicts (stock's ``aten.batch_norm`` selects at run
+  time: its ``cudnn_enabled=False`` is ignored, issue 45; dry mode: the two agree bitwise
+  on the CPU and run on the meta device);
+* ``moved_programs``: every ``affine`` x ``track_running_stats`` combination, train and
+  eval, each program's kernels against ``bnswap.plan``'s prediction for it;
+* ``predictions`` (issue 45): ``bnswap.plan``'s predictions against the profiler's kernel
+  names for the AOT graphs (``aot_eager``, forward and backward) and ``affine=False``
+  layers (stock's native; swapped: cuDNN in training, native in eval);
 * ``qat_pt2e`` (issue 31): stock's and bnswap's nets exported on the CPU,
   ``prepare_qat_pt2e`` (torchao, XNNPACK's quantizer), the prepared graphs trained on
-  CUDA: bnswap's graph runs ``_batch_norm_with_update`` (cuDNN), stock's
-  ``aten.batch_norm(cudnn_enabled=False)`` (native); losses and time per step side by
-  side (dry: a few steps on the CPU, bitwise equal).
+  CUDA: each graph's kernels against ``bnswap.plan``'s prediction (stock's
+  ``aten.batch_norm`` and bnswap's op both cuDNN); losses and time per step side by side
+  (dry: a few steps on the CPU, bitwise equal).
 
 * ``sync`` (issues 18, 28): one synchronized layer forward + backward in a one-process
   NCCL group: bnswap's synchronized layer with the device's kernels in its slots
@@ -75,6 +82,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import bnswap  # noqa: E402
+import bnswap.kernels  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -214,6 +222,23 @@ def _bn_ops(graph) -> list[str]:
             if n.op == "call_function" and "batch_norm" in str(n.target)
         }
     )
+
+
+#: bnswap.kernels' kernel names as the profiler's kinds (classify_kernel)
+_KIND = {"Cudnn": "cudnn", "Native": "native", "Miopen": "miopen"}
+
+
+def kind_of(kernel: str) -> str:
+    """The profiler kind a plan's kernel cell predicts (``"Cudnn (predicted)"`` ->
+    ``"cudnn"``; ``"CPU only (no CUDA kernel)"`` -> ``"cpu only"``: no CUDA kernel)."""
+    return _KIND.get(kernel.split(" ")[0], kernel.split(" (")[0].lower())
+
+
+def predicted_kinds(program) -> list[str]:
+    """The kernel kinds ``bnswap.plan(program, device="cuda")`` predicts for the
+    batch-norm nodes of ``program`` (an ExportedProgram or a GraphModule) as they are
+    (``kernel_before``), sorted: what the profiler should see when it runs on CUDA."""
+    return sorted({kind_of(r.kernel_before) for r in bnswap.plan(program, device="cuda")})
 
 
 def joint_export(model: nn.Module, x_cpu, y_cpu, key=None):
@@ -450,15 +475,23 @@ class Check:
         bnswap_kind: str,
         stock_kind: str,
         keys: tuple[str, ...] = ("bnswap", "stock"),
+        predicted: dict[str, list[str]] | None = None,
     ) -> None:
-        """``res[k]["kinds"]`` against the expected kernel kind on CUDA; on the meta
+        """``res[k]["kinds"]`` against the expected kernel kind on CUDA (``predicted``:
+        the kinds ``bnswap.plan`` predicts per key, :func:`predicted_kinds`); on the meta
         device (dry) the moved graphs must have run there."""
+        if predicted is not None:
+            res["predicted"] = predicted
         if self.target != "cuda":
             res["ok"] = all(res[k].get("ran_on") == self.target for k in keys)
             res["note"] = "kernel names need CUDA; the graphs were moved to meta and ran there"
             return
-        res["expected"] = {k: bnswap_kind if k.startswith("bnswap") else stock_kind for k in keys}
-        res["ok"] = all(res[k]["kinds"] == [res["expected"][k]] for k in keys)
+        res["expected"] = (
+            predicted
+            if predicted is not None
+            else {k: [bnswap_kind if k.startswith("bnswap") else stock_kind] for k in keys}
+        )
+        res["ok"] = all(res[k]["kinds"] == res["expected"][k] for k in keys)
 
     def exported(self) -> dict:
         """Graphs captured on the CPU, moved to the target device as a user moves them
@@ -526,7 +559,10 @@ class Check:
             run(x)
             res[name] = self._profile_on_target(lambda run=run: run(x))
             res[name]["ran_on"] = run(x).device.type
-        self._expect_moved(res, "cudnn", "native")
+        # stock's exported aten.batch_norm selects at run time (its cudnn_enabled=False is
+        # ignored): cuDNN as the converted program's op, by torch's rule (issue 45)
+        predicted = {"bnswap": predicted_kinds(converted), "stock": predicted_kinds(original)}
+        self._expect_moved(res, "cudnn", "cudnn", predicted=predicted)
         res["ok"] = bool(res["ok"]) and ops_ok
         return res
 
@@ -539,7 +575,10 @@ class Check:
         ``move_to_device_pass(ep, device).module()``), plus in training the joint
         forward + backward graph (``aot_export_module(trace_joint=True)``, then
         ``graph_module.to(device)``); the batch-norm kernel (profiler name) each runs. On
-        CUDA bnswap's should run cuDNN and stock's the native kernel; outputs are compared
+        CUDA each must run what ``bnswap.plan`` predicts for it (torch's rule: stock's
+        ``aten.batch_norm`` cuDNN for affine layers, native for affine=False ones; bnswap's
+        training op cuDNN with its stand-ins; the joint graphs: stock's native, bnswap's
+        cuDNN); outputs are compared
         with stock's moved program (the kernels round differently). Dry: the meta device,
         where each must run and match stock's output shape, dtype and device."""
         from torch.export.passes import move_to_device_pass
@@ -577,6 +616,9 @@ class Check:
                     }
                     case: dict = {}
                     outs: dict = {}
+                    # what bnswap.plan predicts for each program (torch's rule, issue 45):
+                    # stock's affine=False layers run native, bnswap's cuDNN in training
+                    predicted = {name: predicted_kinds(makers[name]()) for name in keys}
                     for move in ("module_to", "move_to_device_pass"):
                         row: dict = {}
                         for name in keys:
@@ -591,19 +633,25 @@ class Check:
                                 row[name] = self._profile_on_target(lambda run=run: run(x))
                                 outs[(move, name)] = run(x)
                             row[name]["ran_on"] = outs[(move, name)].device.type
-                        self._expect_moved(row, "cudnn", "native", keys)
+                        self._expect_moved(row, "cudnn", "native", keys, predicted)
                         case[move] = row
                     if train:
                         row = {}
+                        joint_predicted = {}
                         for name, m in (
                             ("bnswap_exported", bnswap.convert(copy.deepcopy(stock))),
                             ("stock", stock),
                         ):
                             js = JointStep(m, x_cpu, y_cpu, self.target)
+                            joint_predicted[name] = predicted_kinds(
+                                joint_export(m, x_cpu, y_cpu)[0]
+                            )
                             js.step(x, y)
                             row[name] = self._profile_on_target(lambda js=js: js.step(x, y))
                             row[name]["ran_on"] = js.step(x, y).device.type
-                        self._expect_moved(row, "cudnn", "native", ("bnswap_exported", "stock"))
+                        self._expect_moved(
+                            row, "cudnn", "native", ("bnswap_exported", "stock"), joint_predicted
+                        )
                         case["joint"] = row
                     # bnswap's moved outputs against stock's moved program
                     diffs = {}
@@ -633,6 +681,67 @@ class Check:
                         f"affine={affine},track_running_stats={trs},{'train' if train else 'eval'}"
                     ] = case
         res["ok"] = all(oks)
+        return res
+
+    def predictions(self) -> dict:
+        """``bnswap.plan``'s kernel predictions (torch's rule, ``bnswap.kernels``; issue
+        45) against the profiler's kernel names: the AOT graphs of a train step under
+        ``torch.compile(backend=aot_eager)`` (forward and backward, stock's and
+        bnswap's), and ``affine=False`` layers, stock's and swapped, in training and in
+        eval (stock: native, no weight; swapped: cuDNN in training with its stand-ins,
+        native in eval). Stock's exported program and QAT graph are checked against
+        their predictions in ``converted_program``, ``moved_programs`` and ``qat_pt2e``.
+        Dry: the predictions, and every path run on the CPU (no kernel names)."""
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        c, n, hw = (8, 4, 8) if self.dry else (64, 32, 32)
+        x = torch.randn(n, c, hw, hw, device=self.device)
+        res: dict = {"aot_eager": {}, "affine_false": {}}
+        for name in ("stock", "bnswap"):
+            torch.manual_seed(0)
+            m = nn.Sequential(
+                nn.Conv2d(c, c, 3, padding=1),
+                nn.BatchNorm2d(c),
+                nn.ReLU(),
+                nn.BatchNorm2d(c, affine=False),
+            ).to(self.device)
+            if name == "bnswap":
+                m = bnswap.convert(m)
+            graphs: list = []
+
+            def keep(gm, _inputs, graphs=graphs):
+                graphs.append(gm)
+                return make_boxed_func(gm.forward)
+
+            torch._dynamo.reset()
+            compiled = torch.compile(m, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+
+            def step(compiled=compiled):
+                compiled(x).sum().backward()
+
+            step()  # (compiles)
+            r = profile_names(step, self.device)
+            r["predicted"] = sorted({k for gm in graphs for k in predicted_kinds(gm)})
+            res["aot_eager"][name] = r
+            torch._dynamo.reset()
+        for name in ("stock", "bnswap"):
+            for training in (True, False):
+                layer = nn.BatchNorm2d(c, affine=False).to(self.device).train(training)
+                if name == "bnswap":
+                    layer = bnswap.convert(layer)
+                r = profile_names(lambda layer=layer: layer(x), self.device)
+                kernel = bnswap.kernels.layer_kernel(
+                    layer, "cuda", swapped=name == "bnswap", training=training
+                )
+                r["predicted"] = [kind_of(kernel)]
+                res["affine_false"][f"{name}_{'train' if training else 'eval'}"] = r
+        cases = [*res["aot_eager"].values(), *res["affine_false"].values()]
+        if self.device != "cuda":
+            res["ok"] = None
+            res["note"] = "kernel names need CUDA: the predictions, and the paths run on the CPU"
+        else:
+            res["ok"] = all(r["kinds"] == r["predicted"] for r in cases)
         return res
 
     def sync(self) -> dict:
@@ -815,8 +924,9 @@ class Check:
         ``prepare_qat_pt2e`` (XNNPACK's quantizer), the prepared graphs trained on the
         device: their batch-norm ops, the kernel names of one step, a few steps' losses and
         time per step side by side (the same initial weights and batches). On the CPU
-        (dry) the two runs must agree bitwise; on CUDA bnswap's graph must run cuDNN and
-        stock's the native kernel (pytorch issue 111384)."""
+        (dry) the two runs must agree bitwise; on CUDA each graph must run the kernels
+        ``bnswap.plan`` predicts for it (stock's ``aten.batch_norm`` selects cuDNN at run
+        time: its ``cudnn_enabled=False`` is ignored, issue 45)."""
         try:
             from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
             from torchao.testing.pt2e._xnnpack_quantizer import (
@@ -841,6 +951,7 @@ class Check:
                 )
             prepared = prepare_qat_pt2e(torch.export.export(m, (x_cpu,)).module(), quantizer)
             res["graph_ops"][name] = _bn_ops(prepared.graph)
+            res.setdefault("predicted", {})[name] = predicted_kinds(prepared)
             step = _eager_step(prepared.to(self.device), x, y, lr=0.01)
             losses = [float(step().detach())]  # (the first step builds the observers' state)
             res[name] = profile_names(step, self.device)
@@ -860,11 +971,14 @@ class Check:
             res["ok"] = res["ops_ok"] and res["max_abs_loss_diff"] == 0.0
             res["note"] = "kernel names need CUDA: graph ops and bitwise losses checked"
         else:
-            res["expected"] = {"bnswap": "cudnn", "stock": "native"}
+            # stock's prepared graph holds aten.batch_norm, which selects at run time
+            # (cuDNN: its cudnn_enabled=False is ignored, issue 45); bnswap.plan's
+            # prediction for each graph is what the profiler must see
+            res["expected"] = res["predicted"]
             res["ok"] = (
                 res["ops_ok"]
-                and res["bnswap"]["kinds"] == ["cudnn"]
-                and res["stock"]["kinds"] == ["native"]
+                and res["bnswap"]["kinds"] == res["predicted"]["bnswap"]
+                and res["stock"]["kinds"] == res["predicted"]["stock"]
             )
         return res
 
@@ -872,7 +986,8 @@ class Check:
         """FSDP2 mixed precision (``fully_shard(..., mp_policy=MixedPrecisionPolicy(
         param_dtype=torch.bfloat16))``) on a one-rank process group (nccl on CUDA, gloo on
         the CPU): stock BatchNorm raises, bnswap trains a step (its batch-norm kernels
-        recorded: bfloat16 input with float32 parameters keeps cuDNN), and a bnswap layer's
+        recorded: bfloat16 input runs the native kernel by torch's rule, as stock's layer
+        would if it ran), and a bnswap layer's
         output equals stock BatchNorm's with float32 weight and bias equal to the bfloat16
         ones, on the same input (docs/lightning.md, "FSDP2 mixed precision")."""
         import torch.distributed as dist
@@ -886,7 +1001,15 @@ class Check:
         try:
             mesh = init_device_mesh(self.device, (1,))
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-            res: dict = {"process_group": backend}
+            # bfloat16 input with float32 weight (bnswap's mixed-precision upcast): no
+            # bfloat16 input for cuDNN (torch's rule, bnswap.kernels)
+            call = bnswap.kernels.Call(
+                4, torch.bfloat16, torch.float32, torch.float32, True, True, True, 1e-5
+            )
+            res: dict = {
+                "process_group": backend,
+                "predicted": kind_of(bnswap.kernels.rule(call, rocm=False)),
+            }
             a, b = _pair(self.nets["convnet4"])
             x, y = _batch(*self.compile_shape, self.device)
             for name, m in (("bnswap", a), ("stock", b)):
@@ -927,7 +1050,7 @@ class Check:
             and r["running_var_dtype"] == "torch.float32"
             and r["max_abs_diff"] == 0.0
             and r["running_var_max_abs_diff"] == 0.0
-            and (self.device != "cuda" or res["bnswap"]["kinds"] == ["cudnn"])
+            and (self.device != "cuda" or res["bnswap"]["kinds"] == [res["predicted"]])
         )
         return res
 
@@ -960,7 +1083,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sections",
         default=None,
         help="comma-separated subset of: backend,graph_ops,eager,compile_aot_eager,"
-        "compile_inductor,exported,converted_program,moved_programs,training,"
+        "compile_inductor,exported,converted_program,moved_programs,predictions,training,"
         "sync,qat_pt2e,fsdp2_bf16",
     )
     args = ap.parse_args(argv)
@@ -996,6 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
         ("exported", chk.exported, True),
         ("converted_program", chk.converted_program, True),
         ("moved_programs", chk.moved_programs, True),
+        ("predictions", chk.predictions, True),
         ("training", chk.training, True),
         ("sync", chk.sync, True),
         ("qat_pt2e", chk.qat_pt2e, True),
@@ -1115,6 +1239,12 @@ def summary_line(name: str, s: dict, dry: bool) -> str:
                         kinds.setdefault(prog, set()).add(_kinds(r))
         detail = f"{len(s['cases'])} cases moved to {s['moved_to']}: " + "; ".join(
             f"{prog} {'/'.join(sorted(k))}" for prog, k in kinds.items()
+        )
+    elif name == "predictions":
+        detail = "; ".join(
+            f"{group} {k}: {_kinds(r)} (predicted {'+'.join(r['predicted'])})"
+            for group in ("aot_eager", "affine_false")
+            for k, r in s[group].items()
         )
     elif name == "sync":
         detail = (

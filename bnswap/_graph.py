@@ -292,11 +292,15 @@ def _signature_renames(ep: torch.export.ExportedProgram) -> list[tuple[Node, str
 
 
 def validation_error(ep: torch.export.ExportedProgram) -> Exception | None:
-    """``ep.validate()``'s ``SpecViolationError``, or None for a valid program."""
+    """``ep.validate()``'s ``SpecViolationError``, or None for a valid program (torch 2.4's
+    ``ExportedProgram`` names it ``_validate``; without either, None)."""
     from torch._export.verifier import SpecViolationError
 
+    check = getattr(ep, "validate", None) or getattr(ep, "_validate", None)
+    if check is None:
+        return None
     try:
-        ep.validate()
+        check()
     except SpecViolationError as err:
         return err
     return None

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from bnswap import registry
+from bnswap import kernels, registry
 from bnswap._rows import Rows
 from bnswap._swap import (
     Adapter,
@@ -29,6 +29,7 @@ from bnswap._swap import (
 )
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.backends import BACKENDS, Backend, backend_named
+from bnswap.kernels import CUDNN_BN_MIN_EPSILON as CUDNN_BN_MIN_EPSILON  # (plan's name before)
 from bnswap.registry import qualified_name
 from bnswap.sync import describe_group, sync_class, sync_kernel, to_sync_batch_norm
 
@@ -112,101 +113,31 @@ def _pattern_str(p: Pattern) -> str:
     return p.__name__ if isinstance(p, type) else repr(p)
 
 
-def _layer_device(m: nn.Module) -> torch.device:
-    """The device of ``m``'s first parameter or buffer (its own, not its children's);
-    the CPU for a layer with neither (affine=False, track_running_stats=False)."""
-    for t in (*m._parameters.values(), *m._buffers.values()):
-        if t is not None:
-            return t.device
-    return torch.device("cpu")
-
-
-def _probe_dtype(m: nn.Module) -> torch.dtype:
-    """The dtype of the weight the core passes the kernel for ``m``: its first floating
-    (C,) tensor's (weight, bias, running_mean: the stand-ins are made like it), else the
-    input's, taken to be float32."""
-    for ref in (
-        m._parameters.get("weight"),
-        m._parameters.get("bias"),
-        m._buffers.get("running_mean"),
-    ):
-        if ref is not None and ref.is_floating_point():
-            return ref.dtype
-    return torch.float32
-
-
-def _probe_args(m: nn.Module, dev: torch.device) -> tuple:
-    """The arguments of ``torch._C._select_batch_norm_backend`` for ``m`` in training on
-    ``dev``: input (2, C, 1[, 1[, 1]]) (rank 3 for BatchNorm1d, which uses native for
-    (N, C) input), weight ones, bias zeros, running_mean zeros, running_var ones, all (C,)
-    in :func:`_probe_dtype`, training True, the layer's eps: what the bnswap core always
-    passes (defined weight, bias and statistics)."""
-    c = int(m.num_features)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
-    rank = 5 if isinstance(m, nn.BatchNorm3d) else 4 if isinstance(m, nn.BatchNorm2d) else 3
-    dtype = _probe_dtype(m)
-    x = torch.empty((2, c) + (1,) * (rank - 2), device=dev, dtype=dtype)
-    ones = torch.ones(c, device=dev, dtype=dtype)
-    zeros = torch.zeros(c, device=dev, dtype=dtype)
-    return x, ones, zeros, zeros, ones, True, float(m.eps)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
-
-
 def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str:
-    """The kernel ``torch._C._select_batch_norm_backend`` picks for a swapped layer on
-    ``device`` (default: the layer's own) in training: ``"Native"``, ``"Cudnn"`` or
-    ``"Miopen"``; for a ``BatchNorm1d`` that gets cuDNN, ``"Cudnn for (N, C, L); Native
-    for (N, C)"`` (cuDNN needs input of rank 3 or more).
+    """The kernel a swapped layer runs on ``device`` (default: where its tensors are), by
+    torch's rule (:func:`bnswap.kernels.layer_kernel`): ``"Native"``, ``"Cudnn"`` or
+    ``"Miopen"``, in training and in eval.
 
-    The selector sees what the bnswap core always passes (:func:`_probe_args`). For
-    ``cuda`` on a machine without one, the choice is predicted from torch's rule
-    (``"Cudnn (predicted)"``). Returns ``"n/a (...)"`` for the meta device, a torch
-    without the function, or a device the probe cannot run on.
+    In training a swapped layer calls ``_batch_norm_with_update`` with stand-in weight /
+    bias for affine=False; in eval stock's ``aten.batch_norm(training=False)`` with its own
+    (none for affine=False). Where the two differ the answer names both, e.g. ``"Cudnn;
+    eval Native"``. A ``BatchNorm1d`` names both input ranks where they differ: ``"Cudnn
+    for (N, C, L); Native for (N, C)"`` (cuDNN needs input of rank 3 or more). For
+    ``cuda`` on a machine without one the answer is torch's rule, marked ``"(predicted)"``
+    (``"Cudnn (predicted)"``). ``"n/a (...)"`` for the meta device, a torch without
+    ``torch._C._select_batch_norm_backend``, or a device the probe cannot run on.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from bnswap.plan import select_kernel
+        >>> select_kernel(nn.BatchNorm2d(4))
+        'Native'
+        >>> select_kernel(nn.BatchNorm2d(4, affine=False), "meta")
+        'n/a (meta)'
     """
-    dev = torch.device(device) if device is not None else _layer_device(m)
-    select = getattr(torch._C, "_select_batch_norm_backend", None)
-    if select is None:
-        return "n/a (torch too old)"
-    if dev.type == "meta":
-        return "n/a (meta)"
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        eps = float(m.eps)  # type: ignore[arg-type]  # nn.Module.__getattr__ -> Tensor | Module
-        return _by_rank(m, _predicted_cuda_kernel(_probe_dtype(m), eps))
-    try:
-        backend = select(*_probe_args(m, dev))
-    except Exception as e:  # a device this torch cannot probe: RuntimeError,
-        # TypeError, AssertionError ("not compiled with XPU"), ModuleNotFoundError (torch.hpu)
-        return f"n/a ({type(e).__name__})"
-    return _by_rank(m, backend.name)
-
-
-def _by_rank(m: nn.Module, kernel: str) -> str:
-    """cuDNN takes input of rank 3 or more (torch's rule, ``input.dim() >= 3``): a
-    ``BatchNorm1d`` fed (N, C) runs the native kernel where (N, C, L) runs cuDNN."""
-    if kernel.startswith("Cudnn") and isinstance(m, (nn.BatchNorm1d, nn.LazyBatchNorm1d)):
-        return f"{kernel} for (N, C, L); Native for (N, C)"
-    return kernel
-
-
-#: cuDNN's smallest batch-norm eps (CUDNN_BN_MIN_EPSILON, cudnn.h), below which torch
-#: keeps the native kernel.
-CUDNN_BN_MIN_EPSILON = 1e-5
-
-
-def _predicted_cuda_kernel(dtype: torch.dtype, eps: float) -> str:
-    """What ``torch._C._select_batch_norm_backend`` picks on an NVIDIA GPU for what the
-    core passes (defined weight, bias and statistics; rank >= 3), by its rule in
-    aten/src/ATen/native/Normalization.cpp: no bfloat16, half input only with float32
-    parameters (a float16 layer feeds float16 input to float16 parameters: native; a
-    float32 layer under autocast: cuDNN), eps >= cuDNN's minimum, cuDNN enabled
-    (``torch.backends.cudnn.enabled``), batch size at most 880,801 in training (65,535
-    in eval; not known here). ``dtype`` is the parameters' (the input is assumed to match
-    them). Marked "predicted": no CUDA device here."""
-    if (
-        dtype in (torch.bfloat16, torch.float16)
-        or eps < CUDNN_BN_MIN_EPSILON
-        or not torch.backends.cudnn.enabled
-    ):
-        return "Native (predicted)"
-    return "Cudnn (predicted)"
+    return kernels.layer_kernel(m, device)
 
 
 @dataclass(frozen=True)
@@ -306,11 +237,13 @@ class PlanRow:
 
     @property
     def kernel(self) -> str:
-        """The kernel this layer runs with, ``torch._C._select_batch_norm_backend``'s
-        choice (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs) for ``aten``;
+        """The kernel this layer runs with on :attr:`device`, by torch's rule
+        (:func:`select_kernel`, :mod:`bnswap.kernels`) for ``aten``: ``"Native"`` on CPU,
+        ``"Cudnn"`` on NVIDIA GPUs where the rule holds, both modes where they differ
+        (``"Cudnn; eval Native"`` for an affine=False layer);
         ``"Sync (Native); eval Native"`` for a layer that synchronizes over more than
         one rank (:func:`bnswap.sync.sync_kernel`: the device's kernels in the slots of
-        bnswap's one formulation);
+        bnswap's one formulation; in eval the unsynchronized layer's kernel);
         ``"BatchNormInternal (ORT)"`` for ``ort``, ``"-"`` when skipped. Computed when
         read (a probe per layer: it cost more than convert itself on large models,
         benchmarks P5)."""
@@ -319,11 +252,11 @@ class PlanRow:
         fixed = backend_named(self.backend).kernel
         if fixed is not None:
             return fixed
-        kernel = select_kernel(self.module, self.device)
-        if self._synchronizes_now():
-            dev = self.device if self.device is not None else _layer_device(self.module)
-            return f"{sync_kernel(dev)}; eval {kernel}"
-        return kernel
+        if self._synchronizes_now():  # in eval: the unsynchronized layer's call
+            dev = self.device if self.device is not None else kernels.layer_device(self.module)
+            eval_kernel = kernels.layer_kernel(self.module, dev, training=False)
+            return f"{sync_kernel(dev)}; eval {eval_kernel}"
+        return select_kernel(self.module, self.device)
 
     def to_dict(self) -> dict[str, str]:
         """The table's columns as plain strings (for logging or JSON); :attr:`placement`

@@ -4,10 +4,11 @@ bnswap's layers record the consolidated batch-norm ops in training
 (``aten._batch_norm_with_update`` / ``batch_norm_backward``, pytorch PR 116092) and
 stock's ``aten.batch_norm`` in evaluation when a converted model is exported. A graph
 made without bnswap (a ``torch.export`` program of a stock model, a ``.pt2`` file someone
-sent) records stock's ops: ``aten.batch_norm``, which picks its kernel when it runs (its
-``cudnn_enabled`` argument is read by no release), in the training IR, and the
-``_native_batch_norm_legit*`` ops, which bind the native kernel, after
-``run_decompositions()`` and in AOT graphs. The two directions of one rewrite:
+sent) records stock's ops: ``aten.batch_norm`` (``cudnn_enabled=False``: ``torch.export``
+traces with cuDNN off), which selects its kernel at run time all the same (torch ignores
+that argument), or, in AOT graphs and after ``run_decompositions()``, the
+``_native_batch_norm_legit*`` ops, which bind the native kernel on CUDA
+(:mod:`bnswap.kernels`). The two directions of one rewrite:
 
 * :func:`convert` (``bnswap.convert(program)``): stock's batch-norm nodes become the ops
   a swapped layer runs, which pick cuDNN / MIOpen / native when they run;
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import GraphModule, Node
 
-from bnswap import _compat
+from bnswap import _compat, kernels
 from bnswap._graph import (
     _BACKWARD,
     _EVAL_KEPT,
@@ -116,48 +117,140 @@ def _selected(name: str, inc: list[str], exc: list[str]) -> str | None:
 
 
 # ----------------------------------------------------------------------------- plan
-#: cuDNN's smallest batch-norm eps (CUDNN_BN_MIN_EPSILON, cudnn.h); the rule below is
-#: bnswap.plan's for layers (plan imports this room, so it cannot be imported here).
-_CUDNN_MIN_EPS = 1e-5
+# The kernel columns: torch's rule (bnswap.kernels) on what each node passes, now and
+# after convert.
+_NO_SHAPE = "n/a (no shape metadata)"
 
 
-def _kernel(x: object, w: object, mean: object, eps: float, device: torch.device | None) -> str:
-    """What ``torch._C._select_batch_norm_backend`` picks for the consolidated op on
-    this node's input, in training, with defined weight, bias and statistics."""
-    xv = x.meta.get("val") if isinstance(x, Node) else None
-    if not isinstance(xv, torch.Tensor) or xv.dim() < 2:
-        return "n/a (no shape metadata)"
-    ref = next(
-        (
-            v
-            for v in (getattr(w, "meta", {}).get("val"), getattr(mean, "meta", {}).get("val"))
-            if isinstance(v, torch.Tensor)
-        ),
-        xv,
-    )
-    dev = device if device is not None else xv.device
-    if dev.type == "meta":
-        return "n/a (meta)"
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        # torch's rule: no bfloat16; half input only with float32 parameters
-        if (
-            torch.bfloat16 in (ref.dtype, xv.dtype)
-            or eps < _CUDNN_MIN_EPS
-            or (xv.dtype == torch.float16 and ref.dtype != torch.float32)
-            or not torch.backends.cudnn.enabled
-        ):
-            return "Native (predicted)"
-        return "Cudnn (predicted)"
-    c = int(xv.shape[1]) if isinstance(xv.shape[1], int) else 1
-    try:
-        probe = torch.empty((2, c) + (1,) * (xv.dim() - 2), device=dev, dtype=xv.dtype)
-        ones = torch.ones(c, device=dev, dtype=ref.dtype)
-        zeros = torch.zeros(c, device=dev, dtype=ref.dtype)
-        return torch._C._select_batch_norm_backend(
-            probe, ones, zeros, zeros, ones, True, float(eps)
-        ).name
-    except Exception as e:  # a device this torch cannot probe
-        return f"n/a ({type(e).__name__})"
+def _tensor_of(arg: object) -> torch.Tensor | None:
+    """The value of a graph argument: its ``meta["val"]``, or the tensor a ``get_attr``
+    node names (a pt2e graph's parameters); None when there is none."""
+    if not isinstance(arg, Node):
+        return None
+    val = arg.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val
+    if arg.op == "get_attr" and isinstance(arg.target, str):
+        owner: object = arg.graph.owning_module
+        for part in arg.target.split("."):
+            owner = getattr(owner, part, None)
+        return owner if isinstance(owner, torch.Tensor) else None
+    return None
+
+
+def _dtype_of(arg: object, default: torch.dtype) -> torch.dtype | None:
+    """A (C,) argument's dtype: None when not passed, ``default`` (the input's) when its
+    value is not known."""
+    if arg is None:
+        return None
+    t = _tensor_of(arg)
+    return t.dtype if t is not None else default
+
+
+#: A (C,) argument that is passed but has no value of its own in the graph: the dummy
+#: bias ``batch_norm_backward``'s CUDA kernel selects with (``at::empty(1)``).
+_DEFINED = object()
+
+
+def _call(
+    x: object,
+    w: object,
+    b: object,
+    mean: object,
+    var: object,
+    training: object,
+    eps: object,
+    *,
+    stand_ins: bool = False,
+) -> kernels.Call | None:
+    """What torch's selection sees of a node's arguments (None without the input's shape
+    metadata); ``stand_ins``: as :func:`convert` makes them for a consolidated op (a
+    missing weight / bias / statistics made like the first (C,) tensor, else like the
+    input)."""
+    xv = _tensor_of(x)
+    if xv is None or xv.dim() < 2:
+        return None
+    call = kernels.Call.of(xv, None, None, None, None, training is not False, _float(eps))
+    wd, bd, md = (_dtype_of(a, xv.dtype) for a in (w, b, mean))
+    has_mean, has_var = mean is not None, var is not None
+    if stand_ins:
+        like = next((d for d in (wd, bd, md) if d is not None), xv.dtype)
+        wd, bd, has_mean, has_var = wd or like, bd or like, True, True
+    return dataclasses.replace(call, weight=wd, bias=bd, running_mean=has_mean, running_var=has_var)
+
+
+def _args(node: Node, count: int) -> list[object]:
+    """The node's first ``count`` arguments, positional or by the op's schema names."""
+    args: list[object] = list(node.args[:count])
+    schema = getattr(node.target, "_schema", None)
+    if len(args) < count and schema is not None:
+        args += [node.kwargs.get(a.name) for a in schema.arguments[len(args) : count]]
+    return args + [None] * (count - len(args))
+
+
+def _on(x: object, device: torch.device | None) -> torch.device | None:
+    """``device``, else the device of the input ``x``'s value."""
+    xv = _tensor_of(x)
+    return device if device is not None else (xv.device if xv is not None else None)
+
+
+def _kernel(
+    target: object, x: object, call: kernels.Call | None, device: torch.device | None
+) -> str:
+    dev = _on(x, device)
+    packet = getattr(target, "overloadpacket", target)
+    if packet in kernels.NATIVE_OPS or packet in kernels.CPU_ONLY_OPS:
+        return kernels.op_kernel(target, call, dev if dev is not None else "cpu")
+    if call is None or dev is None:
+        return _NO_SHAPE
+    return kernels.op_kernel(target, call, dev)
+
+
+def _kernel_before(node: Node, device: torch.device | None) -> str:
+    """The kernel ``node`` runs as it is, on ``device`` (default: its input's):
+    :func:`bnswap.kernels.op_kernel` on its own arguments. Stock's ``aten.batch_norm``
+    selects at run time whatever its ``cudnn_enabled`` says."""
+    target = node.target
+    if target is _BACKWARD:
+        return _kernel(target, _args(node, 2)[1], None, device)
+    if target is torch.ops.aten.batch_norm_backward.default:
+        _, x, w, mean, var, _, _, _, eps = _args(node, 9)
+        return _kernel(target, x, _call(x, w, _DEFINED, mean, var, True, eps), device)
+    if target in CONSOLIDATED_TARGETS:  # (x, w, b, mean, var, momentum, eps)
+        x, w, b, mean, var, _, eps = _args(node, 7)
+        return _kernel(target, x, _call(x, w, b, mean, var, True, eps), device)
+    found = stock_call(node)
+    if found is None:
+        return "-"
+    x, w, b, mean, var, training, _, eps = found[0]
+    return _kernel(target, x, _call(x, w, b, mean, var, training, eps), device)
+
+
+def _kernel_after(node: Node, target: object, device: torch.device | None) -> str:
+    """The kernel ``node`` runs once :func:`convert` has made it a ``target`` node: the
+    consolidated forward ops with the stand-ins convert adds, ``batch_norm_backward``
+    with its forward's weight (or stand-in), any other op with the node's arguments."""
+    aten = torch.ops.aten
+    packet = getattr(target, "overloadpacket", target)
+    if packet is aten.batch_norm_backward:  # (grad, x, w, mean, var, save_mean,
+        # save_invstd, train, eps, mask) -> the same with the forward's weight
+        _, x, _, mean, var, _, _, _, eps = _args(node, 9)
+        fwd = _forward_of(node)
+        found = stock_call(fwd) if fwd is not None else None
+        if found is None:
+            return "-"
+        fx, fw, fb, fmean = found[0][:4]
+        forward = _call(fx, fw, fb, fmean, fmean, True, eps, stand_ins=True)
+        call = _call(x, _DEFINED, _DEFINED, mean, var, True, eps)
+        if call is not None and forward is not None:
+            call = dataclasses.replace(call, weight=forward.weight)
+        return _kernel(target, x, call, device)
+    found = stock_call(node)
+    if found is None:
+        return _kernel_before(node, device)
+    x, w, b, mean, var, training, _, eps = found[0]
+    stand_ins = packet in (aten._batch_norm_with_update, aten._batch_norm_with_update_functional)
+    return _kernel(target, x, _call(x, w, b, mean, var, training, eps, stand_ins=stand_ins), device)
 
 
 @dataclass(frozen=True)
@@ -171,9 +264,13 @@ class NodeRow:
             :func:`convert` leaves it as it is) or ``"skip"``.
         becomes: the consolidated op it becomes (``"-"`` when skipped).
         reason: why it is skipped (``"-"`` when swapped).
-        kernel_before: the kernel the node runs now on :attr:`device` (``"Native"``:
-            ``torch.export`` records ``cudnn_enabled=False``, and the
-            ``_native_batch_norm_legit*`` ops bind the native kernel).
+        kernel_before: the kernel the node runs now on :attr:`device`, by torch's rule
+            (:func:`bnswap.kernels.op_kernel`): stock's ``aten.batch_norm`` selects at
+            run time whatever its ``cudnn_enabled`` says (cuDNN on CUDA where the rule
+            holds; ``torch.export`` records ``cudnn_enabled=False``, which torch
+            ignores); the ``_native_batch_norm_legit*`` / ``native_batch_norm`` ops bind
+            the native kernel; ``_batch_norm_no_update`` (programs bnswap wrote before)
+            has a kernel on the CPU only (``"CPU only (no CUDA kernel)"``).
         already: the node runs a consolidated op already (a bnswap program, or one
             converted before); :func:`convert` leaves it as it is.
         excluded: skipped because ``include`` / ``exclude`` left it out (or its forward
@@ -204,26 +301,16 @@ class NodeRow:
 
     @property
     def kernel(self) -> str:
-        """The kernel the consolidated op picks on :attr:`device` in training
-        (``"Native"`` on CPU, ``"Cudnn"`` on NVIDIA GPUs), as layer rows show it;
-        ``"-"`` when skipped. A backward node shows its forward node's."""
+        """The kernel the node runs on :attr:`device` once :func:`convert` has made it
+        :attr:`becomes` (:func:`bnswap.kernels.op_kernel`: ``"Native"`` on CPU; on NVIDIA
+        GPUs ``"Cudnn"`` where torch's rule holds for its arguments with convert's
+        stand-ins); :attr:`kernel_before` for a node left as it is; ``"-"`` when
+        skipped."""
         if self.action == "skip" or self.node is None:
             return "-"
-        node = self.node
-        if node.target is torch.ops.aten.native_batch_norm_backward.default:
-            save_mean = node.args[5]  # getitem(forward, 1)
-            assert isinstance(save_mean, Node) and isinstance(save_mean.args[0], Node)
-            node = save_mean.args[0]
-        if node.target is torch.ops.aten.batch_norm_backward.default:
-            return "-"
-        if node.target in CONSOLIDATED_TARGETS:  # (x, w, b, mean, var, momentum, eps)
-            x, w, _, mean, _, _, eps = node.args[:7]
-            return _kernel(x, w, mean, _float(eps), self.device)
-        call = stock_call(node)
-        if call is None:
-            return "-"
-        x, w, _, mean, _, _, _, eps = call[0]
-        return _kernel(x, w, mean, _float(eps), self.device)
+        if self.action == "keep" or self.becomes == self.op:
+            return self.kernel_before
+        return _kernel_after(self.node, _op_named(self.becomes), self.device)
 
     def to_dict(self) -> dict[str, str]:
         """The row as plain strings (for logging or JSON)."""
@@ -323,14 +410,10 @@ def _float(arg: object) -> float:
     return float(arg)
 
 
-def _kernel_before(node: Node, device: torch.device | None) -> str:
-    call = stock_call(node)
-    if call is not None and node.target is torch.ops.aten.batch_norm.default:
-        cudnn = node.args[8] if len(node.args) > 8 else node.kwargs.get("cudnn_enabled")
-        if cudnn:  # stock's own selection (cuDNN enabled): what the new op picks too
-            x, w, _, mean, _, _, _, eps = call[0]
-            return _kernel(x, w, mean, _float(eps), device)
-    return "Native"
+def _op_named(name: str) -> object:
+    """The OpOverload ``str(op)`` names (``"aten._batch_norm_with_update.default"``)."""
+    namespace, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
 
 
 def plan(
@@ -404,20 +487,21 @@ def _plan_nodes(
             continue
         for n in graph.nodes:
             if runs_bnswap_op(n):
-                row = NodeRow(
-                    n.name,
-                    str(n.target),
-                    "keep",
-                    str(n.target),
-                    "already the consolidated op"
-                    if n.target in CONSOLIDATED_TARGETS
-                    else _EVAL_KEPT,
-                    "-",
-                    already=True,
-                    node=n,
-                    device=dev,
+                rows.append(
+                    NodeRow(
+                        n.name,
+                        str(n.target),
+                        "keep",
+                        str(n.target),
+                        "already the consolidated op"
+                        if n.target in CONSOLIDATED_TARGETS
+                        else _EVAL_KEPT,
+                        _kernel_before(n, dev),
+                        already=True,
+                        node=n,
+                        device=dev,
+                    )
                 )
-                rows.append(dataclasses.replace(row, kernel_before=row.kernel))
                 continue
             if n.op != "call_function" or n.target not in STOCK_TARGETS:
                 continue
@@ -592,7 +676,9 @@ def _apply(todo: ProgramPlan) -> Program:
         to_consolidated_ops(
             new.graph_module, names=names.__contains__, renamed=new.graph_signature.replace_all_uses
         )
-        new.validate()
+        error = validation_error(new)
+        if error is not None:
+            raise error
         return new
     to_consolidated_ops(gm, names=names.__contains__)
     return gm

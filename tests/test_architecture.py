@@ -19,6 +19,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "bnswap"
 #: room -> the rooms it may import, as docs/architecture.md's table says.
 ALLOWED: dict[str, set[str]] = {
     "functional": set(),
+    "kernels": set(),
     "_warn": {"_log"},
     "_rows": set(),
     "_log": set(),
@@ -29,11 +30,11 @@ ALLOWED: dict[str, set[str]] = {
     "sync": {"functional", "_swap"},
     "adapters": {"functional", "sync"},
     "_compat": {"functional", "_swap", "_graph", "_warn"},
-    "programs": {"_graph", "_warn", "_rows", "_compat"},
+    "programs": {"_graph", "_warn", "_rows", "_compat", "kernels"},
     "registry": {"_swap", "layers", "adapters", "sync"},
     "ort": {"functional", "_swap", "_log", "extras"},
     "backends": {"_swap", "ort"},
-    "plan": {"_swap", "_warn", "_rows", "registry", "sync", "backends", "programs"},
+    "plan": {"_swap", "_warn", "_rows", "registry", "sync", "backends", "programs", "kernels"},
     "convert": {"_swap", "_warn", "_log", "plan", "sync", "programs"},
     "lightning": {"backends", "convert", "extras", "layers", "plan", "sync"},
     "__init__": {

@@ -19,6 +19,7 @@ MODULES = [
     "bnswap.functional",
     "bnswap.layers",
     "bnswap.registry",
+    "bnswap.kernels",
     "bnswap.plan",
     "bnswap.convert",
     "bnswap._graph",

@@ -10,7 +10,7 @@ checks the arguments bnswap's core hands the consolidated ops, recorded at dispa
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import importlib
 import itertools
 
@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bnswap
+from bnswap import kernels
 
 plan_module = importlib.import_module("bnswap.plan")  # bnswap.plan is the function
 
@@ -89,8 +90,10 @@ def test_plan_kernel_for_cuda_says_what_it_knows():
         assert row.kernel == "Cudnn"
     else:  # torch's rule, for what the core passes
         assert row.kernel == "Cudnn (predicted)"
+        # cuDNN 9 (every supported release's CUDA wheels) takes any eps >= 0.0: a small
+        # eps keeps cuDNN (it said "Native (predicted)": cuDNN 7's minimum, 1e-5)
         tiny_eps = nn.Sequential(nn.BatchNorm2d(4, eps=1e-6))
-        assert bnswap.plan(tiny_eps, device="cuda")[0].kernel == "Native (predicted)"
+        assert bnswap.plan(tiny_eps, device="cuda")[0].kernel == "Cudnn (predicted)"
         bf16 = nn.Sequential(nn.BatchNorm2d(4)).to(torch.bfloat16)
         assert bnswap.plan(bf16, device="cuda")[0].kernel == "Native (predicted)"
     assert bnswap.plan(model, device="meta")[0].kernel == "n/a (meta)"
@@ -109,35 +112,66 @@ def test_swapped_layers_select_cudnn_on_a_gpu(affine):
     assert str(choice).rsplit(".", 1)[-1] == "Cudnn"
 
 
+class Dispatched(TorchDispatchMode):
+    """Every batch-norm op the layer dispatches (the consolidated ops, or what stock's
+    ``aten.batch_norm`` becomes on this device), with its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (
+            *kernels.RUN_TIME_OPS,
+            *kernels.NATIVE_OPS,
+            *kernels.CPU_ONLY_OPS,
+        ):
+            self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize(
     "cls, rank", [(nn.BatchNorm1d, 3), (nn.BatchNorm2d, 4), (nn.BatchNorm3d, 5)]
 )
-@pytest.mark.parametrize("affine", [True, False])
-def test_the_kernel_probe_passes_what_the_core_passes(cls, rank, affine):
-    """Guards: the selector's probe (shape, dtype, device, flags, eps) drifting from what
-    the core hands the op. On the CPU every probe answers "Native", so the probe's
-    arguments are checked against the core's, recorded at dispatch."""
-    bn = cls(3, eps=1e-3, affine=affine).double() if affine else cls(3, eps=1e-3, affine=False)
-    probe = plan_module._probe_args(bn, torch.device("cpu"))
-    x, weight, bias, mean, var, training, eps = probe
-    dtype = torch.float64 if affine else torch.float32
-    assert x.shape == (2, 3) + (1,) * (rank - 2) and x.dtype == dtype and x.device.type == "cpu"
-    for t, fill in ((weight, 1.0), (bias, 0.0), (mean, 0.0), (var, 1.0)):
-        assert (
-            t.shape == (3,)
-            and t.dtype == dtype
-            and torch.equal(t, torch.full((3,), fill, dtype=dtype))
-        )
-    assert training is True and eps == 1e-3
-    on_meta = plan_module._probe_args(bn, torch.device("meta"))[:5]
-    assert [t.device.type for t in on_meta] == ["meta"] * 5
-    # the core, on an input of the probe's rank: same dtypes, training flag and eps
-    layer = bnswap.convert(copy.deepcopy(bn))
-    with Recorder() as rec:
+@pytest.mark.parametrize(
+    "kind",
+    [{}, {"affine": False}, {"track_running_stats": False}, {"dtype": torch.float64}],
+    ids=["affine", "no_affine", "no_stats", "float64"],
+)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_the_rule_sees_what_the_core_passes(cls, rank, kind, training):
+    """Guards: the call the kernel column judges (bnswap.kernels.layer_call: op, rank,
+    dtypes, weight / bias / statistics passed, training, eps) drifting from what the
+    core hands the op, recorded at dispatch on the CPU (where every answer is
+    "Native", so the arguments are what can be checked)."""
+    layer = bnswap.convert(cls(3, eps=1e-3, **kind)).train(training)
+    dtype = kind.get("dtype", torch.float32)
+    op, call = kernels.layer_call(layer, training=training)
+    with Dispatched() as rec:
         layer(torch.randn((2, 3) + (4,) * (rank - 2), dtype=dtype))
-    ((_, args),) = rec.calls
-    assert args[0].dim() == x.dim() and [a.dtype for a in args[1:5]] == [dtype] * 4
-    assert args[6] == eps
+    ((func, args),) = rec.calls
+    if func.overloadpacket is torch.ops.aten._batch_norm_no_update:
+        pytest.skip("the core still runs _batch_norm_no_update in eval (issue 44)")
+    x, weight, bias, mean, var = args[:5]
+    if op is torch.ops.aten.batch_norm:  # CompositeImplicit: dispatched as the CPU's op
+        assert func.overloadpacket is torch.ops.aten.native_batch_norm
+        assert args[5] == call.training
+    else:
+        assert func.overloadpacket is op
+    seen = kernels.Call(
+        x.dim(),
+        x.dtype,
+        None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+        mean is not None,
+        var is not None,
+        call.training,
+        args[-1],
+        batch=2,
+        numel=x.numel(),
+    )
+    assert dataclasses.replace(call, batch=2, numel=x.numel()) == seen
+    assert call.rank == rank and call.eps == 1e-3
     assert plan_module.select_kernel(layer) == "Native"
 
 
@@ -157,14 +191,23 @@ def test_kernel_selection_without_the_selector_or_when_it_fails(monkeypatch):
 
 
 def test_cuda_prediction_follows_torchs_rule_at_its_edges():
-    """Guards the predicted rule's edges: eps exactly cuDNN's minimum (1e-5) selects
-    cuDNN, cuDNN disabled selects native, the layer's own dtype and eps are read."""
+    """Guards the predicted rule's edges: eps at cuDNN 9's minimum (0.0) selects cuDNN,
+    below it native; cuDNN disabled selects native; the layer's own dtype and eps are
+    read."""
     if torch.cuda.is_available():
         pytest.skip("predictions are made only without a CUDA device")
-    assert plan_module.CUDNN_BN_MIN_EPSILON == 1e-5
+    assert plan_module.CUDNN_BN_MIN_EPSILON == 0.0
     assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=1e-5), "cuda") == "Cudnn (predicted)"
-    assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=9.9e-6), "cuda") == "Native (predicted)"
-    assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda") == "Cudnn (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=9.9e-6), "cuda") == "Cudnn (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=0.0), "cuda") == "Cudnn (predicted)"
+    assert plan_module.select_kernel(nn.BatchNorm2d(4, eps=-1e-3), "cuda") == "Native (predicted)"
+    # an affine=False layer: stand-ins in training (cuDNN), none in eval, where it calls
+    # stock's aten.batch_norm(training=False) with its own (absent) weight: native (it
+    # said "Cudnn (predicted)" for both modes)
+    assert (
+        plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda")
+        == "Cudnn (predicted); eval Native"
+    )
     # half input takes cuDNN only with float32 parameters (torch's rule): a float16 layer
     # runs native (it said Cudnn; a fresh user's review)
     assert plan_module.select_kernel(nn.BatchNorm2d(4).half(), "cuda") == "Native (predicted)"
@@ -175,7 +218,10 @@ def test_cuda_prediction_follows_torchs_rule_at_its_edges():
         plan_module.select_kernel(nn.BatchNorm2d(4, affine=False).half(), "cuda")
         == "Native (predicted)"
     )
-    assert plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda") == "Cudnn (predicted)"
+    assert (
+        plan_module.select_kernel(nn.BatchNorm2d(4, affine=False), "cuda")
+        == "Cudnn (predicted); eval Native"
+    )
     assert plan_module.select_kernel(nn.BatchNorm2d(4).bfloat16(), "cuda") == "Native (predicted)"
     with torch.backends.cudnn.flags(enabled=False):
         assert plan_module.select_kernel(nn.BatchNorm2d(4), "cuda") == "Native (predicted)"

@@ -6,9 +6,11 @@ are its cell's backticked names outside parentheses ("none": no batch-norm op at
 The net: ``Conv2d -> BatchNorm2d -> ReLU -> BatchNorm2d`` (the second layer follows no
 convolution, so ONNX's optimizer and torchao's fold keep a batch norm), in training
 where the flow trains (forward and backward), in eval where it is inference only
-(AOTInductor, ONNX). The kernel column follows from the ops (the consolidated ops pick
-cuDNN on CUDA; ``batch_norm(cudnn_enabled=False)`` and the ``_native_batch_norm_legit*``
-family bind the native kernel): ``benchmarks/gpu_check.py`` reads kernel names on a GPU.
+(AOTInductor, ONNX). The kernel column follows from the ops by torch's rule
+(:mod:`bnswap.kernels`: ``aten.batch_norm``, whatever its ``cudnn_enabled``, and the
+consolidated ops select cuDNN on CUDA for such a layer; the ``_native_batch_norm_legit*``
+family binds the native kernel), checked for the rows of captured graphs;
+``benchmarks/gpu_check.py`` reads kernel names on a GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bnswap
+from bnswap import kernels
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 HEADING = "## Where the kernel differs"
@@ -202,3 +205,35 @@ def test_flow_reads_as_the_table_says(flow):
     _, stock_ops, bnswap_ops = table()[flow]
     read = FLOWS[flow](net().train()), FLOWS[flow](bnswap.convert(net().train()))
     assert read == (stock_ops, bnswap_ops)
+
+
+#: the rows whose graph holds the ops a CUDA run executes as they are (eager's ops are
+#: the CPU's; inductor, AOTInductor, ONNX and TorchScript run kernels of their own)
+CAPTURED = ("aot_eager", "export", "core_aten", "training_ir", "pt2e_qat")
+
+
+def _kernel_word(ops: list[str]) -> str:
+    """What ``ops`` (one cell's, forward and backward) run on CUDA for the table's
+    float32 (N, C, H, W) layer with affine parameters, by bnswap.kernels: "cuDNN" for
+    ops that select at run time (the rule holds), "native" for ops bound to it."""
+    words = set()
+    for name in ops:
+        packet = getattr(torch.ops.aten, name)
+        if packet in kernels.NATIVE_OPS:
+            words.add("native")
+        else:
+            assert packet in kernels.RUN_TIME_OPS, name
+            words.add("cuDNN")
+    (word,) = words
+    return word
+
+
+@pytest.mark.parametrize("flow", CAPTURED)
+def test_the_kernel_column_follows_from_the_ops(flow):
+    """Guards the README's kernel column against torch's rule: it said "native" for
+    stock's exported ``aten.batch_norm(cudnn_enabled=False)``, which torch selects at run
+    time (cuDNN). The column's first claim is this torch's (a torch 2.4.1 note follows in
+    parentheses)."""
+    cells, stock_ops, bnswap_ops = table()[flow]
+    claim = cells[3].split(" (")[0]
+    assert claim == f"{_kernel_word(stock_ops)} / {_kernel_word(bnswap_ops)}"

@@ -709,7 +709,7 @@ def main(argv: Sequence[str]) -> int:
     _print_warnings(caught, "plan")  # a pattern that matches nothing: one line
     note = ""
     kernels = {r.kernel for r in plan.swapped}
-    if any(k.endswith("(predicted)") for k in kernels):
+    if any("(predicted)" in k for k in kernels):
         note = (
             f"note: no {torch.device(cfg.device).type} device here; the kernel column "
             "is what torch._C._select_batch_norm_backend picks on NVIDIA GPUs by its "
