@@ -743,18 +743,6 @@ def _backward_to_consolidated(
     return new
 
 
-def batch_norm_nodes(gm: GraphModule) -> list[Node]:
-    """The forward batch-norm nodes of ``gm`` (its own graph, then nested ones), stock's
-    (:data:`STOCK_TARGETS` but the backward) and consolidated ones, in graph order."""
-    return [
-        n
-        for sub in gm.modules()
-        if isinstance(graph := getattr(sub, "graph", None), torch.fx.Graph)
-        for n in graph.nodes
-        if n.op == "call_function" and (n.target in _STOCK or n.target in _TARGETS)
-    ]
-
-
 def to_consolidated_ops(
     gm: GraphModule,
     *,
