@@ -40,24 +40,30 @@ training", docs/after-training.md).
   decomposed into Sub / Mul / Add, and track_running_stats=False layers lost their batch
   statistics. Gate: that function and its ``_decomp`` helpers exist (tested on torch
   2.9.1, 2.13, 2.14, 2.15.0; torch 2.4 has no such module: nothing is patched there).
-* **torchao pt2e** (``prepare_pt2e`` / ``prepare_qat_pt2e``, ``convert_pt2e``, and
-  ``move_exported_model_to_eval`` / ``_train``): their conv-BN fold, the quantizers'
-  conv-BN patterns and the train / eval switch look for stock's ``aten.batch_norm``; the
-  graph of a swapped model carries the consolidated ops, so they silently matched
-  nothing. The first helper each calls by its module-global name
-  (``quantize_pt2e._get_node_name_to_scope`` and ``_convert_to_reference_decomposed_fx``,
-  ``export_utils._replace_batchnorm``) now runs :func:`bnswap.to_stock_ops` on the graph
-  first, so every later step sees stock's graph, however the user imported the public
-  function. Then the graph the user trains gets the consolidated ops back: the prepared
-  graph (``quantize_pt2e.prepare``, the last step of both prepares) and the switched one
-  run ``_batch_norm_with_update`` / ``_batch_norm_no_update`` again in the nodes that ran
-  them before (told apart by a ``node.meta`` mark torchao's fuse copies, else by graph
-  order: :func:`_consolidated_again`), so a QAT graph picks cuDNN on CUDA (pytorch issue
-  111384); ``convert_pt2e``'s quantized graph is stock's. A ``momentum=None`` layer is
-  refused there with a clear error (stock's graph cannot hold it: ``torch.export`` of a
-  stock one raises; torchao would drop bnswap's cumulative update). Gate: torchao >= 0.18
-  (tested 0.18.0) and the helpers called by name; otherwise nothing is patched and one
-  warning names what stays on stock's op and the calls that do it by hand.
+* **torchao pt2e** (``prepare_pt2e`` / ``prepare_qat_pt2e``,
+  ``move_exported_model_to_eval`` / ``_train``, ``convert_pt2e``): their conv-BN fold,
+  the quantizers' conv-BN patterns and the train / eval switch look for stock's
+  ``aten.batch_norm``, and a swapped model's exported training graph holds
+  ``_batch_norm_with_update``: they matched nothing, silently (no fold; a switch to eval
+  that left the running statistics updating). The helper each calls first by its
+  module-global name (``quantize_pt2e._get_node_name_to_scope`` and
+  ``_convert_to_reference_decomposed_fx``, ``export_utils._replace_batchnorm``) now
+  rewrites the graph's consolidated nodes into stock's (:func:`bnswap.to_stock_ops`, in
+  place; a graph without them is left as it is), however the user imported the public
+  function: torchao reads stock's graph and makes stock's graph of it, prepared,
+  switched and quantized, and bnswap puts nothing back. (Nothing to put back for a
+  kernel: ``aten.batch_norm``'s ``cudnn_enabled`` argument is read by no torch release,
+  ``_batch_norm_impl_index`` asks ``torch.backends.cudnn.enabled`` when it runs, so
+  stock's prepared graph picks its kernel, cuDNN on CUDA where torch's rule allows, when
+  it runs, on the torch releases torchao 0.18 is tested with, 2.13 / 2.14.) The switch's
+  rewrite is for a graph that was never prepared (an exported training graph moved to
+  eval); ``convert_pt2e``'s for a prepared graph the user put on the consolidated ops
+  (``bnswap.convert(prepared)``), whose fold would match nothing in torchao's own
+  order (a train-mode copy converted). A ``momentum=None`` layer is refused there with a
+  clear error (stock's graph cannot hold it: ``torch.export`` of a stock one raises;
+  torchao would drop bnswap's cumulative update). Gate: torchao >= 0.18 (tested 0.18.0)
+  and the helpers called by name; otherwise nothing in that module is patched and one
+  warning names the calls that do it by hand.
 * **DDP on the CPU**: ``DistributedDataParallel``'s check that refuses CPU modules
   holding a ``SyncBatchNorm`` lets modules through whose SyncBatchNorm layers are all
   swapped (:func:`_patch_ddp_syncbn_check`).
@@ -99,13 +105,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from bnswap import _swap as _swap_module
-from bnswap._graph import (
-    CONSOLIDATED_TARGETS,
-    batch_norm_nodes,
-    consolidated_target,
-    to_consolidated_ops,
-    to_stock_ops,
-)
+from bnswap._graph import CONSOLIDATED_TARGETS, to_stock_ops
 from bnswap._swap import (
     INTERNAL_BUFFER_PREFIX,
     INTERNAL_HOOK,
@@ -411,186 +411,22 @@ def _refuse_cumulative(gm: torch.fx.GraphModule) -> None:
             )
 
 
-#: ``node.meta`` key: whether a batch-norm node of a graph handed to torchao's prepare ran
-#: a consolidated op before (a swapped layer's) or stock's; removed when prepare returns
-_ORIGIN = "_bnswap_consolidated"
-#: what prepare_pt2e / prepare_qat_pt2e's first helper saw, for their ``prepare`` call
-_pending = threading.local()
 _TORCHAO_OPS = "prepare_pt2e / prepare_qat_pt2e, move_exported_model_to_eval / _train, convert_pt2e"
 
 
-def _stock_for_torchao(gm: torch.fx.GraphModule, mark: bool) -> list[bool] | None:
-    """Rewrite ``gm``'s consolidated batch-norm nodes into stock's ``aten.batch_norm``, in
-    place, for torchao's patterns; whether each forward batch-norm node was consolidated,
-    in graph order (None: none was, nothing changed). With ``mark`` each node's
-    ``meta`` records it too (:data:`_ORIGIN`; torchao's QAT fuse copies it over)."""
-    _refuse_cumulative(gm)
-    nodes = batch_norm_nodes(gm)
-    flags = [n.target in CONSOLIDATED_TARGETS for n in nodes]
-    if not any(flags):
-        return None
-    if mark:
-        for n, f in zip(nodes, flags, strict=True):
-            n.meta[_ORIGIN] = f  # (to_stock_ops copies the meta to the new node)
-    to_stock_ops(gm)
-    return flags
-
-
-def _names(nodes: list) -> str:
-    shown = ", ".join(repr(n.name) for n in nodes[:_NAMED])
-    return shown + (f" and {len(nodes) - _NAMED} more" if len(nodes) > _NAMED else "")
-
-
-def _stays(where: str, nodes: list, why: str) -> None:
-    warn(
-        f"bnswap: {where}: {len(nodes)} batch-norm node{'s' if len(nodes) != 1 else ''} of "
-        f"swapped layers ({_names(nodes)}) stay{'s' if len(nodes) == 1 else ''} on stock's "
-        "aten.batch_norm (cudnn_enabled=False: the native kernel on CUDA, pytorch issue "
-        f"111384): {why}. The graph is as torchao made it for stock (bnswap.plan(graph) "
-        "lists its batch-norm nodes and what bnswap.convert(graph) would do)",
-        UserWarning,
-    )
-
-
-def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str) -> int:
-    """The other half of :func:`_stock_for_torchao`, once torchao is done: the stock
-    batch-norm nodes that ran a consolidated op before run it again
-    (:func:`bnswap._graph.to_consolidated_ops`), told by their ``meta`` mark when every
-    node kept it, else by graph order (torchao replaces each node by one), else all
-    when all were consolidated. All or none: a node that cannot be rewritten, or a graph
-    whose nodes cannot be told apart, stays as torchao made it, with one warning.
-    Returns the number of nodes rewritten."""
-    nodes = [n for n in batch_norm_nodes(gm) if n.target not in CONSOLIDATED_TARGETS]
-    marks = [n.meta.pop(_ORIGIN, None) for n in nodes]
-    if all(m is not None for m in marks):
-        chosen = [n for n, m in zip(nodes, marks, strict=True) if m]
-    elif len(nodes) == len(flags):
-        chosen = [n for n, f in zip(nodes, flags, strict=True) if f]
-    elif all(flags):
-        chosen = nodes
-    else:
-        _stays(
-            where,
-            nodes,
-            f"torchao turned the graph's {len(flags)} batch-norm nodes "
-            f"into {len(nodes)}, some stock's, and bnswap cannot tell which is which",
-        )
-        return 0
-    cannot = [(n, consolidated_target(n)[1]) for n in chosen]
-    cannot = [(n, why) for n, why in cannot if why != "-"]
-    if cannot:
-        _stays(where, chosen, f"bnswap cannot rewrite {cannot[0][0].name!r} ({cannot[0][1]})")
-        return 0
-    names = {n.name for n in chosen}
-    return len(to_consolidated_ops(gm, names=names.__contains__)) if names else 0
-
-
-def _before_prepare(helper: Callable, mark: bool) -> Callable:
-    """prepare_pt2e / prepare_qat_pt2e's first helper: the graph as stock's for torchao
-    (and the nodes' origin for :func:`_after_prepare`, when ``mark``)."""
-
-    @functools.wraps(helper)
-    def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
-        _pending.flags = None
-        if isinstance(model, torch.fx.GraphModule):
-            flags = _stock_for_torchao(model, mark)
-            _pending.flags = flags if mark else None
-        return helper(model, *args, **kwargs)
-
-    return _mark(patched)
-
-
-def _after_prepare(prepare: Callable) -> Callable:
-    """torchao's ``prepare`` (the last step of prepare_pt2e / prepare_qat_pt2e): the
-    prepared graph's nodes of swapped layers on the consolidated ops again."""
-
-    @functools.wraps(prepare)
-    def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
-        flags, _pending.flags = getattr(_pending, "flags", None), None
-        out = prepare(model, *args, **kwargs)
-        if flags is not None and isinstance(out, torch.fx.GraphModule):
-            qat = kwargs.get("is_qat", args[1] if len(args) > 1 else False)
-            _consolidated_again(out, flags, "prepare_qat_pt2e" if qat else "prepare_pt2e")
-        return out
-
-    return _mark(patched)
-
-
-#: torchao's mark of a graph's mode (``export_utils._EXPORTED_TRAINING_ATTR``): False once
-#: ``move_exported_model_to_eval`` switched it
-_EXPORTED_TRAINING = "_exported_training"
-_UPDATING = (
-    _aten._batch_norm_with_update.default,
-    _aten._batch_norm_with_update_functional.default,
-)
-
-
-def _eval_missed(gm: torch.fx.GraphModule) -> None:
-    """convert_pt2e of a graph that ``move_exported_model_to_eval`` switched (torchao's mark
-    says eval) yet whose consolidated nodes still update their statistics: that switch ran
-    where torchao was not patched (a graph prepared and moved to eval before bnswap met
-    a program in that process) and matched none of them. Stock's nodes would have been
-    switched: these are too (torchao's own ``_replace_batchnorm`` on the stock view of
-    the graph, which convert_pt2e then sees), with one warning, so that the quantized
-    model never updates running statistics at inference."""
-    if getattr(gm, _EXPORTED_TRAINING, True) is not False:
-        return
-    missed = [n for n in batch_norm_nodes(gm) if n.target in _UPDATING]
-    if not missed:
-        return
-    utils = sys.modules.get("torchao.quantization.pt2e.export_utils")
-    switch = getattr(utils, "_replace_batchnorm", None)
-    switch = getattr(switch, "__wrapped__", switch)  # torchao's own (the graph is stock's)
-    if not callable(switch):
-        return
-    n = len(missed)
-    warn(
-        f"bnswap: convert_pt2e: {n} batch-norm node{'s' if n != 1 else ''} ({_names(missed)}) "
-        "of a graph moved to eval (move_exported_model_to_eval) still updated the running "
-        "statistics on every call: that switch ran before bnswap's patches were applied in "
-        "this process and did not see bnswap's ops. They are switched to evaluation now, as "
-        "stock's would have been; if the graph was prepared there too, torchao's conv-BN "
-        "fold did not run either: call bnswap.convert(program) on the loaded program before "
-        "prepare_qat_pt2e (docs/qat.md)",
-        UserWarning,
-    )
-    _stock_for_torchao(gm, mark=False)
-    switch(gm, train_to_eval=True)
-
-
 def _stock_first(helper: Callable) -> Callable:
-    """convert_pt2e's first helper: the graph as stock's (the quantized graph is stock's);
-    a graph moved to eval whose nodes the switch missed is switched first
-    (:func:`_eval_missed`)."""
+    """A torchao helper that reads a graph, handed the graph on stock's ops: its
+    consolidated batch-norm nodes rewritten into stock's ``aten.batch_norm``, in place
+    (:func:`bnswap.to_stock_ops`; a graph without them is left as it is), after a
+    ``momentum=None`` layer is refused (:func:`_refuse_cumulative`). torchao then reads
+    stock's graph and makes stock's graph of it; bnswap puts nothing back."""
 
     @functools.wraps(helper)
     def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(model, torch.fx.GraphModule):
-            _eval_missed(model)
-            _stock_for_torchao(model, mark=False)
+            _refuse_cumulative(model)
+            to_stock_ops(model)
         return helper(model, *args, **kwargs)
-
-    return _mark(patched)
-
-
-def _switch_keeping(helper: Callable) -> Callable:
-    """``_replace_batchnorm(m, train_to_eval)`` (move_exported_model_to_eval / _train):
-    switches stock's nodes, then the swapped layers' run the consolidated ops again."""
-
-    @functools.wraps(helper)
-    def patched(model: Any, *args: Any, **kwargs: Any) -> Any:
-        flags = (
-            _stock_for_torchao(model, mark=False)
-            if isinstance(model, torch.fx.GraphModule)
-            else None
-        )
-        out = helper(model, *args, **kwargs)
-        if flags is not None:
-            to_eval = kwargs.get("train_to_eval", args[0] if args else True)
-            _consolidated_again(
-                model, flags, "move_exported_model_to_" + ("eval" if to_eval else "train")
-            )
-        return out
 
     return _mark(patched)
 
@@ -606,11 +442,11 @@ def _unpatched(why: str) -> None:
     _unpatched_warned.add(why)
     warn(
         f"bnswap: {why}; torchao's {_TORCHAO_OPS} are not patched: a swapped model's "
-        "exported graph keeps the consolidated batch-norm ops, which torchao's conv-BN "
-        "fold and quantizer patterns do not match (silently), and a prepared graph stays "
-        "on stock's aten.batch_norm. By hand: bnswap.to_stock_ops(graph) before each of "
-        "those calls, bnswap.convert(prepared) after prepare for the consolidated ops; "
-        "or use torchao " + ".".join(map(str, MIN_TORCHAO)) + " (tested)",
+        "exported training graph keeps the consolidated batch-norm ops, which torchao's "
+        "conv-BN fold, quantizer patterns and train / eval switch do not match "
+        "(silently: no fold, and a switch to eval that leaves the running statistics "
+        "updating). By hand: bnswap.to_stock_ops(graph) before each of those calls (the "
+        "graph is then stock's); or use torchao " + ".".join(map(str, MIN_TORCHAO)) + " (tested)",
         UserWarning,
     )
 
@@ -641,66 +477,55 @@ def _torchao_too_old() -> bool:
     return False
 
 
-def _patchable(mod: Any, name: str, callers: tuple[str, ...]) -> Callable[..., Any] | bool:
-    """``mod``'s helper ``name`` when bnswap is to wrap it; True when it is wrapped
-    already; False (with the one warning of :func:`_unpatched`) when torchao is older
-    than :data:`MIN_TORCHAO` or one of ``callers`` no longer calls it by name."""
-    helper = getattr(mod, name, None)
-    if helper is not None and _patched(helper):
+def _stock_first_in(mod: Any, helpers: dict[str, tuple[str, ...]]) -> bool:
+    """Wrap each of ``mod``'s ``helpers`` (name -> the public functions that call it) in
+    :func:`_stock_first`: all of them, or none (torchao older than :data:`MIN_TORCHAO`, or
+    a caller that no longer calls its helper by name: the one warning of
+    :func:`_unpatched`). True when they are wrapped (now or before)."""
+    if all(_patched(getattr(mod, name, None)) for name in helpers):
         return True
     if _torchao_too_old():
         return False
-    if not _calls(mod, name, callers):
-        _unpatched(f"torchao's {mod.__name__}.{' / '.join(callers)} no longer call {name}")
-        return False
-    return helper if helper is not None else False
+    for name, callers in helpers.items():
+        if not _calls(mod, name, callers):
+            verb = "calls" if len(callers) == 1 else "call"
+            _unpatched(f"torchao's {mod.__name__}.{' / '.join(callers)} no longer {verb} {name}")
+            return False
+    for name in helpers:
+        if not _patched(getattr(mod, name)):
+            setattr(mod, name, _stock_first(getattr(mod, name)))
+    return True
 
 
 def patch_torchao_pt2e(mod: Any) -> bool:
-    """torchao's ``quantize_pt2e``: ``prepare_pt2e`` / ``prepare_qat_pt2e`` see stock's
-    graph (their first helper, ``_get_node_name_to_scope``, rewrites it) and return the
-    swapped layers' nodes on the consolidated ops (their last, ``prepare``);
-    ``convert_pt2e`` sees stock's graph (``_convert_to_reference_decomposed_fx``). Without
-    the last two, prepared graphs stay on stock's op (a warning says so). False: nothing
-    patched (torchao too old, or the first helper moved: a warning says so)."""
-    scope = "_get_node_name_to_scope"
-    helper = _patchable(mod, scope, ("prepare_pt2e", "prepare_qat_pt2e"))
-    if not callable(helper):
-        return helper
-    post = _calls(mod, "prepare", ("prepare_pt2e", "prepare_qat_pt2e")) and _calls(
-        mod, "_convert_to_reference_decomposed_fx", ("convert_pt2e",)
+    """torchao's ``quantize_pt2e``: ``prepare_pt2e`` / ``prepare_qat_pt2e`` (their first
+    helper, ``_get_node_name_to_scope``) and ``convert_pt2e``
+    (``_convert_to_reference_decomposed_fx``) read the graph on stock's ops
+    (:func:`_stock_first`): the conv-BN fold and the quantizers' patterns match a swapped
+    layer's nodes, and the prepared and quantized graphs are stock's. convert_pt2e's for
+    a prepared graph that holds the consolidated ops all the same (the user's
+    ``bnswap.convert(prepared)``: its fold would match nothing). False: nothing patched
+    (torchao too old, or a helper no longer called by name: one warning says so)."""
+    return _stock_first_in(
+        mod,
+        {
+            "_get_node_name_to_scope": ("prepare_pt2e", "prepare_qat_pt2e"),
+            "_convert_to_reference_decomposed_fx": ("convert_pt2e",),
+        },
     )
-    setattr(mod, scope, _before_prepare(helper, mark=post))
-    if post:
-        mod.prepare = _after_prepare(mod.prepare)
-        mod._convert_to_reference_decomposed_fx = _stock_first(
-            mod._convert_to_reference_decomposed_fx
-        )
-    else:
-        warn(
-            f"bnswap: torchao's {mod.__name__}.prepare_pt2e / prepare_qat_pt2e no longer call "
-            "prepare, or convert_pt2e _convert_to_reference_decomposed_fx, by name: "
-            "prepared graphs stay on stock's aten.batch_norm (cudnn_enabled=False: the "
-            "native kernel on CUDA, pytorch issue 111384). By hand: "
-            "bnswap.convert(prepared), and bnswap.to_stock_ops(prepared) before "
-            "move_exported_model_to_eval / _train and convert_pt2e",
-            UserWarning,
-        )
-    return True
 
 
 def patch_torchao_export_utils(mod: Any) -> bool:
-    """torchao's ``export_utils``: ``move_exported_model_to_eval`` / ``_train`` switch the
-    swapped layers' nodes (their ``_replace_batchnorm`` runs on stock's nodes, which then
-    run the consolidated ops again)."""
-    name = "_replace_batchnorm"
-    helper = _patchable(
-        mod, name, ("_move_exported_model_to_eval", "_move_exported_model_to_train")
+    """torchao's ``export_utils``: ``move_exported_model_to_eval`` / ``_train`` switch a
+    graph that holds the consolidated ops (a swapped model's exported training graph,
+    never prepared; a prepared graph the user converted) as stock's: their
+    ``_replace_batchnorm`` reads it on stock's ops (:func:`_stock_first`), so its nodes
+    run in evaluation, never updating the running statistics, and the graph is stock's.
+    False: nothing patched (as :func:`patch_torchao_pt2e`)."""
+    return _stock_first_in(
+        mod,
+        {"_replace_batchnorm": ("_move_exported_model_to_eval", "_move_exported_model_to_train")},
     )
-    if not callable(helper):
-        return helper
-    setattr(mod, name, _switch_keeping(helper))
-    return True
 
 
 # ---------------------------------------------------------------------- core ATen
@@ -1080,19 +905,20 @@ PATCHES: tuple[Patch, ...] = (
         "torchao.quantization.pt2e.quantize_pt2e",
         patch_torchao_pt2e,
         "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope",
-        "prepare_pt2e / prepare_qat_pt2e see stock's aten.batch_norm (conv-BN fold, "
-        "quantizer patterns) and return the swapped layers' nodes on the consolidated "
-        "ops (also patched: prepare); convert_pt2e sees stock's graph (also patched: "
-        "_convert_to_reference_decomposed_fx)",
-        f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name",
+        "prepare_pt2e / prepare_qat_pt2e read a swapped model's graph on stock's "
+        "aten.batch_norm (conv-BN fold, quantizer patterns): the prepared graph is stock's; "
+        "convert_pt2e too (also wrapped: _convert_to_reference_decomposed_fx), for a "
+        "prepared graph the user converted",
+        f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helpers called by name",
     ),
     Patch(
         "torchao",
         "torchao.quantization.pt2e.export_utils",
         patch_torchao_export_utils,
         "torchao.quantization.pt2e.export_utils._replace_batchnorm",
-        "move_exported_model_to_eval / _train switch the swapped layers' nodes, which "
-        "stay on the consolidated ops",
+        "move_exported_model_to_eval / _train switch a graph that holds the consolidated "
+        "ops (a swapped model's exported training graph) as stock's: in evaluation its "
+        "running statistics never update",
         f"torchao >= {'.'.join(map(str, MIN_TORCHAO))}, the helper called by name",
     ),
     Patch(

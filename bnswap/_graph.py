@@ -343,9 +343,10 @@ def to_stock_ops(
     The rewritten graph is the one stock ``nn.BatchNorm`` layers record: the same op,
     arguments, outputs and statistics updates (see the module docstring for the rule,
     from the ops' schemas in ``native_functions.yaml``). bnswap calls it for torchao's
-    ``prepare_pt2e`` / ``prepare_qat_pt2e``; call it yourself for other graph tools that
-    expect stock's op. The graph loses what bnswap's op gives (cuDNN in a training graph
-    on CUDA, pytorch issue 111384).
+    pt2e calls (``prepare_pt2e`` / ``prepare_qat_pt2e``, ``move_exported_model_to_eval``
+    / ``_train``, ``convert_pt2e``: their graphs stay stock's); call it yourself for
+    other graph tools that expect stock's op. The graph loses what bnswap's op gives
+    (cuDNN in a training graph on CUDA, pytorch issue 111384).
 
     Args:
         module: a ``torch.fx.GraphModule`` (``exported_program.module()``, or a
@@ -744,18 +745,6 @@ def _backward_to_consolidated(
         u.args = (new, u.args[1])
     graph.erase_node(node)
     return new
-
-
-def batch_norm_nodes(gm: GraphModule) -> list[Node]:
-    """The forward batch-norm nodes of ``gm`` (its own graph, then nested ones), stock's
-    (:data:`STOCK_TARGETS` but the backward) and consolidated ones, in graph order."""
-    return [
-        n
-        for sub in gm.modules()
-        if isinstance(graph := getattr(sub, "graph", None), torch.fx.Graph)
-        for n in graph.nodes
-        if n.op == "call_function" and (n.target in _STOCK or n.target in _TARGETS)
-    ]
 
 
 def to_consolidated_ops(

@@ -28,8 +28,8 @@ class UnmatchedPatternWarning(UserWarning):
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Packages whose frames stand between the user's line and bnswap's code
-#: (``trainer.fit(...)`` -> Lightning's hooks -> BNSwap; ``prepare_qat_pt2e(...)`` ->
-#: torchao -> bnswap's torchao patch): skipped when they are loaded.
+#: (``trainer.fit(...)`` -> Lightning's hooks -> BNSwap; ``import torchao...`` ->
+#: torchao's own imports -> bnswap's torchao patch): skipped when they are loaded.
 _CALLERS = ("lightning", "pytorch_lightning", "lightning_fabric", "torchao")
 
 

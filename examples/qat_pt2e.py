@@ -4,10 +4,11 @@ scikit-learn's digits, once on stock ``nn.BatchNorm2d`` and once after ``bnswap.
 The flow of pytorch issue 111384: train the float model, export it on the CPU
 (``torch.export``), ``prepare_qat_pt2e`` (XNNPACK's quantizer), train the prepared graph
 (``--device cuda`` where there is one), ``move_exported_model_to_eval``, ``convert_pt2e``
-(on the CPU), and print the float model's validation accuracy next to the int8 one. The
-prepared graph of stock's model runs ``aten.batch_norm(..., cudnn_enabled=False)`` (the
-native kernel on CUDA); bnswap's runs ``aten._batch_norm_with_update`` (cuDNN on CUDA).
-On the CPU both give the same figures, bit for bit.
+(on the CPU), and print the float model's validation accuracy next to the int8 one.
+Both prepared graphs are stock's, ``aten.batch_norm``, which picks its kernel when it
+runs (its ``cudnn_enabled`` argument is read by no torch release: cuDNN on CUDA where
+torch's rule allows): bnswap hands torchao stock's ops and puts nothing back
+(docs/qat.md). On the CPU both runs give the same figures, bit for bit.
 
     python examples/qat_pt2e.py                          # both runs on the CPU
     python examples/qat_pt2e.py --device cuda            # QAT of the prepared graphs on a GPU

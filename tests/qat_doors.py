@@ -13,10 +13,11 @@ Each role writes ``DIR/<role>.pt``: per door, per quantizer, what :func:`flow` r
 * ``d1``: ``bnswap.convert(torch.export.load("cli.pt2").module())``: the graph holds the
   consolidated ops already; the call changes nothing in it and applies bnswap's patches.
 * ``d2``: ``torch.export.load("inproc.pt2")``; first, with bnswap imported but not called
-  yet, the flow up to ``move_exported_model_to_eval`` (what torchao does unpatched:
-  ``late``); then ``bnswap.convert(program)`` (an ExportedProgram on the consolidated
-  ops: returned itself) and ``convert_pt2e`` of that graph (bnswap's defence: the nodes
-  the unpatched switch missed run in evaluation); then the flow from the program.
+  yet, ``prepare_qat_pt2e`` and 3 steps (what torchao does unpatched: ``late``), a copy
+  of it moved to eval there too (``early``); then ``bnswap.convert(program)`` (an
+  ExportedProgram on the consolidated ops: returned itself); ``late`` moved to eval and
+  both converted (what docs/qat.md says of a graph prepared before bnswap met the
+  program); then the flow from the program.
 """
 
 from __future__ import annotations
@@ -69,11 +70,11 @@ def flow(gm: torch.fx.GraphModule, quantizer: str) -> dict:
 
     xs = batches(5)
     p = prepare_qat_pt2e(gm, QUANTIZERS[quantizer]())
-    out = {"prepared": targets(p), "prepared_bn": bn_ops(p)}
+    out = {"prepared": graph_of(p), "prepared_bn": bn_ops(p)}
     out["qat_y"] = train(p, xs[:3])
     out["qat_state"] = state(p)
     move_exported_model_to_eval(p)
-    out["eval_bn"] = bn_ops(p)
+    out["eval"] = graph_of(p)
     out["eval_y"] = p(xs[3]).detach()
     q = convert_pt2e(p)
     out["q_graph"] = graph_of(q)
@@ -121,6 +122,16 @@ def d1(d: str) -> dict:
     }
 
 
+def batch_norm_modes(gm: torch.fx.GraphModule) -> list[tuple[str, object]]:
+    """Each batch-norm node's op and its ``training`` argument (stock's op: position 5;
+    ``_batch_norm_with_update`` always updates)."""
+    return [
+        (str(n.target), n.args[5] if "with_update" not in str(n.target) else True)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "batch_norm" in str(n.target)
+    ]
+
+
 def d2(d: str) -> dict:
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
@@ -129,30 +140,22 @@ def d2(d: str) -> dict:
 
     ep = load(os.path.join(d, "inproc.pt2"))
     xs = batches(5)
-    # torchao before bnswap met the program: no fold, and a switch that sees no batch norm
+    # torchao before bnswap met the program: no batch norm seen, so no conv-BN fold
     late = prepare_qat_pt2e(fresh(ep), QUANTIZERS["x86"]())
+    out: dict = {"late_prepared": targets(late)}
     train(late, xs[:3])
-    move_exported_model_to_eval(late)
-    out: dict = {"late_eval_bn": bn_ops(late)}
-    # what torchao makes of the same graph on stock's ops, moved to eval as stock's
-    reference = copy.deepcopy(late)
-    bnswap.to_stock_ops(reference)
-    reference._exported_training = True  # (torchao's mark: switched, to switch again)
-    out["applied_on_load"] = applied()  # (import, load, torchao, to_stock_ops: nothing)
+    early = copy.deepcopy(late)
+    move_exported_model_to_eval(early)  # a switch that sees no batch norm either
+    out["early_eval"] = batch_norm_modes(early)
+    out["applied_on_load"] = applied()  # (import, load, torchao: nothing)
     new = bnswap.convert(ep)
     out["same_program"] = new is ep
     out["installed"] = bnswap._compat._installed
     out["applied"] = applied()  # (quantize_pt2e and export_utils: imported above)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        q = convert_pt2e(late)
-    out["late_warnings"] = [str(w.message) for w in caught if "bnswap" in str(w.message)]
-    out["late_q_graph"] = graph_of(q)
-    out["late"] = quantized_calls(q, xs)
-    move_exported_model_to_eval(reference)
-    r = convert_pt2e(reference)
-    out["late_ref_q_graph"] = graph_of(r)
-    out["late_ref"] = quantized_calls(r, xs)
+    move_exported_model_to_eval(late)  # now patched: stock's nodes, in evaluation
+    out["late_eval"] = batch_norm_modes(late)
+    out["late"] = quantized_calls(convert_pt2e(late), xs)
+    out["early"] = quantized_calls(convert_pt2e(early), xs)  # torchao's switch ran already
     out["d2"] = {q: flow(fresh(new), q) for q in QUANTIZERS}
     return out
 

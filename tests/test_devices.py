@@ -311,27 +311,31 @@ def test_old_no_update_programs_become_runnable_off_the_cpu(device):
 
 def test_pt2e_qat_graphs_run_off_the_cpu(device):
     """pt2e QAT: a converted model's prepared graph and the graph
-    ``move_exported_model_to_eval`` switches run on the Lazy device with the numbers of the
-    same graph on the CPU; neither holds an op without a kernel off the CPU."""
+    ``move_exported_model_to_eval`` switches are stock's, node for node (bnswap's torchao
+    patch hands torchao stock's ops and puts nothing back), and run on the Lazy device
+    with stock's numbers there and the CPU's."""
     pytest.importorskip("torchao")
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
-    from tests._pt2e import xnnpack
+    from tests._pt2e import graph_of, xnnpack
 
     torch.manual_seed(0)
-    model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+    stock = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
-    gm = torch.export.export(model, (x,)).module()
-    prepared = prepare_qat_pt2e(gm, xnnpack())
+    graphs = []
+    for m in (stock, bnswap.convert(copy.deepcopy(stock))):
+        graphs.append(prepare_qat_pt2e(torch.export.export(m, (x,)).module(), xnnpack()))
+    ps, pb = graphs
     for stage in ("train", "eval"):
         if stage == "eval":
-            prepared = move_exported_model_to_eval(prepared)
-        ops = _bn_ops(prepared)
-        assert ops and "aten._batch_norm_no_update.default" not in ops, ops
-        cpu, off = copy.deepcopy(prepared), copy.deepcopy(prepared).to(device)
-        ref = cpu(x)
-        (got,) = _sync(off(x.to(device)))
+            ps, pb = move_exported_model_to_eval(ps), move_exported_model_to_eval(pb)
+        assert _bn_ops(pb) == ["aten.batch_norm.default"] and graph_of(pb) == graph_of(ps)
+        ref = copy.deepcopy(pb)(x)
+        (got, got_stock) = _sync(
+            copy.deepcopy(pb).to(device)(x.to(device)), copy.deepcopy(ps).to(device)(x.to(device))
+        )
+        assert torch.equal(got, got_stock), stage
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 

@@ -170,3 +170,26 @@ def test_docs_list_every_patch():
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert [r.split("|")[2].strip().strip("`") for r in rows] == [p.target for p in _compat.PATCHES]
     assert [r.split("|")[1].strip().strip("`") for r in rows] == [p.name for p in _compat.PATCHES]
+
+
+def test_torchao_is_patched_in_three_helpers_and_nothing_else():
+    """bnswap's torchao patch is one rewrite before torchao reads a graph, in the helper
+    each public call reads it with first: prepare's, convert_pt2e's and the train / eval
+    switch's. Nothing else of those modules is replaced (no wrapper that puts the
+    consolidated ops back into torchao's graphs: they stay stock's)."""
+    pytest.importorskip("torchao")
+    _compat.install()  # idempotent; torchao's modules are patched as they are imported
+    from torchao.quantization.pt2e import export_utils, quantize_pt2e
+
+    wrapped = {
+        f"{mod.__name__}.{name}"
+        for mod in (quantize_pt2e, export_utils)
+        for name, value in vars(mod).items()
+        if _compat._patched(value)
+    }
+    assert wrapped == {
+        "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope",
+        "torchao.quantization.pt2e.quantize_pt2e._convert_to_reference_decomposed_fx",
+        "torchao.quantization.pt2e.export_utils._replace_batchnorm",
+    }
+    assert {p.target for p in _compat.PATCHES if p.name == "torchao"} <= wrapped

@@ -1,16 +1,17 @@
 """A program on the consolidated ops loaded from a file goes through torchao's pt2e QAT
-flow exactly as stock's, whatever the process did before: each door in a fresh
-interpreter (``tests/qat_doors.py``), against stock's flow on the same weights run where
-bnswap is not imported, with XNNPACK's quantizer and ``X86InductorQuantizer``.
+flow exactly as stock's once bnswap met it: each door in a fresh interpreter
+(``tests/qat_doors.py``), against stock's flow on the same weights run where bnswap is
+not imported, with XNNPACK's quantizer and ``X86InductorQuantizer``.
 
 The doors: a ``.pt2`` that the ``bnswap convert`` CLI wrote, then
 ``bnswap.convert(torch.export.load(path).module())`` (d1); a converted model exported
 and saved in one process, loaded in another, then ``bnswap.convert(program)`` (d2); a
 stock program loaded from disk, then ``bnswap.convert(program)`` (d3). The first two
-change nothing in the graph: the call applies bnswap's patches. Bitwise on the CPU:
-the prepared graph (the conv-BN fold included) but for its batch-norm op, QAT outputs
-and state after 3 steps, the eval graph's ops and output, the quantized graph node for
-node, its outputs, and its state, unchanged by inference calls.
+change nothing in the graph: the call applies bnswap's patches. Bitwise on the CPU: the
+prepared graph node for node (stock's, the conv-BN fold included), QAT outputs and state
+after 3 steps, the eval graph node for node and its output, the quantized graph node for
+node, its outputs, and its state, unchanged by inference calls. And what docs/qat.md
+says of a graph torchao prepared before bnswap met the program.
 
 The three interpreters run side by side (each imports torch and torchao and exports
 torchao's patterns once: ~1 min of CPU each).
@@ -31,7 +32,7 @@ from torch import nn
 
 import bnswap
 from tests._helpers import ROOT, run_bnswap
-from tests._pt2e import NO_UPDATE, QUANTIZERS, STOCK, WITH_UPDATE, bn_ops, visible_bn
+from tests._pt2e import QUANTIZERS, STOCK, WITH_UPDATE, bn_ops, visible_bn
 
 pytest.importorskip("torchao")
 
@@ -98,17 +99,6 @@ def doors(tmp_path_factory) -> dict:
     return {role: torch.load(d / f"{role}.pt", weights_only=False) for role in ROLES}
 
 
-def _calls(targets: list[str]) -> list[str]:
-    """A graph's call targets with the consolidated op as stock's: its ``getitem`` of
-    output 0 left out (stock's op returns the one tensor)."""
-    out, prev = [], None
-    for t in targets:
-        if not (t == "<built-in function getitem>" and prev == WITH_UPDATE):
-            out.append(STOCK if t == WITH_UPDATE else t)
-        prev = t
-    return out
-
-
 def _same_state(a: dict, b: dict) -> list[str]:
     if a.keys() != b.keys():
         return [f"keys: {sorted(a.keys() ^ b.keys())}"]
@@ -120,16 +110,14 @@ def _same_state(a: dict, b: dict) -> list[str]:
 def test_a_loaded_programs_qat_flow_is_stocks(doors, door, quantizer):
     ref = doors["stock_and_d3"]["stock"][quantizer]
     got = doors["stock_and_d3" if door == "d3" else door][door][quantizer]
-    n = 3
-    assert ref["prepared_bn"] == [STOCK] * n and got["prepared_bn"] == [WITH_UPDATE] * n
-    # the conv-BN fold (torchao's QAT pattern around both convolutions) is in both: the
-    # prepared graph is stock's, call for call, but for the batch-norm op
-    assert _calls(got["prepared"]) == _calls(ref["prepared"])
-    # torchao's fold scales each conv's weight by weight / sqrt(running_var + eps)
-    assert ref["prepared"].count("aten.sqrt.default") == 2
+    assert ref["prepared_bn"] == [STOCK] * 3
+    # the prepared graph is stock's, node for node, the conv-BN fold included: torchao's
+    # QAT pattern scales each conv's weight by weight / sqrt(running_var + eps)
+    assert got["prepared"] == ref["prepared"]
+    assert sum(node[1] == "aten.sqrt.default" for node in ref["prepared"]) == 2
     assert torch.equal(got["qat_y"], ref["qat_y"])
     assert _same_state(got["qat_state"], ref["qat_state"]) == []
-    assert ref["eval_bn"] == [STOCK] * n and got["eval_bn"] == [NO_UPDATE] * n
+    assert got["eval"] == ref["eval"]
     assert torch.equal(got["eval_y"], ref["eval_y"])
     assert got["q_graph"] == ref["q_graph"]
     # the lone BN stays a batch norm, in evaluation: the quantized model holds running
@@ -153,25 +141,22 @@ def test_importing_bnswap_and_loading_patch_nothing_the_documented_call_does(doo
     assert doors["d2"]["same_program"] is True  # converted already: returned itself
 
 
-def test_a_graph_switched_to_eval_before_bnswap_met_it_never_updates_statistics(doors):
-    """A graph prepared and moved to eval where torchao was not patched yet (no fold; the
-    switch saw no batch norm: its nodes still update statistics) is converted by
-    convert_pt2e once bnswap met the program, with its nodes in evaluation, as torchao
-    makes the same graph on stock's ops: one warning says so."""
-    doors = doors["d2"]
-    assert doors["late_eval_bn"] == [WITH_UPDATE] * 3  # what the unpatched switch left
-    assert len(doors["late_warnings"]) == 1, doors["late_warnings"]
-    assert (
-        doors["late_warnings"][0].startswith("bnswap: convert_pt2e: 3 batch-norm nodes (")
-        and "still updated the running statistics on every call" in doors["late_warnings"][0]
-    )
-    late, ref = doors["late"], doors["late_ref"]
-    assert doors["late_q_graph"] == doors["late_ref_q_graph"]
+def test_a_graph_prepared_before_bnswap_met_the_program_is_as_the_guide_says(doors):
+    """docs/qat.md, a graph torchao prepared before bnswap met the program: no conv-BN
+    fold (prepare saw no batch norm); moved to eval once bnswap met the program, its
+    nodes are stock's in evaluation and the quantized model's running statistics never
+    move; moved to eval before, the switch saw nothing, its nodes still update, and
+    convert_pt2e (which does not switch again) keeps them updating at inference."""
+    d = doors["d2"]
+    assert "aten.sqrt.default" not in d["late_prepared"]  # no fold
+    assert d["late_prepared"].count(WITH_UPDATE) == 3
+    assert d["early_eval"] == [(WITH_UPDATE, True)] * 3
+    assert d["late_eval"] == [(STOCK, False)] * 3
+    late, early = d["late"], d["early"]
     assert any(k.endswith("running_mean") for k in late["q_before"])
-    for r in (late, ref):
-        assert _same_state(r["q_after"], r["q_before"]) == []
-    for y, y_ref in zip(late["q_ys"], ref["q_ys"], strict=True):
-        assert torch.equal(y, y_ref)
+    assert _same_state(late["q_after"], late["q_before"]) == []
+    moved = _same_state(early["q_after"], early["q_before"])
+    assert [k for k in moved if k.endswith("running_mean")], moved
 
 
 _ENTRY_POINTS = """
