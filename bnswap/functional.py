@@ -63,8 +63,9 @@ def consolidated_ops_while_tracing(stand_ins: StandIns | None = None) -> Iterato
     the consolidated ops (e.g. :mod:`bnswap.ort`) wraps its export in this block.
 
     Args:
-        stand_ins: optional ``stand_ins(bn) -> (weight, bias)``. The ops need a weight
-            and a bias; a layer without them (affine=False) gets (C,) ones / zeros made
+        stand_ins: optional ``stand_ins(bn) -> (weight, bias)``. The consolidated ops
+            (batch statistics: training, or no running statistics) get a weight and a
+            bias; a layer without them (affine=False) gets (C,) ones / zeros made
             like its first (C,) tensor (``full_like``). While the tracer records a layer
             inside the block, a tensor ``stand_ins(bn)`` returns is used instead (e.g. a
             per-layer buffer, which the tracer records as a graph input of that layer);
@@ -78,14 +79,16 @@ def consolidated_ops_while_tracing(stand_ins: StandIns | None = None) -> Iterato
 
         >>> import torch, bnswap
         >>> from bnswap.functional import consolidated_ops_while_tracing
-        >>> bn = torch.nn.BatchNorm1d(2, affine=False).eval()
+        >>> bn = torch.nn.BatchNorm1d(2, affine=False, track_running_stats=False)
         >>> twos = lambda layer: (torch.full((2,), 2.0), None)  # weight 2, fresh bias
+        >>> x = torch.tensor([[0.0, 0.0], [2.0, 2.0]])  # batch mean 1, variance 1
         >>> with consolidated_ops_while_tracing(stand_ins=twos):  # (TracerWarnings aside)
         ...     traced = torch.jit.trace(lambda x: bnswap.module_batch_norm(bn, x),
-        ...                              torch.ones(3, 2), check_trace=False)
-        ...     eager = bnswap.module_batch_norm(bn, torch.ones(1, 2))  # not tracing
-        >>> traced(torch.ones(1, 2)), eager
-        (tensor([[2.0000, 2.0000]]), tensor([[1.0000, 1.0000]]))
+        ...                              x, check_trace=False)
+        ...     eager = bnswap.module_batch_norm(bn, x)  # not tracing
+        >>> traced(x), eager  # doctest: +NORMALIZE_WHITESPACE
+        (tensor([[-2.0000, -2.0000], [ 2.0000,  2.0000]]),
+         tensor([[-1.0000, -1.0000], [ 1.0000,  1.0000]]))
     """
     depth = getattr(_tracing, "depth", 0)
     before = getattr(_tracing, "stand_ins", None)

@@ -92,7 +92,7 @@ NATIVE, CUDNN, MIOPEN = "Native", "Cudnn", "Miopen"
 #: What a kernel name on an absent CUDA device ends with.
 PREDICTED = " (predicted)"
 
-#: cuDNN's smallest batch-norm eps: torch selects cuDNN only for ``eps >=
+#: cuDNN's smallest batch-norm eps. torch selects cuDNN only for ``eps >=
 #: batchnormMinEpsilonCuDNN()``, the ``CUDNN_BN_MIN_EPSILON`` of the cuDNN torch was built
 #: with. cuDNN 9 defines it as 0.0 (``cudnn_ops.h`` of the nvidia-cudnn wheels), and the
 #: CUDA wheels of every supported release pin cuDNN 9 (torch 2.4.1: nvidia-cudnn-cu12
@@ -149,7 +149,7 @@ class Call:
     """What torch's selection reads of one batch-norm call.
 
     Attributes:
-        rank: the input's number of dimensions, (N, C, *).
+        rank: the input's number of dimensions, ``(N, C, *)``.
         dtype: the input's dtype.
         weight, bias: their dtypes, None when not passed (undefined).
         running_mean, running_var: whether each is passed.
@@ -194,7 +194,7 @@ class Call:
         training: bool,
         eps: float,
     ) -> Call:
-        """The call of these arguments: real, fake or meta tensors ((N, C, *) input,
+        """The call of these arguments: real, fake or meta tensors (``(N, C, *)`` input,
         (C,) others), or None for one not passed. A symbolic size (a dynamic batch)
         is not known."""
         batch = input.shape[0] if input.dim() > 0 else None

@@ -238,7 +238,7 @@ class PlanRow:
     @property
     def kernel(self) -> str:
         """The kernel this layer runs with on :attr:`device`, by torch's rule
-        (:func:`select_kernel`, :mod:`bnswap.kernels`) for ``aten``: ``"Native"`` on CPU,
+        (``bnswap.plan.select_kernel``, :mod:`bnswap.kernels`) for ``aten``: ``"Native"`` on CPU,
         ``"Cudnn"`` on NVIDIA GPUs where the rule holds, both modes where they differ
         (``"Cudnn; eval Native"`` for an affine=False layer);
         ``"Sync (Native); eval Native"`` for a layer that synchronizes over more than

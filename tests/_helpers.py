@@ -324,3 +324,25 @@ def sync_dataset() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     n = SYNC_STEPS * 2 * SYNC_PER_RANK
     return torch.randn(n, 6, generator=g) * 3 + 1, torch.randn(n, 1, generator=g)
+
+
+_LAZY: list[str] = []
+
+
+def lazy_device() -> str:
+    """torch's Lazy device (its TorchScript backend), initialized once per process (a
+    second ``torch._lazy.ts_backend.init()`` raises); skips the test where this torch has
+    none. A device other than the CPU whose dispatch of the batch-norm ops is CUDA's
+    (tests/test_devices.py says what it shows and what it cannot)."""
+    import pytest
+
+    if not _LAZY:
+        try:
+            import torch._lazy
+            import torch._lazy.ts_backend
+
+            torch._lazy.ts_backend.init()
+        except Exception as e:  # a torch built without the Lazy TorchScript backend
+            pytest.skip(f"torch's Lazy device is not available here: {type(e).__name__}: {e}")
+        _LAZY.append("lazy")
+    return _LAZY[0]

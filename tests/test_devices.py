@@ -27,20 +27,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bnswap
-from tests._helpers import run_script
+from tests._helpers import lazy_device, run_script
 
 lazy = pytest.importorskip("torch._lazy")
 
 
 @pytest.fixture(scope="module")
 def device() -> str:
-    try:
-        import torch._lazy.ts_backend
-
-        torch._lazy.ts_backend.init()
-    except Exception as e:  # a torch built without the Lazy TorchScript backend
-        pytest.skip(f"torch's Lazy device is not available here: {type(e).__name__}: {e}")
-    return "lazy"
+    return lazy_device()
 
 
 def _sync(*tensors):

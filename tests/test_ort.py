@@ -1336,6 +1336,7 @@ def test_the_devices_onnx_runtime_runs_are_said_plainly():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bnswap.ort._layers import check_devices
+    from tests._helpers import lazy_device
 
     providers = list(onnxruntime.get_available_providers())
     check_devices(bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))), providers)
@@ -1351,11 +1352,7 @@ def test_the_devices_onnx_runtime_runs_are_said_plainly():
             r"CUDA install ONNX Runtime's GPU training build \(bnswap's 'ort' extra",
         ):
             check_devices(on_cuda, providers)
-    pytest.importorskip("torch._lazy")
-    import torch._lazy.ts_backend
-
-    torch._lazy.ts_backend.init()
-    on_lazy = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).to("lazy")
+    on_lazy = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).to(lazy_device())
     with pytest.raises(
         bnswap.ort.UnsupportedLayerError, match=r"is on lazy:0; ORTModule runs on CPU or CUDA"
     ):

@@ -223,7 +223,7 @@ def wrap(
         UnsupportedLayerError: a BatchNorm layer is not swapped, not initialized, not
             float32 or not on CPU / CUDA (raised before ORT is imported); on CUDA with an
             ONNX Runtime build without ``CUDAExecutionProvider`` (the CPU build,
-            ``ort-cpu``: :func:`bnswap.ort._layers.check_devices`).
+            ``ort-cpu``).
         TypeError: ``module`` is not an ``nn.Module`` or is a LightningModule.
         ValueError: unknown ``fallback``.
         ORTRunError: ORT cannot build the wrapper (``fallback=None``).
