@@ -1,4 +1,5 @@
-"""The benchmark suite's harness and the GPU check's dry mode (CPU only, < 60 s)."""
+"""The benchmark suite's harness and the GPU check's dry mode (the CPU and torch's Lazy
+device, about a minute)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,69 +72,120 @@ def test_gpu_check_dry_graph_ops(gpu_dry):
         "aten._native_batch_norm_legit_functional.default",
         "aten.native_batch_norm_backward.default",
     ]
+    # evaluation: a converted model's program is stock's (docs/design.md, "The evaluation op")
+    assert bn["export_eval"] == st["export_eval"] == ["aten.batch_norm.default"]
+
+
+#: bnswap's values against stock's reference in dry mode (stock on the CPU; the Lazy
+#: device runs the same kernels, through its TorchScript backend)
+TOL = 1e-5
+
+
+def _values_close(diffs: dict) -> bool:
+    return bool(diffs) and all(isinstance(d, float) and d <= TOL for d in diffs.values())
 
 
 def test_gpu_check_dry_runs_every_cpu_path_and_says_what_it_skipped(gpu_dry):
     s = gpu_dry["sections"]
     assert s["compile_inductor"]["status"].startswith("skipped")
     assert "[SKIP ] compile_inductor" in gpu_dry["_stdout"]
-    # eager / compiled: the aten ops that ran (kernel names need CUDA)
-    assert "aten::batch_norm_backward" in s["eager"]["bnswap"]["aten_ops"]
-    assert "aten::native_batch_norm_backward" in s["eager"]["stock"]["aten_ops"]
-    assert (
-        "aten::_batch_norm_with_update_functional" in s["compile_aot_eager"]["bnswap"]["aten_ops"]
-    )
-    assert (
-        "aten::_native_batch_norm_legit_functional" in s["compile_aot_eager"]["stock"]["aten_ops"]
-    )
-    assert s["eager"]["ok"] is None and "need CUDA" in s["eager"]["note"]
-    # graphs captured on the CPU, moved as users move them (ep.module().to(device),
-    # graph_module.to(device)), run on another device (meta) without CPU leftovers
-    e = s["exported"]
-    assert e["moved_to"] == "meta" and e["ok"] is True
-    for part in ("forward_decomposed", "joint"):
-        assert {k: e[part][k]["ran_on"] for k in ("bnswap", "stock")} == {
-            "bnswap": "meta",
-            "stock": "meta",
-        }
-    assert "aten::batch_norm_backward" in e["joint"]["bnswap"]["aten_ops"]
-    # a stock program converted by bnswap.convert: the consolidated ops, bitwise on the
-    # CPU, and moved with move_to_device_pass
+    # a stock program converted by bnswap.convert: the consolidated op in training,
+    # bitwise on the CPU, moved with move_to_device_pass to the Lazy device, where it
+    # computes stock's program's values
     c = s["converted_program"]
     assert c["graph_ops"]["stock"] == ["aten.batch_norm.default"]
     assert c["graph_ops"]["bnswap"] == ["aten._batch_norm_with_update.default"]
     assert c["bitwise_equal_on_cpu"] is True and c["ok"] is True
-    assert c["bnswap"]["ran_on"] == c["stock"]["ran_on"] == "meta"
+    assert c["bnswap"]["ran_on"] == c["stock"]["ran_on"] == "lazy"
+    assert _values_close(c["vs_stock"]) and set(c["vs_stock"]) == {"outputs", "state"}
     # the exported joint graph trains exactly like eager on the CPU (same native kernel)
     t = s["training"]["summary"]
     assert t["exported_bnswap"]["max_abs_diff_vs_eager"] == 0.0
     assert t["exported_stock"]["max_abs_diff_vs_eager"] == 0.0
     # the synchronized layer over a one-rank gloo group: stock BatchNorm's result, with
-    # ATen's CPU kernels in its slots (what the plan's kernel column says) and without
+    # ATen's CPU kernels in its slots (what the plan's kernel column says) and without;
+    # it normalizes with stock's evaluation call, aten::batch_norm (training=False)
     sy = s["sync"]
     assert sy["backend"] == "gloo" and sy["ok"] is True and sy["kernel_column"] == "Sync (Native)"
+    assert sy["normalization_ok"] is True
     assert sy["bnswap"]["aten_ops"] == [
-        "aten::_batch_norm_no_update",
+        "aten::_batch_norm_impl_index",
+        "aten::batch_norm",
         "aten::batch_norm_update_stats",
+        "aten::native_batch_norm",
         "aten::native_batch_norm_backward",
     ]
-    assert sy["bnswap_portable"]["aten_ops"] == ["aten::_batch_norm_no_update"]
+    assert sy["bnswap_portable"]["aten_ops"] == [
+        "aten::_batch_norm_impl_index",
+        "aten::batch_norm",
+        "aten::native_batch_norm",
+    ]
     assert max(sy["max_abs_diff_vs_batchnorm"], sy["max_abs_diff_vs_batchnorm_portable"]) < 1e-5
     assert gpu_dry["all_ok"] is True
 
 
+@pytest.mark.parametrize("section", ["eager", "compile_aot_eager"])
+def test_gpu_check_dry_runs_both_modes_on_the_lazy_device(gpu_dry, section):
+    """Issue 44: eager mode and torch.compile's AOT graphs, training AND evaluation, run on
+    torch's Lazy device (a device other than the CPU whose dispatch is CUDA's: the old
+    evaluation op, whose kernel calls batch_norm_cpu, raises there), bnswap's losses, state
+    and evaluation outputs equal to stock's (on the CPU) within 1e-5."""
+    r = gpu_dry["sections"][section]
+    assert r["status"] == "ok" and r["ok"] is True, r.get("status")
+    assert r["ran_on_expected"] == "lazy"
+    for mode in ("train", "eval"):
+        for name in ("bnswap", "stock"):
+            assert r[mode][name]["ran_on"] == ["lazy"], (mode, name)
+    assert _values_close(r["vs_stock"])
+    assert set(r["vs_stock"]) == {"losses", "state", "eval_outputs"}
+    bn_train, bn_eval = r["train"]["bnswap"]["aten_ops"], r["eval"]["bnswap"]["aten_ops"]
+    assert "aten::batch_norm_backward" in bn_train and "aten::_batch_norm_with_update" in bn_train
+    assert not any("no_update" in o for o in bn_train + bn_eval)
+    # evaluation: the same ops as stock's (eager: stock's call; AOT graphs: the native op
+    # aten.batch_norm decomposes to, for both)
+    assert bn_eval == r["eval"]["stock"]["aten_ops"]
+    if section == "eager":
+        assert "aten::batch_norm" in bn_eval
+        assert "aten::native_batch_norm_backward" in r["train"]["stock"]["aten_ops"]
+    else:
+        assert "aten::_native_batch_norm_legit_no_training" in bn_eval
+        assert "aten::_native_batch_norm_legit_functional" in r["train"]["stock"]["aten_ops"]
+    # what torch's rule predicts on CUDA for each (checked against the profiler there)
+    assert r["train"]["bnswap"]["predicted"] == ["cudnn"]
+    assert r["eval"]["bnswap"]["predicted"] == r["eval"]["stock"]["predicted"]
+    assert "ran on the Lazy device" in r["note"]
+
+
+def test_gpu_check_dry_moves_exported_graphs_to_the_lazy_device(gpu_dry):
+    """Graphs captured on the CPU, moved as users move them (ep.module().to(device),
+    graph_module.to(device)), run on the Lazy device with the reference's values."""
+    e = gpu_dry["sections"]["exported"]
+    assert e["status"] == "ok" and e["ok"] is True and e["moved_to"] == "lazy"
+    for part in ("forward_decomposed", "joint"):
+        assert {k: e[part][k]["ran_on"] for k in ("bnswap", "stock")} == {
+            "bnswap": "lazy",
+            "stock": "lazy",
+        }
+        assert e[part]["predicted"] == {"bnswap": ["cudnn"], "stock": ["native"]}
+    assert "aten::batch_norm_backward" in e["joint"]["bnswap"]["aten_ops"]
+    assert _values_close(e["vs_stock"])
+    assert set(e["vs_stock"]) == {"forward_outputs", "forward_state", "joint_losses", "joint_state"}
+
+
 def test_gpu_check_dry_moves_every_kind_of_layer_as_users_do(gpu_dry):
-    """Guards issue 25's GPU check: every affine x track_running_stats combination, train
-    and eval, three programs (stock's, a converted model exported, bnswap.convert of
-    stock's), moved with ep.module().to(device) and move_to_device_pass, and the joint
-    graph with graph_module.to(device): each runs on the meta device (dry) with stock's
-    output shape, dtype and device, recording the batch-norm ops it ran. With bnswap's
-    stand-ins on a literal device (the defect) the section errs."""
+    """Guards issue 25's and issue 44's GPU check: every affine x track_running_stats
+    combination, train and eval, three programs (stock's, a converted model exported,
+    bnswap.convert of stock's), moved with ep.module().to(device) and
+    move_to_device_pass, and the joint graph with graph_module.to(device): each runs on
+    the Lazy device, bnswap's outputs and state (the joint graph's losses and state) equal
+    to stock's program run on the CPU. In evaluation with running statistics bnswap's
+    programs run stock's aten::batch_norm; with batch statistics its consolidated op."""
     m = gpu_dry["sections"]["moved_programs"]
-    assert m["status"] == "ok" and m["ok"] is True and m["moved_to"] == "meta"
+    assert m["status"] == "ok" and m["ok"] is True and m["moved_to"] == "lazy"
     assert len(m["cases"]) == 8
     for key, case in m["cases"].items():
-        moves = ("module_to", "move_to_device_pass") + (("joint",) if "train" in key else ())
+        train = key.endswith(",train")
+        moves = ("module_to", "move_to_device_pass") + (("joint",) if train else ())
         for move in moves:
             progs = (
                 ("bnswap_exported", "stock")
@@ -140,12 +193,44 @@ def test_gpu_check_dry_moves_every_kind_of_layer_as_users_do(gpu_dry):
                 else ("bnswap_exported", "bnswap_converted", "stock")
             )
             for prog in progs:
-                assert case[move][prog]["ran_on"] == "meta", (key, move, prog)
+                assert case[move][prog]["ran_on"] == "lazy", (key, move, prog)
             bn_ops = case[move]["bnswap_exported"]["aten_ops"]
-            assert any(
-                "_batch_norm_with_update" in o or "_batch_norm_no_update" in o for o in bn_ops
-            ), (key, move, bn_ops)
-        assert set(case["vs_stock"].values()) == {"same shape, dtype, device"}, key
+            assert not any("no_update" in o for o in bn_ops), (key, move, bn_ops)
+            if train or "track_running_stats=False" in key:  # batch statistics
+                assert "aten::_batch_norm_with_update" in bn_ops, (key, move, bn_ops)
+            else:  # running statistics: stock's call
+                assert bn_ops == case[move]["stock"]["aten_ops"], (key, move, bn_ops)
+                assert "aten::batch_norm" in bn_ops, (key, move, bn_ops)
+        assert _values_close(case["vs_stock"]), (key, case["vs_stock"])
+        # outputs and state of 2 programs x 2 moves (+ the joint graph's losses and state)
+        assert len(case["vs_stock"]) == (10 if train else 8), key
+
+
+def test_gpu_check_dry_rehearses_synchronized_layers_on_two_processes(gpu_dry):
+    """Issue 44: the 2-GPU synchronized check's code path, rehearsed with 2 spawned gloo
+    processes on the CPU: each rank's share of an uneven global batch through a swapped
+    SyncBatchNorm, forward + backward then evaluation, against one process's stock
+    BatchNorm on the global batch; each rank normalizes with aten::batch_norm."""
+    r = gpu_dry["sections"]["sync_two_ranks"]
+    assert r["status"] == "ok" and r["ok"] is True, r.get("status")
+    assert r["backend"] == "gloo" and r["world"] == 2 and r["batch_per_rank"] == [3, 5]
+    assert [rank["device"] for rank in r["ranks"]] == ["cpu", "cpu"]
+    assert set(r["max_abs_diff"]) == {
+        "out",
+        "grad_input",
+        "grad_weight",
+        "grad_bias",
+        "state",
+        "eval_out",
+    }
+    assert all(d < 1e-5 for d in r["max_abs_diff"].values()), r["max_abs_diff"]
+    assert r["normalization_ok"] is True
+    for rank in r["ranks"]:
+        # the device's statistics kernel in its slot, stock's evaluation call to normalize
+        assert "aten::batch_norm_update_stats" in rank["aten_ops"]
+        assert "aten::batch_norm" in rank["aten_ops"]
+        assert "aten::_batch_norm_no_update" not in rank["aten_ops"]
+    assert "[PASS ] sync_two_ranks" in gpu_dry["_stdout"]
 
 
 def test_gpu_check_moves_graphs_as_users_do_and_rewrites_no_device_keyword():
@@ -172,6 +257,7 @@ def test_gpu_check_dry_qat_pt2e_prepared_graphs(gpu_dry):
     assert q["losses"]["bnswap"] == q["losses"]["stock"] and len(q["losses"]["stock"]) == 4
     assert "aten::native_batch_norm_backward" in q["bnswap"]["aten_ops"]
     assert q["bnswap"]["aten_ops"] == q["stock"]["aten_ops"]
+    assert q["predicted"] == {"bnswap": ["cudnn"], "stock": ["cudnn"]}
     assert "[PASS ] qat_pt2e" in gpu_dry["_stdout"]
 
 
@@ -288,6 +374,71 @@ def test_kernel_name_classification():
     assert classify_kernel("triton_red_fused__native_batch_norm_legit_functional_0") == "triton"
     assert classify_kernel("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nchw") is None
     assert classify_kernel("void cudnn::ops::nchwToNhwcKernel<float, float>(...)") is None
+
+
+def _gpu_check(monkeypatch):
+    """benchmarks/gpu_check.py as a module (its folder stays on sys.path for the test:
+    processes it spawns import it by name)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_gpu_check_fails_loudly_naming_the_section(monkeypatch, tmp_path, capsys):
+    """An error in any section: its [ERROR] line, its traceback on stderr, PROBLEMS naming
+    it, exit status 1, the JSON written; a section that cannot run here (Skipped, as the
+    2-GPU check with fewer GPUs) says why and is no failure. (A section is made to raise
+    here; the dry run with the old evaluation op planted fails the same way, in eager,
+    compile_aot_eager, moved_programs and graph_ops.)"""
+    import torch
+
+    gc = _gpu_check(monkeypatch)
+
+    def broken(self):
+        raise RuntimeError("planted failure")
+
+    def not_here(self):
+        raise gc.Skipped("needs 2 GPUs, 0 present")
+
+    monkeypatch.setattr(gc.Check, "graph_ops", broken)
+    monkeypatch.setattr(gc.Check, "sync_two_ranks", not_here)
+    threads = torch.get_num_threads()
+    path = tmp_path / "gpu.json"
+    try:
+        rc = gc.main(
+            ["--dry", "--sections", "backend,graph_ops,sync_two_ranks", "--json", str(path)]
+        )
+        out, err = capsys.readouterr()
+        rc_skip_only = gc.main(
+            ["--dry", "--sections", "backend,sync_two_ranks", "--json", str(path)]
+        )
+        out_skip_only, _ = capsys.readouterr()
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 1
+    assert "[ERROR] graph_ops          error: RuntimeError: planted failure" in out
+    assert "DRY PROBLEMS: graph_ops in" in out
+    assert "--- graph_ops failed:" in err and 'raise RuntimeError("planted failure")' in err
+    assert "[SKIP ] sync_two_ranks     skipped: needs 2 GPUs, 0 present" in out
+    assert rc_skip_only == 0 and "DRY ALL OK" in out_skip_only
+    report = json.loads(path.read_text())  # (the second run's)
+    assert report["all_ok"] is True and report["problems"] == []
+    assert report["sections"]["sync_two_ranks"]["status"] == "skipped: needs 2 GPUs, 0 present"
+
+
+def test_gpu_check_kills_ranks_that_hang(monkeypatch, tmp_path):
+    """Processes of the 2-rank check that never finish (here: a rendezvous for 3 ranks
+    that 2 join) are killed at the timeout, and the error names them: a hung collective
+    cannot hang the GPU check."""
+    gc = _gpu_check(monkeypatch)
+    args = (3, "gloo", str(tmp_path / "store"), str(tmp_path / "data.pt"), str(tmp_path))
+    t0 = time.perf_counter()
+    with pytest.raises(
+        TimeoutError, match=r"rank\(s\) \[0, 1\] of 2 still running after 8 s: killed"
+    ):
+        gc.run_ranks(gc.sync_rank, args, 2, 8)
+    assert time.perf_counter() - t0 < 8 + 25  # (killed, then joined)
 
 
 def _finite_pos(x) -> bool:
