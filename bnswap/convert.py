@@ -271,6 +271,12 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
             f"not swapped (kept {'its' if n == 1 else 'their'} own forward)"
         )
         parts.append(f"{what}: {_reasons(left)}")
+        if any(".forward is not torch's (a class-level patch" in r.reason for r in left):
+            parts.append(
+                "a class whose forward a class-level patch replaced needs an adapter that "
+                "does what that function does (bnswap.register; the 'Adapters' guide of "
+                "bnswap's documentation)"
+            )
         if any(r.reason.partition("; ")[0].endswith(" overrides forward") for r in left):
             parts.append(
                 "a subclass that overrides forward needs an adapter "

@@ -20,6 +20,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from bnswap import registry
 from bnswap._rows import Rows
 from bnswap._swap import (
+    SWAP,
     Adapter,
     adapter_of,
     swap,
@@ -445,6 +446,12 @@ class Plan(Rows[PlanRow]):
                     # two (a KeyboardInterrupt) cannot leave a layer swapped
                     undos.append(undo_of(r.module))
                     swap(r.module, r.adapter)
+                elif r.action == "skip" and r.module is not None and SWAP in r.module.__dict__:
+                    # a skipped layer that holds a swap: one its class's forward, replaced
+                    # since (a class-level patch), no longer runs (bypass_of). Dropped, so
+                    # that a dispatcher put on that class again cannot revive it
+                    undos.append(undo_of(r.module))
+                    del r.module.__dict__[SWAP]
             if backend.wraps and self.wrap == "children":
                 for key in self.to_wrap:
                     child = model._modules[key]
@@ -970,6 +977,7 @@ def _plan_layers(
                 note = "; ".join(filter(None, [note, why]))
             rows.append(_row(name, m, cls, be, device, "swap", note, adapter, lazy=lazy))
         else:
+            replaced = registry.replaced_forward(cls)
             rows.append(
                 _row(
                     name,
@@ -978,9 +986,20 @@ def _plan_layers(
                     be,
                     device,
                     "skip",
-                    f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
-                    f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
-                    "see the 'Adapters' guide of bnswap's documentation",
+                    (
+                        f"{replaced[0].__name__}.forward is not torch's (a class-level patch "
+                        f"put {qualified_name(replaced[1])} there); swapping would drop it"
+                        if replaced is not None
+                        else f"{cls.__name__} overrides forward; swapping would drop it "
+                        "(pytorch issue 187298)"
+                    )
+                    + f"; register an adapter: bnswap.register({cls.__name__}, <function>), "
+                    "see the 'Adapters' guide of bnswap's documentation"
+                    + (
+                        "; convert drops its swap, made before the patch (it no longer runs)"
+                        if SWAP in m.__dict__
+                        else ""
+                    ),
                 )
             )
         if m._modules:
