@@ -142,7 +142,7 @@ _installed = False
 _aten = torch.ops.aten
 
 
-def _mark(fn: Callable) -> Callable:
+def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
     setattr(fn, _PATCHED, True)
     return fn
 
@@ -438,12 +438,12 @@ def _stock_for_torchao(gm: torch.fx.GraphModule, mark: bool) -> list[bool] | Non
     return flags
 
 
-def _names(nodes: list) -> str:
+def _names(nodes: list[torch.fx.Node]) -> str:
     shown = ", ".join(repr(n.name) for n in nodes[:_NAMED])
     return shown + (f" and {len(nodes) - _NAMED} more" if len(nodes) > _NAMED else "")
 
 
-def _stays(where: str, nodes: list, why: str) -> None:
+def _stays(where: str, nodes: list[torch.fx.Node], why: str) -> None:
     warn(
         f"bnswap: {where}: {len(nodes)} batch-norm node{'s' if len(nodes) != 1 else ''} of "
         f"swapped layers ({_names(nodes)}) stay{'s' if len(nodes) == 1 else ''} on stock's "
@@ -487,7 +487,7 @@ def _consolidated_again(gm: torch.fx.GraphModule, flags: list[bool], where: str)
     return len(to_consolidated_ops(gm, names=names.__contains__)) if names else 0
 
 
-def _before_prepare(helper: Callable, mark: bool) -> Callable:
+def _before_prepare(helper: Callable[..., Any], mark: bool) -> Callable[..., Any]:
     """prepare_pt2e / prepare_qat_pt2e's first helper: the graph as stock's for torchao
     (and the nodes' origin for :func:`_after_prepare`, when ``mark``)."""
 
@@ -502,7 +502,7 @@ def _before_prepare(helper: Callable, mark: bool) -> Callable:
     return _mark(patched)
 
 
-def _after_prepare(prepare: Callable) -> Callable:
+def _after_prepare(prepare: Callable[..., Any]) -> Callable[..., Any]:
     """torchao's ``prepare`` (the last step of prepare_pt2e / prepare_qat_pt2e): the
     prepared graph's nodes of swapped layers on the consolidated ops again."""
 
@@ -560,7 +560,7 @@ def _eval_missed(gm: torch.fx.GraphModule) -> None:
     switch(gm, train_to_eval=True)
 
 
-def _stock_first(helper: Callable) -> Callable:
+def _stock_first(helper: Callable[..., Any]) -> Callable[..., Any]:
     """convert_pt2e's first helper: the graph as stock's (the quantized graph is stock's);
     a graph moved to eval whose nodes the switch missed is switched first
     (:func:`_eval_missed`)."""
@@ -575,7 +575,7 @@ def _stock_first(helper: Callable) -> Callable:
     return _mark(patched)
 
 
-def _switch_keeping(helper: Callable) -> Callable:
+def _switch_keeping(helper: Callable[..., Any]) -> Callable[..., Any]:
     """``_replace_batchnorm(m, train_to_eval)`` (move_exported_model_to_eval / _train):
     switches stock's nodes, then the swapped layers' run the consolidated ops again."""
 
@@ -714,7 +714,7 @@ def _with_update_functional(
     running_var: torch.Tensor,
     momentum: float,
     eps: float,
-) -> tuple:
+) -> tuple[Any, ...]:
     out, save_mean, save_rstd, new_mean, new_var = (
         _aten._native_batch_norm_legit_functional.default(
             input, weight, bias, running_mean, running_var, True, momentum, eps
@@ -732,7 +732,7 @@ def _no_update(
     running_var: torch.Tensor,
     momentum: float,
     eps: float,
-) -> tuple:
+) -> tuple[Any, ...]:
     out, save_mean, save_rstd = _aten._native_batch_norm_legit_no_training.default(
         input, weight, bias, running_mean, running_var, momentum, eps
     )
@@ -751,7 +751,7 @@ def _backward(
     eps: float,
     output_mask: list[bool],
     reserve: torch.Tensor,
-) -> tuple:
+) -> tuple[Any, ...]:
     # (native_batch_norm_backward is in the core table: it decomposes on, as stock's)
     grads: tuple[Any, ...] = _aten.native_batch_norm_backward.default(
         grad_out,
@@ -771,7 +771,7 @@ def _backward(
 #: What bnswap adds to the core ATen decomposition table: each consolidated op as the
 #: stock core ATen op with the same schema arguments (pytorch PR 116092 made the
 #: consolidated ops from these; their CPU kernels are the same functions).
-CORE_ATEN_DECOMPOSITIONS: dict[Any, Callable[..., tuple]] = {
+CORE_ATEN_DECOMPOSITIONS: dict[Any, Callable[..., tuple[Any, ...]]] = {
     _aten._batch_norm_with_update_functional.default: _with_update_functional,
     _aten._batch_norm_no_update.default: _no_update,
     _aten.batch_norm_backward.default: _backward,
@@ -818,7 +818,7 @@ def patch_core_aten_decompositions() -> bool:
         return False
 
     @functools.wraps(original)
-    def _core_aten_decompositions_post_autograd() -> dict:
+    def _core_aten_decompositions_post_autograd() -> dict[Any, Any]:
         table: dict[Any, Any] = original()
         for op, fn in CORE_ATEN_DECOMPOSITIONS.items():
             table.setdefault(op, fn)
@@ -927,7 +927,7 @@ def _stock_state(state: Any) -> Any:
     return state
 
 
-def _forking_codes() -> frozenset:
+def _forking_codes() -> frozenset[types.CodeType]:
     from multiprocessing import reduction
 
     return frozenset(
@@ -937,7 +937,7 @@ def _forking_codes() -> frozenset:
     )
 
 
-_FORKING_CODES: frozenset = frozenset()
+_FORKING_CODES: frozenset[types.CodeType] = frozenset()
 
 
 def _pickle_keeps_swap() -> bool:
@@ -993,7 +993,7 @@ def _patch_checkpoints() -> bool:
         return _stock_state(state)
 
     @_mark
-    def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
+    def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
         # copy.deepcopy's own procedure for a class without __deepcopy__ (the reduction,
         # then copy._reconstruct), with the swap and internal buffers kept
         if parametrize.is_parametrized(self):

@@ -140,7 +140,7 @@ _is_tracing = torch._C._is_tracing
 _Proxy = torch.fx.Proxy
 
 
-def _records_stock(args: tuple, kwargs: dict) -> bool:
+def _records_stock(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether this call is being recorded for another runtime (see the module docstring).
 
     On every forward: the checks are ordered and written for eager's cost (benchmarks P3).
@@ -183,7 +183,7 @@ class Swap:
         self.adapter = adapter
         self.owner = owner
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         keeps = pickle_keeps_swap
         if keeps is not None and not keeps():
             # pickled with its layer's state where the layer's __getstate__ did not
@@ -195,7 +195,7 @@ class Swap:
     def __copy__(self) -> Swap:
         return self
 
-    def __deepcopy__(self, memo: dict) -> Swap:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Swap:
         return self
 
     def __repr__(self) -> str:
@@ -439,8 +439,8 @@ def _live(module: object, swap: Swap | None) -> bool:
 def is_swapped(module: object) -> bool:
     """True if ``module`` runs bnswap's forward (:func:`bnswap.convert` swapped it, or it
     is a copy of a swapped layer). False for a swapped layer whose class's ``forward``
-    was replaced since (a class-level patch, :func:`bypass_of`: that function runs; a
-    warning says so, once per replacement).
+    was replaced since (a class-level patch such as ``nn.BatchNorm2d.forward = f``: that
+    function runs; a warning says so, once per replacement; issue 46).
 
     Examples::
 

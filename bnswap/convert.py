@@ -20,7 +20,15 @@ from bnswap import programs
 from bnswap._log import info, logger
 from bnswap._swap import SWAP, unswap
 from bnswap._warn import UnmatchedPatternWarning, warn
-from bnswap.plan import Patterns, Plan, _plan_layers, check_backend, check_module, plan
+from bnswap.plan import (
+    Patterns,
+    Plan,
+    PlanRow,
+    _plan_layers,
+    check_backend,
+    check_module,
+    plan,
+)
 from bnswap.sync import ORIGINAL, original_of
 
 __all__ = ["convert", "revert"]
@@ -232,16 +240,16 @@ def convert(
     return out
 
 
-def _named(rows: list, limit: int = 5) -> str:
+def _named(rows: list[PlanRow], limit: int = 5) -> str:
     """``'a', 'b' and 3 more`` of the rows' qualified names."""
     names = ", ".join(repr(r.name) for r in rows[:limit])
     return names + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
 
 
-def _reasons(rows: list, drop: str = "") -> str:
+def _reasons(rows: list[PlanRow], drop: str = "") -> str:
     """``reason: 'a', 'b'; other reason: 'c'``, the rows grouped by their reason (its
     first clause, without the prefix ``drop``)."""
-    by: dict[str, list] = {}
+    by: dict[str, list[PlanRow]] = {}
     for r in rows:
         by.setdefault(r.reason.partition("; ")[0].removeprefix(drop), []).append(r)
     return "; ".join(f"{text}: {_named(rs)}" for text, rs in by.items())
@@ -292,6 +300,11 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
     return "bnswap.convert: " + "; ".join(parts) + "; bnswap.plan(model) shows each layer and why"
 
 
+# a SyncBatchNorm that convert(..., sync_batchnorm=True) made gives back the layer it replaced
+@overload
+def revert(module: nn.SyncBatchNorm) -> nn.Module: ...
+@overload
+def revert(module: _M) -> _M: ...
 def revert(module: nn.Module) -> nn.Module:
     """Undo :func:`convert`: every swapped layer runs its class's own forward again.
 
@@ -307,7 +320,8 @@ def revert(module: nn.Module) -> nn.Module:
     (:func:`bnswap.to_stock_ops`), the inverse of ``convert(graph_module)``.
 
     Returns:
-        ``module`` (the original layer when ``module`` is itself such a SyncBatchNorm).
+        ``module`` (the original layer when ``module`` is itself such a SyncBatchNorm):
+        typed as ``module``'s own type (an ``nn.Module`` for a ``SyncBatchNorm``).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.

@@ -22,6 +22,7 @@ import json
 import os
 import shlex
 from importlib import metadata
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 __all__ = ["EXTRAS", "command_for", "install_command", "install_hint"]
@@ -56,7 +57,7 @@ def _checkout() -> str | None:
     return root if 'name = "bnswap"' in text else None
 
 
-def _installed() -> tuple[bool, dict | None]:
+def _installed() -> tuple[bool, dict[str, Any] | None]:
     """Whether a ``bnswap`` distribution is installed, and its ``direct_url.json``."""
     try:
         text = metadata.distribution("bnswap").read_text("direct_url.json")
@@ -94,7 +95,11 @@ def install_command(extra: str) -> str | None:
 
 
 def command_for(
-    extra: str, direct_url: dict | None, *, installed: bool = True, checkout: str | None = None
+    extra: str,
+    direct_url: dict[str, Any] | None,
+    *,
+    installed: bool = True,
+    checkout: str | None = None,
 ) -> str | None:
     """The ``pip install`` of :func:`install_command` for a distribution whose
     ``direct_url.json`` (PEP 610) is ``direct_url`` (None: it has none, installed from an

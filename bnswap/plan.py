@@ -136,7 +136,7 @@ def _probe_dtype(m: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _probe_args(m: nn.Module, dev: torch.device) -> tuple:
+def _probe_args(m: nn.Module, dev: torch.device) -> tuple[Any, ...]:
     """The arguments of ``torch._C._select_batch_norm_backend`` for ``m`` in training on
     ``dev``: input (2, C, 1[, 1[, 1]]) (rank 3 for BatchNorm1d, which uses native for
     (N, C) input), weight ones, bias zeros, running_mean zeros, running_var ones, all (C,)
@@ -560,7 +560,7 @@ class Plan(Rows[PlanRow]):
         return f"Plan({self._counts()})"
 
 
-_NONE: tuple = ()
+_NONE: tuple[()] = ()
 
 
 def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:

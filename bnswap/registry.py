@@ -239,7 +239,7 @@ def registered() -> dict[type, Adapter]:
     return dict(_ADAPTERS)
 
 
-def safe_globals() -> list:
+def safe_globals() -> list[Any]:
     """What a whole pickled converted model references of bnswap's where the swap is
     pickled too (``BNSWAP_DISABLE_PATCHES=checkpoints``): the function that rebuilds the
     swap's mark (:class:`bnswap._swap.Swap`), the classes whose ``forward`` it replaces

@@ -538,7 +538,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         return out, g_mean, unbiased, total
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple:
+    def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Any, ...]:
         input, weight, mean, invstd, counts = ctx.saved_tensors
         slots, compiling = ctx.slots, ctx.compiling
         acc = mean.dtype
