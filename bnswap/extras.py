@@ -36,10 +36,11 @@ EXTRAS = {
     "torch-ort==1.19.2)",
     "ort": "onnxruntime-training 1.19.2 (CUDA), torch-ort 1.19.2: backend='ort' on GPUs",
     "qat": "torchao 0.18: pt2e quantization-aware training of converted models",
-    "dev": "pytest, hypothesis, torchao, ptflops, higher, build, twine, mypy, ruff: "
+    "lint": "mypy, ruff: bnswap's checks (make lint)",
+    "dev": "pytest, hypothesis, torchao, ptflops, higher, build, twine and the lint extra: "
     "bnswap's own test suite and its checks",
-    "docs": "Sphinx, furo, myst-parser, playwright: the documentation site (make docs) "
-    "and its browser check",
+    "docs": "Sphinx, furo, myst-parser, pytest, playwright: the documentation site (make "
+    "docs), its examples and its browser check",
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
