@@ -338,7 +338,7 @@ def revert(module: nn.Module) -> nn.Module:
         raise TypeError(
             f"bnswap.revert() expects a torch.nn.Module, got {type(module).__name__}; a "
             "program's consolidated nodes go back to stock's ops with "
-            "bnswap.to_stock_ops(program) (in place)"
+            "bnswap.to_stock_ops(program), which returns a new program"
         )
     check_module(module, "revert")
     if isinstance(module, GraphModule):

@@ -27,7 +27,7 @@ import fnmatch
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 from torch.fx import GraphModule, Node
@@ -42,9 +42,9 @@ from bnswap._graph import (
     consolidated_target,
     stock_call,
     to_consolidated_ops,
-    to_stock_ops,
     validation_error,
 )
+from bnswap._graph import to_stock_ops as _to_stock_ops_in_place
 from bnswap._rows import Rows
 from bnswap._warn import UnmatchedPatternWarning, warn
 
@@ -585,6 +585,76 @@ def _apply(todo: ProgramPlan) -> Program:
         return new
     to_consolidated_ops(gm, names=names.__contains__)
     return gm
+
+
+@overload
+def to_stock_ops(
+    module: torch.export.ExportedProgram, *, core_aten: bool = False
+) -> torch.export.ExportedProgram: ...
+@overload
+def to_stock_ops(module: GraphModule, *, core_aten: bool = False) -> GraphModule: ...
+def to_stock_ops(module: Program, *, core_aten: bool = False) -> Program:
+    """Make bnswap's batch-norm nodes of an exported graph stock's ``aten.batch_norm``
+    again: the inverse of :func:`convert`, with its convention (issue 46).
+
+    The rewritten graph is the one stock ``nn.BatchNorm`` layers record: the same op,
+    arguments, outputs and statistics updates (the rule is ``bnswap._graph``'s, from the
+    ops' schemas in ``native_functions.yaml``; bnswap's empty-batch assertions go with
+    them). bnswap runs it for torchao's ``prepare_pt2e`` / ``prepare_qat_pt2e``; call it
+    yourself for other graph tools written against stock's op. The graph loses what
+    bnswap's op gives (cuDNN in a training graph on CUDA, pytorch issue 111384).
+
+    Args:
+        module: a ``torch.export.ExportedProgram``: not changed, a new program is returned
+            (its own copy of the state), as :func:`convert` and torch's own passes
+            (``run_decompositions``) return one; or a ``torch.fx.GraphModule``
+            (``exported_program.module()``, a ``torch.export`` / ``make_fx`` graph, a pt2e
+            prepared graph): rewritten in place and returned, as :func:`convert` and
+            :func:`bnswap.revert` do with a module. Its nodes are
+            ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` (the graph
+            ``torch.export.export`` returns) or, after ``run_decompositions()``,
+            ``_batch_norm_with_update_functional``.
+        core_aten: the graph is core ATen (``run_decompositions()`` was run): the nodes
+            become stock's decomposed ops, ``_native_batch_norm_legit_functional`` /
+            ``_native_batch_norm_legit.no_stats`` (track_running_stats=False) /
+            ``_native_batch_norm_legit_no_training``, not ``aten.batch_norm``.
+
+    Returns:
+        The new program, or the graph module itself. A program with no node of bnswap's
+        is returned itself. How many nodes there are: ``bnswap.plan(module)``.
+
+    Raises:
+        TypeError: ``module`` is neither.
+        torch._export.verifier.SpecViolationError: ``module`` is not a valid program
+            (``validate()``'s error), before anything changes (:func:`convert` takes a deep
+            copy's renamed placeholder the same way).
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+        >>> ep = torch.export.export(model, (torch.randn(2, 3, 8, 8),))
+        >>> stock = bnswap.to_stock_ops(ep)
+        >>> stock is not ep, [str(n.target) for n in stock.graph.nodes if "norm" in n.name]
+        (True, ['aten.batch_norm.default'])
+        >>> gm = ep.module()
+        >>> bnswap.to_stock_ops(gm) is gm
+        True
+    """
+    if not is_program(module):
+        _to_stock_ops_in_place(module, core_aten=core_aten)  # (its TypeError for others)
+        return module
+    gm = module.graph_module
+    if not any(
+        n.op == "call_function" and n.target in CONSOLIDATED_TARGETS
+        for sub in gm.modules()
+        for n in getattr(sub, "graph", torch.fx.Graph()).nodes
+    ):
+        return _valid(module)
+    new = _copy(module)
+    _to_stock_ops_in_place(new, core_aten=core_aten)
+    return new
 
 
 def _valid(program: Program) -> Program:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import bnswap
+from tests._helpers import to_stock
 
 X = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
 CONSOLIDATED = {
@@ -110,7 +111,7 @@ def test_converted_dynamic_batch_program_refuses_an_empty_batch_before_any_state
         assert EMPTY_BATCH_MESSAGE in str(err.value)
         assert all(torch.equal(before[k], v) for k, v in mod.state_dict().items())
     ref, gm = ep.module(), new.module()
-    assert bnswap.to_stock_ops(gm, core_aten=decomposed) == 3
+    assert to_stock(gm, core_aten=decomposed) == (gm, 3)  # the graph module, in place
     assert "got an empty input" not in gm.code  # the assertions went with the nodes
     assert bn_ops(gm) == bn_ops(ref)  # stock's ops again, node for node
     empty = torch.randn(0, 3, 8, 8)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import bnswap
-from tests._helpers import outcome, state_diff
+from tests._helpers import outcome, state_diff, to_stock
 from tests._pt2e import (
     NO_UPDATE,
     QUANTIZERS,
@@ -115,7 +115,7 @@ def test_qat_prepared_graph_trains_on_the_consolidated_ops_like_stock(name, quan
     n_bn = len(bn_ops(ps))
     assert n_bn > 0 and bn_ops(ps) == [STOCK] * n_bn
     assert bn_ops(pb) == [WITH_UPDATE] * n_bn
-    assert bnswap.to_stock_ops(copy.deepcopy(pb)) == n_bn
+    assert to_stock(copy.deepcopy(pb))[1] == n_bn
     assert torch.equal(train(pb, xs[:3]), train(ps, xs[:3]))
     assert state_diff(ps, pb) == []  # params, grads, running stats, observers / fake-quant
     for p in (ps, pb):
