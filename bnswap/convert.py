@@ -21,6 +21,7 @@ from bnswap._log import info, logger
 from bnswap._swap import SWAP, unswap
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.plan import (
+    EMPTY_INCLUDE,
     Patterns,
     Plan,
     PlanRow,
@@ -114,7 +115,9 @@ def convert(
             or ``bnswap[ort]``; see :mod:`bnswap.ort`). A model with no BatchNorm layer
             is not wrapped.
         include, exclude: glob pattern(s) on qualified names (as in ``named_modules()``)
-            and/or classes. A pattern that matches no BatchNorm layer warns.
+            and/or classes, or an iterable of them. A pattern that matches no BatchNorm
+            layer warns. ``include=None`` (the default) includes every layer; an empty
+            ``include`` (``[]``) includes none: nothing is swapped, and a warning says so.
         sync_batchnorm: also turn every ``nn.BatchNorm1d/2d/3d`` (exact class, not
             parametrized) into a swapped ``nn.SyncBatchNorm`` (timm's ``BatchNormAct2d``
             into timm's ``SyncBatchNormAct``) that shares its Parameter, buffer and hook
@@ -197,7 +200,9 @@ def convert(
         for kind, p in unmatched:
             if (kind, p) in no_node:
                 warn(
-                    f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and no "
+                    EMPTY_INCLUDE
+                    if p is None
+                    else f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and no "
                     "batch-norm node",
                     UnmatchedPatternWarning,
                 )

@@ -75,7 +75,10 @@ def check_module(module: object, fn: str) -> None:
 def _pattern_list(p: Patterns, arg: str) -> list[Pattern]:
     if p is None:
         return []
-    items = [p] if isinstance(p, (str, type)) else list(p)
+    try:
+        items = [p] if isinstance(p, (str, type)) else list(p)
+    except TypeError:  # not iterable (exclude=42): bnswap's message, not list()'s
+        items = [p]  # type: ignore[list-item]  # refused just below
     for item in items:
         if not isinstance(item, (str, type)):
             raise TypeError(
@@ -83,6 +86,13 @@ def _pattern_list(p: Patterns, arg: str) -> list[Pattern]:
                 f"got {item!r}"
             )
     return items
+
+
+#: What an empty ``include`` says (``include=[]``: nothing is included).
+EMPTY_INCLUDE = (
+    "bnswap: include is empty, so it matches no BatchNorm layer and none is swapped "
+    "(include=None, the default, swaps every layer)"
+)
 
 
 def check_patterns(include: Patterns = None, exclude: Patterns = None) -> None:
@@ -756,8 +766,9 @@ def plan(
         backend: ``"aten"`` (consolidated aten ops) or ``"ort"`` (ONNX Runtime's
             ``com.microsoft::BatchNormInternal``).
         include, exclude: glob pattern(s) on qualified names from ``named_modules()``
-            and/or classes (matched with ``isinstance``); a layer is swapped only if it
-            matches ``include`` (when given) and no ``exclude``.
+            and/or classes (matched with ``isinstance``), or an iterable of them; a layer
+            is swapped only if it matches ``include`` (when given: an empty ``include``,
+            ``[]``, matches no layer, and warns so) and no ``exclude``.
         device: where to evaluate the kernel column
             (``torch._C._select_batch_norm_backend``); default: where each layer's
             parameters live.
@@ -832,7 +843,9 @@ def plan(
     )
     for kind, p in unmatched:
         warn(
-            f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
+            EMPTY_INCLUDE
+            if p is None
+            else f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
             UnmatchedPatternWarning,
         )
     return todo
@@ -848,11 +861,12 @@ def _plan_layers(
     sync_batchnorm: bool = False,
     process_group: object = None,
     wrap: str = "model",
-) -> tuple[Plan, list[tuple[str, Pattern]]]:
+) -> tuple[Plan, list[tuple[str, Pattern | None]]]:
     """:func:`plan` of a module's BatchNorm layers, warning nothing: the plan, and each
     include / exclude pattern that matches no layer as ``("include" | "exclude",
     pattern)``, which :func:`plan` warns about (``bnswap.convert`` of a GraphModule holding
-    batch-norm nodes too warns only about a pattern that matches neither)."""
+    batch-norm nodes too warns only about a pattern that matches neither); ``("include",
+    None)`` for an empty ``include`` (:data:`EMPTY_INCLUDE`)."""
     check_module(module, "plan")
     be = backend_named(backend)
     if wrap not in WRAP_SCOPES:
@@ -889,6 +903,7 @@ def _plan_layers(
         # collector's passes over the model, not this loop, set convert's time)
         hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)] if exc else _NONE
         hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)] if inc else _NONE
+        # (include=[] includes nothing: an empty list of the layers to swap)
         if hit_exc:
             used["exclude"].update(hit_exc)
         if hit_inc:
@@ -909,7 +924,7 @@ def _plan_layers(
                 else None
             )
         else:
-            left_out = "not matched by include" if inc and not hit_inc else None
+            left_out = "not matched by include" if include is not None and not hit_inc else None
         to_sync = (
             sync_class(cls)
             if sync_batchnorm
@@ -1004,12 +1019,14 @@ def _plan_layers(
             )
         if m._modules:
             by_name[name] = rows[-1]
-    unmatched = [
+    unmatched: list[tuple[str, Pattern | None]] = [
         (kind, p)
         for kind, pats in (("include", inc), ("exclude", exc))
         for i, p in enumerate(pats)
         if i not in used[kind]
     ]
+    if include is not None and not inc:
+        unmatched.append(("include", None))  # include=[]: EMPTY_INCLUDE
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
     if any(r.sync_class is not None for r in rows):
         for holder in module.modules():

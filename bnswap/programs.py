@@ -92,7 +92,10 @@ def _check_backend(backend: str) -> None:
 def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     out = []
     for arg, p in (("include", include), ("exclude", exclude)):
-        items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]  # list()'s TypeError
+        try:
+            items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]  # not iterable: below
+        except TypeError:  # (exclude=42: bnswap's message, not list()'s)
+            items = [p]
         for item in items:
             if not isinstance(item, str):
                 raise TypeError(
@@ -102,12 +105,13 @@ def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     return out[0], out[1]
 
 
-def _selected(name: str, inc: list[str], exc: list[str]) -> str | None:
-    """Why node ``name`` is left out by the patterns (None: it is not)."""
+def _selected(name: str, inc: list[str] | None, exc: list[str]) -> str | None:
+    """Why node ``name`` is left out by the patterns (None: it is not; ``inc`` None: no
+    include given, an empty list: ``include=[]``, which includes nothing)."""
     hit = next((p for p in exc if fnmatch.fnmatchcase(name, p)), None)
     if hit is not None:
         return f"excluded by {hit!r}"
-    if inc and not any(fnmatch.fnmatchcase(name, p) for p in inc):
+    if inc is not None and not any(fnmatch.fnmatchcase(name, p) for p in inc):
         return "not matched by include"
     return None
 
@@ -344,7 +348,8 @@ def plan(
     Args:
         program: a ``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule``.
         backend: ``"aten"`` only (ONNX Runtime runs modules, not programs).
-        include, exclude: glob pattern(s) on node names (``node.name``).
+        include, exclude: glob pattern(s) on node names (``node.name``); an empty
+            ``include`` (``[]``) includes no node (a warning says so), None every node.
         device: where to evaluate the kernel column; default: the device of each node's
             input (``node.meta["val"]``). An absent CUDA device is predicted by torch's
             rule (``"Cudnn (predicted)"``).
@@ -370,7 +375,10 @@ def plan(
     todo, unmatched = _plan_nodes(program, backend, include=include, exclude=exclude, device=device)
     for kind, p in unmatched:  # as plan() does for layers
         warn(
-            f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program patterns "
+            "bnswap: include is empty, so it matches no batch-norm node and none is swapped "
+            "(include=None, the default, swaps every node)"
+            if p is None
+            else f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program patterns "
             "match node names, e.g. 'batch_norm_1')",
             UnmatchedPatternWarning,
         )
@@ -384,7 +392,7 @@ def _plan_nodes(
     include: object = None,
     exclude: object = None,
     device: torch.device | str | None = None,
-) -> tuple[ProgramPlan, list[tuple[str, str]]]:
+) -> tuple[ProgramPlan, list[tuple[str, str | None]]]:
     """:func:`plan`, warning nothing: the plan, and each include / exclude pattern that
     matches no batch-norm node as ``("include" | "exclude", pattern)``, which :func:`plan`
     warns about (and :meth:`ProgramPlan.apply`, planning again, does not)."""
@@ -417,7 +425,7 @@ def _plan_nodes(
             if n.op != "call_function" or n.target not in STOCK_TARGETS:
                 continue
             target, reason = consolidated_target(n)
-            left_out = _selected(n.name, inc, exc)
+            left_out = _selected(n.name, None if include is None else inc, exc)
             excluded = left_out is not None
             if left_out is not None:
                 target, reason = None, left_out
@@ -449,12 +457,14 @@ def _plan_nodes(
         # a program that holds bnswap's ops (a .pt2 that `bnswap convert` wrote, loaded):
         # torchao's pt2e flow needs the patches for it, though nothing is swapped here
         _compat.install()
-    unmatched = [
+    unmatched: list[tuple[str, str | None]] = [
         (kind, p)
         for kind, pats in (("include", inc), ("exclude", exc))
         for p in pats
         if not any(fnmatch.fnmatchcase(r.name, p) for r in rows)
     ]
+    if include is not None and not inc:
+        unmatched.append(("include", None))  # include=[]: nothing is included
     return ProgramPlan(rows, program, include, exclude), unmatched
 
 
@@ -506,7 +516,8 @@ def convert(
             returned, its own copy of the state) or a ``torch.fx.GraphModule``
             (``ep.module()``, a ``make_fx`` / AOT graph: rewritten in place).
         backend: ``"aten"`` only (ONNX Runtime runs modules, not programs).
-        include, exclude: glob pattern(s) on node names.
+        include, exclude: glob pattern(s) on node names (an empty ``include`` includes
+            none, as for a module).
 
     Returns:
         The new ``ExportedProgram`` (``torch.export.save`` / ``load`` round-trip it,

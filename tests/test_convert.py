@@ -389,6 +389,14 @@ def test_a_layer_without_tensors_is_planned_for_the_cpu():
             dict(exclude=[nn.BatchNorm2d, None]),
             "exclude takes glob patterns (str) on qualified module names and/or classes, got None",
         ),
+        (  # not iterable (issue 46: list()'s "'int' object is not iterable")
+            dict(exclude=42),
+            "exclude takes glob patterns (str) on qualified module names and/or classes, got 42",
+        ),
+        (
+            dict(include=3.5),
+            "include takes glob patterns (str) on qualified module names and/or classes, got 3.5",
+        ),
     ],
 )
 def test_bad_patterns_name_the_argument_and_the_item(kwargs, message):
@@ -396,7 +404,37 @@ def test_bad_patterns_name_the_argument_and_the_item(kwargs, message):
         bnswap.check_patterns(**kwargs)
     with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
         bnswap.plan(net(), **kwargs)
+    model = net()
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        bnswap.convert(model, **kwargs)
+    assert not any(bnswap.is_swapped(m) for m in model.modules())  # before anything
     bnswap.check_patterns(include="a.*", exclude=(nn.BatchNorm1d, "b"))  # accepted
+
+
+@pytest.mark.parametrize("empty", [[], (), set()], ids=["list", "tuple", "set"])
+def test_an_empty_include_includes_nothing_and_says_so(empty):
+    """Issue 46: include=[] swapped every layer (an empty list read as no include). An
+    include is the list of layers to swap: empty, it swaps none, and a warning says so
+    (None, the default, swaps every layer); an empty exclude excludes nothing."""
+    from bnswap.plan import UnmatchedPatternWarning
+
+    model = net()
+    with pytest.warns(UnmatchedPatternWarning) as caught:
+        assert bnswap.convert(model, include=empty) is model
+    assert [str(w.message) for w in caught] == [
+        "bnswap: include is empty, so it matches no BatchNorm layer and none is swapped "
+        "(include=None, the default, swaps every layer)"
+    ]
+    assert not any(bnswap.is_swapped(m) for m in model.modules())
+    with pytest.warns(UnmatchedPatternWarning):
+        rows = bnswap.plan(model, include=empty).rows
+    assert {(r.action, r.reason, r.excluded) for r in rows} == {
+        ("skip", "not matched by include", True)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bnswap.convert(model, exclude=empty)  # excludes nothing, says nothing
+    assert all(bnswap.is_swapped(m) for m in bns(model))
 
 
 def test_plan_does_not_change_the_model():

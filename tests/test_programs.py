@@ -384,6 +384,33 @@ def test_a_program_pattern_that_matches_no_node_warns():
         bnswap.plan(ep, include=["batch_norm*"])  # matches: no warning
 
 
+@pytest.mark.parametrize("patterns", [{"include": []}, {"exclude": 42}], ids=["empty", "int"])
+def test_a_programs_empty_include_includes_nothing_and_a_bad_pattern_is_bnswaps_error(patterns):
+    """Issue 46: as for a module, include=[] includes no node (it converted every one) and
+    says so; exclude=42 gets bnswap's TypeError (it was list()'s "'int' object is not
+    iterable"), before anything changes."""
+    ep = torch.export.export(model().eval(), (X,))
+    if "exclude" in patterns:
+        with pytest.raises(
+            TypeError,
+            match=r"^exclude takes glob patterns \(str\) on node "
+            r"names for a program, got 42$",
+        ):
+            bnswap.convert(ep, **patterns)
+        return
+    seen, new = _unmatched_warnings(lambda: bnswap.convert(ep, **patterns))
+    assert seen == [
+        "bnswap: include is empty, so it matches no batch-norm node and none is swapped "
+        "(include=None, the default, swaps every node)"
+    ]
+    assert new is ep and bn_ops(ep.module()) == bn_ops(
+        torch.export.export(model().eval(), (X,)).module()
+    )
+    assert {(r.action, r.reason) for r in bnswap.plan(ep, **patterns)} == {
+        ("skip", "not matched by include")
+    }
+
+
 def _unmatched_warnings(fn):
     """The UnmatchedPatternWarning messages ``fn()`` gives (every one: "always"), and its
     result."""
