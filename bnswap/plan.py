@@ -794,7 +794,9 @@ def plan(
         TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
         ValueError: unknown ``backend`` or ``wrap``; ``backend="aten"`` for an ORT
             wrapper.
-        RuntimeError: ``device`` is not a device torch knows (``"gpu"``).
+        RuntimeError: ``device`` is not a device torch knows (``"gpu"``: bnswap's
+            message names torch's device types, and ``'cuda'`` for a GPU), before
+            anything is planned. TypeError: ``device`` is no str or ``torch.device``.
         bnswap.ort.errors.UnsupportedLayerError: ``sync_batchnorm=True`` with
             ``backend="ort"`` (ONNX Runtime cannot synchronize statistics).
 
@@ -875,8 +877,10 @@ def _plan_layers(
         )
     if sync_batchnorm and not be.synchronizes:
         raise be.sync_error()
-    if device is not None:
-        torch.device(device)  # an unknown device type fails here, not in the table
+    if device is not None:  # an unknown device type fails here, not in the table
+        from bnswap.programs import check_device
+
+        check_device(device)
     wrapper, inner = module, wrapped_model(module)
     if inner is not None:
         if not be.is_wrapper(module):

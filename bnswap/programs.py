@@ -51,7 +51,15 @@ from bnswap._warn import UnmatchedPatternWarning, warn
 if TYPE_CHECKING:  # (typing.TypeIs is Python 3.13's)
     from typing_extensions import TypeIs
 
-__all__ = ["NodeRow", "ProgramPlan", "convert", "is_program", "plan", "to_stock_ops"]
+__all__ = [
+    "NodeRow",
+    "ProgramPlan",
+    "check_device",
+    "convert",
+    "is_program",
+    "plan",
+    "to_stock_ops",
+]
 
 Program = torch.export.ExportedProgram | GraphModule
 
@@ -79,6 +87,57 @@ def _graph_module(program: object, fn: str) -> GraphModule:
         f"bnswap.programs.{fn}() expects a torch.export.ExportedProgram or a "
         f"torch.fx.GraphModule, got {type(program).__name__}"
     )
+
+
+#: Device names people try for a GPU, which torch does not read: the error says 'cuda'.
+_GPU_NAMES = ("gpu", "nvidia", "amd", "rocm", "cudnn")
+
+
+def check_device(device: object, fn: str = "plan") -> torch.device | None:
+    """``torch.device(device)`` (None stays None), with bnswap's error for what torch does
+    not read: ``bnswap.plan``'s ``device`` (issue 46: ``device="gpu"`` gave torch's raw
+    error listing 20 types).
+
+    Raises:
+        RuntimeError: (torch's type) a device type torch does not know, naming torch's
+            types and, for a GPU's name (``"gpu"``), ``'cuda'``; a device string torch
+            cannot read (``"cuda:x"``).
+        TypeError: (torch's type) ``device`` is neither a ``torch.device``, a str, an int
+            (torch's accelerator index) nor None.
+
+    Examples::
+
+        >>> from bnswap.programs import check_device
+        >>> check_device("cuda:1")
+        device(type='cuda', index=1)
+        >>> check_device("gpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: bnswap.plan: device 'gpu' is not a device type torch knows ...
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(
+            f"bnswap.{fn}: device is a torch.device, a str such as 'cuda' or 'cuda:1', an "
+            f"accelerator index, or None, got {device!r}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        text = str(e)
+        if text.startswith("Expected one of ") and " device type" in text:
+            kinds = text.removeprefix("Expected one of ").partition(" device type")[0]
+            kind = str(device).partition(":")[0]
+            gpu = " (a GPU, NVIDIA's or AMD's, is 'cuda')" if kind.lower() in _GPU_NAMES else ""
+            raise RuntimeError(
+                f"bnswap.{fn}: device {kind!r} is not a device type torch knows{gpu}; "
+                f"torch's are {kinds}, with an optional index ('cuda:1')"
+            ) from None
+        raise RuntimeError(
+            f"bnswap.{fn}: device {device!r} is not one torch reads ({text}); e.g. 'cpu', "
+            "'cuda', 'cuda:1', 'mps', 'xpu'"
+        ) from None
 
 
 def _check_backend(backend: str) -> None:
@@ -400,7 +459,7 @@ def _plan_nodes(
     _check_backend(backend)
     if is_program(program):
         check_program(program, repair=False)  # torch's error for a program not valid
-    dev = torch.device(device) if device is not None else None
+    dev = check_device(device)
     inc, exc = _names(include, exclude)
     rows = []
     for sub in gm.modules():

@@ -470,8 +470,37 @@ def test_revert_keeps_training_flags_and_hooks_of_a_mixed_mode_model():
         assert torch.equal(a, b), k
 
 
-def test_an_unknown_device_fails_when_planned_not_when_shown():
-    with pytest.raises(RuntimeError, match="Expected one of cpu, cuda"):
+@pytest.mark.parametrize(
+    "device, error, message",
+    [
+        (
+            "gpu",
+            RuntimeError,
+            "bnswap.plan: device 'gpu' is not a device type torch knows (a GPU, NVIDIA's or "
+            "AMD's, is 'cuda'); torch's are cpu, cuda, ",
+        ),
+        ("tpu:0", RuntimeError, "bnswap.plan: device 'tpu' is not a device type torch knows; "),
+        ("cuda:x", RuntimeError, "bnswap.plan: device 'cuda:x' is not one torch reads ("),
+        (2.5, TypeError, "bnswap.plan: device is a torch.device, a str such as 'cuda' or "),
+    ],
+)
+def test_an_unknown_device_fails_when_planned_with_bnswaps_error(device, error, message):
+    """Issue 46: plan(m, device="gpu") gave torch's raw error. bnswap's names torch's device
+    types (read from torch's own error: every type this torch knows) and, for a GPU's
+    name, 'cuda'; torch's exception type. Modules and programs alike, before planning."""
+    ep = torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(), (torch.randn(2, 3, 2, 2),))
+    for target in (net(), ep):
+        with pytest.raises(error) as caught:
+            bnswap.plan(target, device=device)
+        assert str(caught.value).startswith(message), str(caught.value)
+        # (torch's own error is not chained under it: one message)
+        assert caught.value.__cause__ is None
+        assert caught.value.__context__ is None or caught.value.__suppress_context__
+    assert bnswap.plan(net(), device="cuda:1")[0].kernel.startswith("Cudnn")  # (predicted)
+    with pytest.raises(RuntimeError) as torchs:
+        torch.device("gpu")
+    types = str(torchs.value).removeprefix("Expected one of ").partition(" device type")[0]
+    with pytest.raises(RuntimeError, match=re.escape(f"torch's are {types}, with an optional")):
         bnswap.plan(net(), device="gpu")
 
 
