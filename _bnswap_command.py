@@ -226,22 +226,63 @@ def lightning_options(subcommand: str) -> list[str] | None:
     ]
 
 
+#: The options that give a Trainer subcommand its model and data, or answer without them.
+_GIVES_MODEL = ("--config", "--model", "--data", "--print_config", "--help", "-h")
+
+
+def _config_error(args: Sequence[str]) -> str | None:
+    """The full parser's error for ``--config X.yaml`` that is neither a file nor one of
+    bnswap's shipped configs (``config: File does not exist: '/abs/X.yaml'``), or None.
+    Only a value that names a YAML / JSON file is judged (``--config`` also takes a
+    config's text)."""
+    for i, a in enumerate(args):
+        value = args[i + 1] if a == "--config" and i + 1 < len(args) else None
+        if a.startswith("--config="):
+            value = a.split("=", 1)[1]
+        if value is None or not value.endswith((".yaml", ".yml", ".json")):
+            continue
+        if os.path.isfile(value):
+            continue
+        bnswap = _package_dir("bnswap")
+        shipped = os.path.join(bnswap or "", "app", "configs", os.path.basename(value))
+        if bnswap is None or os.path.isfile(shipped):
+            continue
+        return f"config: File does not exist: {os.path.abspath(value)!r}"
+    return None
+
+
 def lightning_usage_error(subcommand: str, args: Sequence[str]) -> str | None:
     """The usage error for the first option of ``args`` that ``bnswap SUBCOMMAND`` does
     not take (``unknown option '--trainer.max_epochz'; did you mean
     '--trainer.max_epochs'?``, the full parser's words), found before Lightning is
-    imported; None when every option is known, or may be (one under a class-valued option:
-    ``--model.init_args.lr``, ``--trainer.callbacks.backend``, which the full parser
-    checks; the start of an option's name, which argparse expands: ``--num_thread``), or
-    the options cannot be read (:func:`lightning_options`). ``compare`` checks
+    imported, or for a ``--config`` file that is not there, or for no model and data at
+    all (``missing --data, --model``); None when every option is known, or may be (one
+    under a class-valued option: ``--model.init_args.lr``, ``--trainer.callbacks.backend``,
+    which the full parser checks; the start of an option's name, which argparse expands:
+    ``--num_thread``), or the options cannot be read (:func:`lightning_options`). ``compare`` checks
     the train options it passes on (``--trainer.*``, ``--seed_everything``) against
-    ``train``'s."""
-    if subcommand == "compare":
+    ``train``'s. In the parser's order (a config, then an unknown option, then what is
+    missing), but before anything is imported: where ``--model`` / ``--data`` names a
+    class that cannot be imported and an option is mistyped, the option is said first
+    (the parser said the class)."""
+    compare = subcommand == "compare"
+    if compare:
         args = [a for a in args if a.startswith(("--trainer.", "--seed_everything"))]
         subcommand = "train"
-    options = lightning_options(subcommand) if any(a.startswith("--") for a in args) else None
+    options = lightning_options(subcommand)
     if options is None:
         return None
+    # in the full parser's order: a config it cannot read, an unknown option, then what
+    # is missing
+    error = _config_error(args) or _unknown_option(args, options)
+    if error is None and not compare and not any(a.startswith(_GIVES_MODEL) for a in args):
+        error = "missing --data, --model (a config gives them: --config digits_mobilenetv2.yaml)"
+    return error
+
+
+def _unknown_option(args: Sequence[str], options: list[str]) -> str | None:
+    """The first option of ``args`` that is none of ``options`` (see
+    :func:`lightning_usage_error`), as the parser says it, or None."""
     known = set(options)
     for a in args:
         if a == "--":  # (what follows is no option)
