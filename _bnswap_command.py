@@ -226,10 +226,6 @@ def lightning_options(subcommand: str) -> list[str] | None:
     ]
 
 
-#: The options that give a Trainer subcommand its model and data, or answer without them.
-_GIVES_MODEL = ("--config", "--model", "--data", "--print_config", "--help", "-h")
-
-
 def _config_error(args: Sequence[str]) -> str | None:
     """The full parser's error for ``--config X.yaml`` that is neither a file nor one of
     bnswap's shipped configs (``config: File does not exist: '/abs/X.yaml'``), or None.
@@ -255,14 +251,15 @@ def lightning_usage_error(subcommand: str, args: Sequence[str]) -> str | None:
     """The usage error for the first option of ``args`` that ``bnswap SUBCOMMAND`` does
     not take (``unknown option '--trainer.max_epochz'; did you mean
     '--trainer.max_epochs'?``, the full parser's words), found before Lightning is
-    imported, or for a ``--config`` file that is not there, or for no model and data at
-    all (``missing --data, --model``); None when every option is known, or may be (one
+    imported, or for a ``--config`` file that is not there, or for no argument at all
+    (``missing --data, --model``); None when every option is known, or may be (one
     under a class-valued option: ``--model.init_args.lr``, ``--trainer.callbacks.backend``,
     which the full parser checks; the start of an option's name, which argparse expands:
     ``--num_thread``), or the options cannot be read (:func:`lightning_options`). ``compare`` checks
     the train options it passes on (``--trainer.*``, ``--seed_everything``) against
-    ``train``'s. In the parser's order (a config, then an unknown option, then what is
-    missing), but before anything is imported: where ``--model`` / ``--data`` names a
+    ``train``'s. In the parser's order (a config, then an unknown option; what is missing
+    only when nothing is given, as the parser first reads any option given), but before
+    anything is imported: where ``--model`` / ``--data`` names a
     class that cannot be imported and an option is mistyped, the option is said first
     (the parser said the class)."""
     compare = subcommand == "compare"
@@ -275,7 +272,7 @@ def lightning_usage_error(subcommand: str, args: Sequence[str]) -> str | None:
     # in the full parser's order: a config it cannot read, an unknown option, then what
     # is missing
     error = _config_error(args) or _unknown_option(args, options)
-    if error is None and not compare and not any(a.startswith(_GIVES_MODEL) for a in args):
+    if error is None and not compare and not args:  # (any option given is read first)
         error = "missing --data, --model (a config gives them: --config digits_mobilenetv2.yaml)"
     return error
 

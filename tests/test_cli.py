@@ -873,7 +873,7 @@ def test_the_front_doors_option_list_is_the_parsers(subcommand):
         ["test", "--trainr.max_epochs", "1"],
         ["compare", "--trainer.max_epochz", "2"],
         ["train"],
-        ["predict", "--num_threads", "2"],
+        ["validate"],
         ["train", "--config", "nope.yaml"],
         ["validate", "--config=sub/nope.yml", "--trainer.max_epochs", "1"],
         ["train", "--config", "nope.yaml", "--nope"],
@@ -916,6 +916,8 @@ def test_a_usage_error_is_the_parsers_before_lightning_is_imported(
         ["train", "--config", "digits_mobilenetv2.yaml"],  # a shipped config, by name
         ["train", "--config", "trainer:\n  max_epochs: 1\n", "--model", "m.Lit"],  # its text
         ["compare"],
+        ["train", "--trainer.callbacks.backend", "cuda"],  # (the parser reads it first)
+        ["predict", "--num_threads", "2"],
     ],
 )
 def test_options_the_front_door_cannot_judge_are_left_to_the_parser(args):
