@@ -3,12 +3,15 @@
 # resolves a newer (multi-GB CUDA) build.
 #   make demo   - set up .venv with what the demo needs (torch, then bnswap[lightning])
 #                 and train the MobileNetV2-style net on the digits data
-#   make lint   - ruff (lint and format check) over the tree, mypy over the package
+#   make lint   - ruff (lint and format check) over the tree, mypy over the package, and a
+#                 user's mypy --strict through bnswap (tests/user_types.py), in .venv with
+#                 the demo's packages and the lint tools only (the lint and onnx extras)
 #   make test   - lint, then set up .venv (the demo's packages, then every extra and
 #                 tool the suite uses) and .venv-zoo, and run the whole suite in both
 #                 (in .venv it builds the docs site too: tests/test_site.py)
 #   make docs   - build the docs site into build/docs/html (warnings are errors) and run
-#                 the docstrings' examples (tests/test_docs.py)
+#                 the docstrings' examples (tests/test_docs.py), in .venv with the demo's
+#                 packages and the docs extra only
 #   make dist   - build the sdist and the wheel into dist/ and check them (twine --strict)
 #   make compat - the core suite on each torch release of COMPAT_TORCH, one venv each
 #                 (.venv-compat-<release>); slow (3-4 GB per release), not part of test
@@ -26,31 +29,67 @@ PIP := -m pip install -q --disable-pip-version-check
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 export MPLBACKEND ?= Agg
 
-.PHONY: setup setup-demo setup-zoo demo lint test test-main test-zoo docs docs-html dist compat bench mutation clean
+.PHONY: setup setup-demo setup-lint setup-docs setup-zoo demo lint test test-main test-zoo docs docs-html dist compat bench mutation clean FORCE
+
+# .venv holds bnswap as an editable install in setuptools' strict mode: a tree of links to
+# the package's files (build/__editable__.bnswap-*) on a plain .pth path, which type
+# checkers follow. The default mode's import hook is code that mypy and pyright never run:
+# a user's `mypy --strict` saw bnswap as Any (issue 46). Edits show at once, as in any
+# editable install; a file added to or removed from the package needs the links made
+# again, which $(VENV)/.linked does whenever the list of the package's files (or the link
+# tree itself) changed.
+EDITABLE := --config-settings editable_mode=strict
+LIST_PACKAGE_FILES = { find bnswap -name __pycache__ -prune -o -type f \( -name '*.py' \
+	-o -name py.typed -o -name '*.yaml' \) -print; ls -d build/__editable__.bnswap-* \
+	2>/dev/null || true; } | LC_ALL=C sort
 
 # After torch, every install runs with a constraints file pinning it, so no package's
 # own torch requirement can make pip fetch another build.
 # transformers + accelerate (the Hugging Face Trainer recipe, tests/test_recipes.py) go
 # into .venv only: its CPU torch makes them cheap; the zoo skips that test.
-# Two stamps in one venv: .demo-installed (torch, then bnswap with the lightning extra:
-# Lightning, scikit-learn's digits, matplotlib; all `make demo` runs) and .installed
-# (the rest the suite uses: ONNX Runtime, onnx, the dev and docs tools, the recipes'
-# packages), which builds on it, so `make demo` then `make test` installs each once.
+# Stamps in one venv: .demo-installed (torch, then bnswap with the lightning extra:
+# Lightning, scikit-learn's digits, matplotlib; all `make demo` runs), and on it
+# .lint-installed (the lint tools, and the onnx extra whose types mypy reads),
+# .docs-installed (Sphinx and its theme, myst-parser, pytest) and .installed (the rest the
+# suite uses: ONNX Runtime, onnx, the dev and docs tools, the recipes' packages, ONNX
+# Runtime's C++ extension), so each target installs what it needs, each package once.
 $(VENV)/.demo-installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python $(PIP) --upgrade pip
 	$(VENV)/bin/python $(PIP) $(TORCH) 2>/dev/null || \
 		$(VENV)/bin/python $(PIP) --extra-index-url $(TORCH_INDEX) $(TORCH)
 	echo '$(TORCH)' > $(VENV)/constraints.txt
-	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning]'
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning]' $(EDITABLE)
+	touch $@
+
+$(VENV)/.lint-installed: $(VENV)/.demo-installed
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,onnx,lint]' $(EDITABLE)
+	touch $@
+
+$(VENV)/.docs-installed: $(VENV)/.demo-installed
+	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,docs]' $(EDITABLE)
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.demo-installed
 	$(VENV)/bin/python $(PIP) -c $(VENV)/constraints.txt -e '.[lightning,ort-cpu,onnx,dev,docs]' \
-		transformers==5.23.0 accelerate==1.16.0
+		$(EDITABLE) transformers==5.23.0 accelerate==1.16.0
 	$(VENV)/bin/python $(PIP) --no-deps torch-ort==1.19.2
 	$(VENV)/bin/python -m bnswap.ort build
 	touch $@
+
+# The package's files, and the link tree: rewritten only when they changed (so .linked,
+# which makes the links again, runs only then).
+$(VENV)/.package-files: FORCE
+	@mkdir -p $(VENV)
+	@$(LIST_PACKAGE_FILES) > $@.new
+	@if cmp -s $@.new $@; then rm -f $@.new; else mv -f $@.new $@; fi
+
+$(VENV)/.linked: $(VENV)/.demo-installed $(VENV)/.package-files
+	$(VENV)/bin/python $(PIP) --no-deps -e . $(EDITABLE)
+	@$(LIST_PACKAGE_FILES) > $(VENV)/.package-files
+	touch $@
+
+FORCE:
 
 $(ZOO)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(ZOO)
@@ -60,8 +99,10 @@ $(ZOO)/.installed: pyproject.toml Makefile
 	$(ZOO)/bin/python $(PIP) -c $(ZOO)/constraints.txt -e '.[lightning,dev]' timm==1.0.31 ultralytics==8.4.190
 	touch $@
 
-setup: $(VENV)/.installed
-setup-demo: $(VENV)/.demo-installed
+setup: $(VENV)/.installed $(VENV)/.linked
+setup-demo: $(VENV)/.demo-installed $(VENV)/.linked
+setup-lint: $(VENV)/.lint-installed $(VENV)/.linked
+setup-docs: $(VENV)/.docs-installed $(VENV)/.linked
 setup-zoo: $(ZOO)/.installed
 
 demo: setup-demo
@@ -77,7 +118,7 @@ test-zoo: setup-zoo
 # The site: Sphinx over docs/ (nitpicky: every reference must resolve), warnings are errors.
 # The docstrings' examples run once, in tests/test_docs.py (make test runs it and, through
 # tests/test_site.py, this build).
-docs-html: setup
+docs-html: setup-docs
 	$(VENV)/bin/python -m sphinx -b html -n -W --keep-going -q docs build/docs/html
 
 docs: docs-html
@@ -89,11 +130,13 @@ dist: setup
 	$(VENV)/bin/python -m twine check --strict dist/*
 
 # Lint and types (docs/development.md, "Checks"; configured in pyproject.toml). mypy
-# keeps its cache in .mypy_cache: a rerun after a small change takes seconds.
-lint: setup
+# keeps its cache in .mypy_cache (the user's check in build/mypy-user): a rerun after a
+# small change takes seconds.
+lint: setup-lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy bnswap
+	$(VENV)/bin/python tests/user_types.py
 
 test: lint test-main test-zoo
 

@@ -142,7 +142,7 @@ _installed = False
 _aten = torch.ops.aten
 
 
-def _mark(fn: Callable) -> Callable:
+def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
     setattr(fn, _PATCHED, True)
     return fn
 
@@ -414,7 +414,7 @@ def _refuse_cumulative(gm: torch.fx.GraphModule) -> None:
 _TORCHAO_OPS = "prepare_pt2e / prepare_qat_pt2e, move_exported_model_to_eval / _train, convert_pt2e"
 
 
-def _stock_first(helper: Callable) -> Callable:
+def _stock_first(helper: Callable[..., Any]) -> Callable[..., Any]:
     """A torchao helper that reads a graph, handed the graph on stock's ops: its
     consolidated batch-norm nodes rewritten into stock's ``aten.batch_norm``, in place
     (:func:`bnswap.to_stock_ops`; a graph without them is left as it is), after a
@@ -537,7 +537,7 @@ def _with_update_functional(
     running_var: torch.Tensor,
     momentum: float,
     eps: float,
-) -> tuple:
+) -> tuple[Any, ...]:
     out, save_mean, save_rstd, new_mean, new_var = (
         _aten._native_batch_norm_legit_functional.default(
             input, weight, bias, running_mean, running_var, True, momentum, eps
@@ -555,7 +555,7 @@ def _no_update(
     running_var: torch.Tensor,
     momentum: float,
     eps: float,
-) -> tuple:
+) -> tuple[Any, ...]:
     out, save_mean, save_rstd = _aten._native_batch_norm_legit_no_training.default(
         input, weight, bias, running_mean, running_var, momentum, eps
     )
@@ -574,7 +574,7 @@ def _backward(
     eps: float,
     output_mask: list[bool],
     reserve: torch.Tensor,
-) -> tuple:
+) -> tuple[Any, ...]:
     # (native_batch_norm_backward is in the core table: it decomposes on, as stock's)
     grads: tuple[Any, ...] = _aten.native_batch_norm_backward.default(
         grad_out,
@@ -594,7 +594,7 @@ def _backward(
 #: What bnswap adds to the core ATen decomposition table: each consolidated op as the
 #: stock core ATen op with the same schema arguments (pytorch PR 116092 made the
 #: consolidated ops from these; their CPU kernels are the same functions).
-CORE_ATEN_DECOMPOSITIONS: dict[Any, Callable[..., tuple]] = {
+CORE_ATEN_DECOMPOSITIONS: dict[Any, Callable[..., tuple[Any, ...]]] = {
     _aten._batch_norm_with_update_functional.default: _with_update_functional,
     _aten._batch_norm_no_update.default: _no_update,
     _aten.batch_norm_backward.default: _backward,
@@ -641,7 +641,7 @@ def patch_core_aten_decompositions() -> bool:
         return False
 
     @functools.wraps(original)
-    def _core_aten_decompositions_post_autograd() -> dict:
+    def _core_aten_decompositions_post_autograd() -> dict[Any, Any]:
         table: dict[Any, Any] = original()
         for op, fn in CORE_ATEN_DECOMPOSITIONS.items():
             table.setdefault(op, fn)
@@ -750,7 +750,7 @@ def _stock_state(state: Any) -> Any:
     return state
 
 
-def _forking_codes() -> frozenset:
+def _forking_codes() -> frozenset[types.CodeType]:
     from multiprocessing import reduction
 
     return frozenset(
@@ -760,7 +760,7 @@ def _forking_codes() -> frozenset:
     )
 
 
-_FORKING_CODES: frozenset = frozenset()
+_FORKING_CODES: frozenset[types.CodeType] = frozenset()
 
 
 def _pickle_keeps_swap() -> bool:
@@ -816,7 +816,7 @@ def _patch_checkpoints() -> bool:
         return _stock_state(state)
 
     @_mark
-    def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
+    def __deepcopy__(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
         # copy.deepcopy's own procedure for a class without __deepcopy__ (the reduction,
         # then copy._reconstruct), with the swap and internal buffers kept
         if parametrize.is_parametrized(self):

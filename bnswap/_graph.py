@@ -338,7 +338,8 @@ def to_stock_ops(
     module: GraphModule | torch.export.ExportedProgram, *, core_aten: bool = False
 ) -> int:
     """Rewrite bnswap's batch-norm nodes of an exported graph into stock's
-    ``aten.batch_norm``, in place.
+    ``aten.batch_norm``, in place (a program's own graph too: the public
+    :func:`bnswap.to_stock_ops` returns a new program instead, issue 46).
 
     The rewritten graph is the one stock ``nn.BatchNorm`` layers record: the same op,
     arguments, outputs and statistics updates (see the module docstring for the rule,
@@ -372,7 +373,8 @@ def to_stock_ops(
         >>> from torch import nn
         >>> model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
         >>> gm = torch.export.export(model, (torch.randn(2, 3, 8, 8),)).module()
-        >>> bnswap.to_stock_ops(gm)
+        >>> from bnswap._graph import to_stock_ops
+        >>> to_stock_ops(gm)
         1
         >>> [str(n.target) for n in gm.graph.nodes if "batch_norm" in str(n.target)]
         ['aten.batch_norm.default']

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch.distributed as dist
 
@@ -73,7 +73,13 @@ def info_level() -> int:
     return logging.INFO if rank() in (None, 0) else logging.DEBUG
 
 
-class _Stderr(logging.StreamHandler):
+if TYPE_CHECKING:  # generic in typeshed; subscriptable at run time from Python 3.11 only
+    _StreamHandler = logging.StreamHandler[TextIO]
+else:
+    _StreamHandler = logging.StreamHandler
+
+
+class _Stderr(_StreamHandler):
     """``logging.lastResort``'s handler at INFO: the message alone, to ``sys.stderr`` as
     it is when the line is written (pytest's capture, a redirected stream)."""
 

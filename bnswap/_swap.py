@@ -55,6 +55,8 @@ __all__ = [
     "Swap",
     "adapter_of",
     "add_internal_buffer",
+    "bypass_message",
+    "bypass_of",
     "class_forward",
     "dispatch_on",
     "dispatches",
@@ -64,6 +66,7 @@ __all__ = [
     "internal_buffer_names",
     "is_swapped",
     "on_first_swap",
+    "stood_for",
     "swap",
     "type_before_parametrizations",
     "undo_of",
@@ -137,7 +140,7 @@ _is_tracing = torch._C._is_tracing
 _Proxy = torch.fx.Proxy
 
 
-def _records_stock(args: tuple, kwargs: dict) -> bool:
+def _records_stock(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether this call is being recorded for another runtime (see the module docstring).
 
     On every forward: the checks are ordered and written for eager's cost (benchmarks P3).
@@ -180,7 +183,7 @@ class Swap:
         self.adapter = adapter
         self.owner = owner
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         keeps = pickle_keeps_swap
         if keeps is not None and not keeps():
             # pickled with its layer's state where the layer's __getstate__ did not
@@ -192,7 +195,7 @@ class Swap:
     def __copy__(self) -> Swap:
         return self
 
-    def __deepcopy__(self, memo: dict) -> Swap:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Swap:
         return self
 
     def __repr__(self) -> str:
@@ -220,10 +223,12 @@ _OWNERS: dict[type, type] = {}
 def forward_owner(cls: type) -> type:
     """The class in ``cls``'s MRO whose ``forward`` a layer of ``cls`` runs (``_BatchNorm``
     for ``nn.BatchNorm2d`` and torch's parametrized and lazy classes; ``SyncBatchNorm``;
-    timm's ``BatchNormAct2d`` itself). Memoized per class: a class's MRO does not
-    change, and the dispatcher replaces a ``forward`` in the same class."""
+    timm's ``BatchNormAct2d`` itself). Memoized per class (a class's MRO does not
+    change, and the dispatcher replaces a ``forward`` in the same class), and checked
+    against ``cls.forward``: a class-level patch that gives a class below the memoized
+    owner a ``forward`` of its own (``nn.BatchNorm2d.forward = f``, issue 46) moves it."""
     owner = _OWNERS.get(cls)
-    if owner is None:
+    if owner is None or getattr(cls, "forward", None) is not owner.__dict__.get("forward"):
         owner = next((k for k in cls.__mro__ if "forward" in vars(k)), None)
         if owner is None:
             raise TypeError(f"{cls.__name__} has no forward")
@@ -235,6 +240,12 @@ def class_forward(cls: type[nn.Module]) -> Callable[..., Any]:
     """``cls.forward`` as its class defined it (the function the dispatcher stands for):
     stock's forward, for views and the consumers that record it."""
     fn = cls.forward
+    return getattr(fn, _ORIGINAL, fn)
+
+
+def stood_for(fn: Any) -> Any:
+    """The function bnswap's dispatcher ``fn`` stands for (the class's own forward), or
+    ``fn`` itself when it is no dispatcher."""
     return getattr(fn, _ORIGINAL, fn)
 
 
@@ -361,9 +372,75 @@ def _mark(module: object) -> Swap | None:
     return swap if type(swap) is Swap else None
 
 
+def bypass_of(module: object) -> tuple[type, Callable[..., Any]] | None:
+    """For a layer marked as swapped whose class's ``forward`` was replaced after the
+    swap, so that bnswap's dispatcher no longer runs for it (issue 46: test-time
+    adaptation code such as MEMO sets ``nn.BatchNorm2d.forward`` or
+    ``_BatchNorm.forward`` to a function of its own): the class that holds the function
+    that runs, and that function. None for a layer that is not marked or still
+    dispatches.
+
+    Two replacements are seen: the owner's dispatcher itself replaced
+    (``_BatchNorm.forward = f``, or a registered class's), and a ``forward`` put on one of
+    torch's classes below the owner (``nn.BatchNorm2d.forward = f``). A subclass made
+    from the layer's class after the swap (higher's ``monkeypatch``: its ``forward``
+    calls the class's, bnswap's dispatcher) is no replacement."""
+    swap = _mark(module)
+    return None if swap is None else _bypass(module, swap)
+
+
+def _bypass(module: object, swap: Swap) -> tuple[type, Callable[..., Any]] | None:
+    cls = type(module)
+    dispatcher = swap.owner.__dict__.get("forward")
+    runs = cls.forward  # type: ignore[attr-defined]  # a marked module is an nn.Module
+    if runs is dispatcher and hasattr(runs, _ORIGINAL):
+        return None  # (the common case: one identity test)
+    if not hasattr(dispatcher, _ORIGINAL):
+        return swap.owner, dispatcher  # type: ignore[return-value]  # the owner keeps a forward
+    holder = next(k for k in cls.__mro__ if "forward" in vars(k))
+    if holder is not swap.owner and holder.__module__.startswith("torch.nn.modules"):
+        return holder, runs
+    return None
+
+
+#: (class, function) pairs :func:`_live` has warned about: once each per process.
+_BYPASS_WARNED: set[tuple[type, Any]] = set()
+
+
+def bypass_message(holder: type, fn: Callable[..., Any]) -> str:
+    """The warning for layers whose swap :func:`bypass_of` finds bypassed."""
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return (
+        f"bnswap: {holder.__name__}.forward was replaced after bnswap swapped layers that "
+        f"run it (by {name}, a class-level patch): that function runs for them, not "
+        "bnswap's forward (which runs only where that function calls the forward it "
+        "replaced). bnswap.is_swapped(layer) is False for them and bnswap.plan skips them; "
+        "to run your function on bnswap's kernel, register an adapter that does what it "
+        "does (bnswap.register(<class>, <function>), see the 'Adapters' guide of bnswap's "
+        "documentation) and convert again"
+    )
+
+
+def _live(module: object, swap: Swap | None) -> bool:
+    """Whether the marked ``module`` runs bnswap's forward (False, with a warning once
+    per replacement, when its class's forward was replaced: :func:`bypass_of`)."""
+    if swap is None:
+        return False
+    found = _bypass(module, swap)
+    if found is None:
+        return True
+    key = (found[0], found[1])
+    if key not in _BYPASS_WARNED:
+        _BYPASS_WARNED.add(key)
+        warn(bypass_message(*found), UserWarning)
+    return False
+
+
 def is_swapped(module: object) -> bool:
     """True if ``module`` runs bnswap's forward (:func:`bnswap.convert` swapped it, or it
-    is a copy of a swapped layer).
+    is a copy of a swapped layer). False for a swapped layer whose class's ``forward``
+    was replaced since (a class-level patch such as ``nn.BatchNorm2d.forward = f``: that
+    function runs; a warning says so, once per replacement; issue 46).
 
     Examples::
 
@@ -375,13 +452,14 @@ def is_swapped(module: object) -> bool:
         >>> type(bn) is nn.BatchNorm2d     # the class never changes
         True
     """
-    return _mark(module) is not None
+    swap = _mark(module)
+    return swap is not None and _live(module, swap)
 
 
 def adapter_of(module: object) -> Adapter | None:
-    """The adapter ``module`` runs, or None when it is not swapped."""
+    """The adapter ``module`` runs, or None when it is not swapped (:func:`is_swapped`)."""
     swap = _mark(module)
-    return None if swap is None else swap.adapter
+    return swap.adapter if swap is not None and _live(module, swap) else None
 
 
 def undo_of(module: nn.Module) -> Callable[[], None]:

@@ -20,7 +20,16 @@ from bnswap import programs
 from bnswap._log import info, logger
 from bnswap._swap import SWAP, unswap
 from bnswap._warn import UnmatchedPatternWarning, warn
-from bnswap.plan import Patterns, Plan, _plan_layers, check_backend, check_module, plan
+from bnswap.plan import (
+    EMPTY_INCLUDE,
+    Patterns,
+    Plan,
+    PlanRow,
+    _plan_layers,
+    check_backend,
+    check_module,
+    plan,
+)
 from bnswap.sync import ORIGINAL, original_of
 
 __all__ = ["convert", "revert"]
@@ -107,7 +116,9 @@ def convert(
             or ``bnswap[ort]``; see :mod:`bnswap.ort`). A model with no BatchNorm layer
             is not wrapped.
         include, exclude: glob pattern(s) on qualified names (as in ``named_modules()``)
-            and/or classes. A pattern that matches no BatchNorm layer warns.
+            and/or classes, or an iterable of them. A pattern that matches no BatchNorm
+            layer warns. ``include=None`` (the default) includes every layer; an empty
+            ``include`` (``[]``) includes none: nothing is swapped, and a warning says so.
         sync_batchnorm: also turn every ``nn.BatchNorm1d/2d/3d`` (exact class, not
             parametrized) into a swapped ``nn.SyncBatchNorm`` (timm's ``BatchNormAct2d``
             into timm's ``SyncBatchNormAct``) that shares its Parameter, buffer and hook
@@ -190,7 +201,9 @@ def convert(
         for kind, p in unmatched:
             if (kind, p) in no_node:
                 warn(
-                    f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and no "
+                    EMPTY_INCLUDE
+                    if p is None
+                    else f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and no "
                     "batch-norm node",
                     UnmatchedPatternWarning,
                 )
@@ -233,16 +246,16 @@ def convert(
     return out
 
 
-def _named(rows: list, limit: int = 5) -> str:
+def _named(rows: list[PlanRow], limit: int = 5) -> str:
     """``'a', 'b' and 3 more`` of the rows' qualified names."""
     names = ", ".join(repr(r.name) for r in rows[:limit])
     return names + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
 
 
-def _reasons(rows: list, drop: str = "") -> str:
+def _reasons(rows: list[PlanRow], drop: str = "") -> str:
     """``reason: 'a', 'b'; other reason: 'c'``, the rows grouped by their reason (its
     first clause, without the prefix ``drop``)."""
-    by: dict[str, list] = {}
+    by: dict[str, list[PlanRow]] = {}
     for r in rows:
         by.setdefault(r.reason.partition("; ")[0].removeprefix(drop), []).append(r)
     return "; ".join(f"{text}: {_named(rs)}" for text, rs in by.items())
@@ -272,6 +285,12 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
             f"not swapped (kept {'its' if n == 1 else 'their'} own forward)"
         )
         parts.append(f"{what}: {_reasons(left)}")
+        if any(".forward is not torch's (a class-level patch" in r.reason for r in left):
+            parts.append(
+                "a class whose forward a class-level patch replaced needs an adapter that "
+                "does what that function does (bnswap.register; the 'Adapters' guide of "
+                "bnswap's documentation)"
+            )
         if any(r.reason.partition("; ")[0].endswith(" overrides forward") for r in left):
             parts.append(
                 "a subclass that overrides forward needs an adapter "
@@ -287,6 +306,11 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
     return "bnswap.convert: " + "; ".join(parts) + "; bnswap.plan(model) shows each layer and why"
 
 
+# a SyncBatchNorm that convert(..., sync_batchnorm=True) made gives back the layer it replaced
+@overload
+def revert(module: nn.SyncBatchNorm) -> nn.Module: ...
+@overload
+def revert(module: _M) -> _M: ...
 def revert(module: nn.Module) -> nn.Module:
     """Undo :func:`convert`: every swapped layer runs its class's own forward again.
 
@@ -302,7 +326,8 @@ def revert(module: nn.Module) -> nn.Module:
     (:func:`bnswap.to_stock_ops`), the inverse of ``convert(graph_module)``.
 
     Returns:
-        ``module`` (the original layer when ``module`` is itself such a SyncBatchNorm).
+        ``module`` (the original layer when ``module`` is itself such a SyncBatchNorm):
+        typed as ``module``'s own type (an ``nn.Module`` for a ``SyncBatchNorm``).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -319,7 +344,7 @@ def revert(module: nn.Module) -> nn.Module:
         raise TypeError(
             f"bnswap.revert() expects a torch.nn.Module, got {type(module).__name__}; a "
             "program's consolidated nodes go back to stock's ops with "
-            "bnswap.to_stock_ops(program) (in place)"
+            "bnswap.to_stock_ops(program), which returns a new program"
         )
     check_module(module, "revert")
     if isinstance(module, GraphModule):

@@ -22,6 +22,7 @@ import json
 import os
 import shlex
 from importlib import metadata
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 __all__ = ["EXTRAS", "command_for", "install_command", "install_hint"]
@@ -35,10 +36,11 @@ EXTRAS = {
     "torch-ort==1.19.2)",
     "ort": "onnxruntime-training 1.19.2 (CUDA), torch-ort 1.19.2: backend='ort' on GPUs",
     "qat": "torchao 0.18: pt2e quantization-aware training of converted models",
-    "dev": "pytest, hypothesis, torchao, ptflops, higher, build, twine, mypy, ruff: "
+    "lint": "mypy, ruff: bnswap's checks (make lint)",
+    "dev": "pytest, hypothesis, torchao, ptflops, higher, build, twine and the lint extra: "
     "bnswap's own test suite and its checks",
-    "docs": "Sphinx, furo, myst-parser, playwright: the documentation site (make docs) "
-    "and its browser check",
+    "docs": "Sphinx, furo, myst-parser, pytest, playwright: the documentation site (make "
+    "docs), its examples and its browser check",
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -56,7 +58,7 @@ def _checkout() -> str | None:
     return root if 'name = "bnswap"' in text else None
 
 
-def _installed() -> tuple[bool, dict | None]:
+def _installed() -> tuple[bool, dict[str, Any] | None]:
     """Whether a ``bnswap`` distribution is installed, and its ``direct_url.json``."""
     try:
         text = metadata.distribution("bnswap").read_text("direct_url.json")
@@ -94,7 +96,11 @@ def install_command(extra: str) -> str | None:
 
 
 def command_for(
-    extra: str, direct_url: dict | None, *, installed: bool = True, checkout: str | None = None
+    extra: str,
+    direct_url: dict[str, Any] | None,
+    *,
+    installed: bool = True,
+    checkout: str | None = None,
 ) -> str | None:
     """The ``pip install`` of :func:`install_command` for a distribution whose
     ``direct_url.json`` (PEP 610) is ``direct_url`` (None: it has none, installed from an

@@ -407,7 +407,7 @@ def _tensors(bn: _BatchNorm) -> tuple[Tensor | None, ...]:
     the dicts are where it finds them. A parametrized layer (``torch.nn.utils.parametrize``
     puts its tensors behind properties) is read by attribute, as torch does."""
     if "parametrizations" in bn._modules:
-        return bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked
+        return bn.weight, bn.bias, bn.running_mean, bn.running_var, _counter(bn)
     p, b = bn._parameters, bn._buffers
     try:
         return (
@@ -418,7 +418,18 @@ def _tensors(bn: _BatchNorm) -> tuple[Tensor | None, ...]:
             b["num_batches_tracked"],
         )
     except KeyError:  # a layer that unregistered one (stock's attribute lookup decides)
-        return bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked
+        return bn.weight, bn.bias, bn.running_mean, bn.running_var, _counter(bn)
+
+
+def _counter(bn: _BatchNorm) -> Tensor | None:
+    """``bn.num_batches_tracked`` read as stock reads it: only where it counts a batch
+    (training with ``track_running_stats``; a layer without the attribute raises stock's
+    ``AttributeError`` there). Elsewhere the counter is not used, and a layer without it
+    (a whole-model pickle from torch 0.3, before the buffer existed, issue 46) runs as
+    stock's: None."""
+    if bn.training and bn.track_running_stats:
+        return bn.num_batches_tracked
+    return getattr(bn, "num_batches_tracked", None)
 
 
 def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:

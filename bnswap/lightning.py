@@ -14,7 +14,9 @@ for ``pytorch_lightning.Trainer``.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
+import re
 import warnings
 import weakref
 from collections import Counter
@@ -67,6 +69,43 @@ def _has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in module.modules())
 
 
+def _listed(patterns: Patterns) -> Patterns:
+    """``patterns`` with an iterable made a list: the callback plans at every stage, and a
+    generator would be empty from the second plan on (an empty ``include`` swaps nothing)."""
+    if patterns is None or isinstance(patterns, (str, type)):
+        return patterns
+    try:
+        return list(patterns)
+    except TypeError:  # not iterable: check_patterns says so
+        return patterns
+
+
+def _pattern_hint(root: nn.Module, message: str) -> str:
+    """What an unmatched-pattern warning of the callback adds (issue 46): the callback's
+    patterns match qualified names from the LightningModule down, so a name from inside
+    one of its attributes (``'0'`` for ``self.net = nn.Sequential(...)``) matches
+    nothing; with the guesses that would match (``'net.0'``)."""
+    found = re.search(r"pattern '(.*)' matches no", message)
+    names = [n for n, m in root.named_modules() if isinstance(m, _BatchNorm) and n]
+    if found is None or not names:
+        return ""
+    pattern = found.group(1)
+    guesses: dict[str, None] = {}
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            if fnmatch.fnmatchcase(".".join(parts[i:]), pattern):
+                guesses[".".join(parts[:i]) + "." + pattern] = None
+                break
+    hint = (
+        "; BNSwap's patterns match qualified names from the LightningModule down, as "
+        "pl_module.named_modules() gives them"
+    )
+    if guesses:
+        return hint + ": did you mean " + " or ".join(map(repr, list(guesses)[:3])) + "?"
+    return hint + f" (e.g. {names[0]!r})"
+
+
 class _LayerSyncAfterWrap:
     """Lightning's layer-sync plugin (``Trainer(sync_batchnorm=True)``) while a BNSwap fit
     runs: BatchNorm becomes bnswap's synchronized ``SyncBatchNorm`` after the DDP wrap.
@@ -108,9 +147,10 @@ class _LayerSyncAfterWrap:
 
 class _BNSwapBase:
     """The callback's logic, independent of which Lightning package provides the base
-    (the arguments are documented on :class:`BNSwap`)."""
+    (the arguments are documented on :class:`BNSwap`, whose ``__init__`` calls
+    :meth:`_init`: a wrong argument's TypeError names ``BNSwap.__init__()``)."""
 
-    def __init__(
+    def _init(
         self,
         backend: Literal["aten", "ort"] = "aten",
         *,
@@ -120,6 +160,7 @@ class _BNSwapBase:
         log_table: bool = False,
     ) -> None:
         backend_named(backend)  # validate everything now, not mid-run
+        include, exclude = _listed(include), _listed(exclude)
         check_patterns(include, exclude)
         if not isinstance(log_table, bool):
             raise TypeError(f"log_table must be True or False, got {log_table!r}")
@@ -246,8 +287,17 @@ class _BNSwapBase:
             self._handle = None
 
     def _current_plan(self, pl_module: nn.Module) -> Plan:
-        """The plan of ``pl_module`` as it is now, with when each layer was swapped."""
-        now = self._plan(pl_module)
+        """The plan of ``pl_module`` as it is now, with when each layer was swapped; a
+        pattern that matches no layer warns with where the callback's names start
+        (:func:`_pattern_hint`)."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            now = self._plan(pl_module)
+        for w in caught:  # (each again, as it was, at the line plan attributed it to)
+            message: Warning | str = w.message
+            if issubclass(w.category, UnmatchedPatternWarning):
+                message = w.category(str(w.message) + _pattern_hint(pl_module, str(w.message)))
+            warnings.warn_explicit(message, w.category, w.filename, w.lineno)
         rows = []
         for r in now:
             when = self._swapped.get(id(r.module))
@@ -441,6 +491,7 @@ class _BNSwapBase:
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         self._remove_hook()
         self._backend.check_available()  # fail before anything changes (ORTNotAvailableError)
+        self._refuse_another(trainer)
         if stage == "fit":
             self._take_over_layer_sync(trainer)  # (or its refusal, before anything changes)
         self._stage = str(getattr(stage, "value", stage))  # (Lightning's TrainerFn: "fit")
@@ -454,6 +505,20 @@ class _BNSwapBase:
             self._give_back_layer_sync(trainer)
             raise
         self._handle = register_module_module_registration_hook(self._on_register)
+
+    def _refuse_another(self, trainer: Any) -> None:
+        """A Trainer with two BNSwap callbacks (issue 46): the first swaps every layer its
+        patterns select at setup, so the second's ``exclude`` did nothing, silently. Both
+        refuse, before anything changes."""
+        mine = [c for c in getattr(trainer, "callbacks", ()) if isinstance(c, _BNSwapBase)]
+        if len(mine) > 1:
+            raise ValueError(
+                f"bnswap: this Trainer has {len(mine)} BNSwap callbacks ("
+                + ", ".join(map(repr, mine))
+                + "); give it one: the first would swap every layer its patterns select "
+                "before the next could leave any out. One BNSwap takes all the patterns: "
+                "BNSwap(include=[...], exclude=[...])."
+            )
 
     def on_fit_start(self, trainer: Any, pl_module: nn.Module) -> None:
         self._start(trainer, pl_module)
@@ -526,6 +591,10 @@ class BNSwap(_BNSwapBase, pl.Callback):
             at DEBUG either way. A stage whose plan is as the last one logged logs its
             line only, ``(unchanged since the last stage)``.
 
+    One ``BNSwap`` per Trainer: a second one is refused at ``setup`` (``ValueError``,
+    before anything changes), since the first would swap every layer its patterns select
+    before the second could leave any out. Give one callback all the patterns.
+
     Attributes:
         plan: the :class:`bnswap.Plan` of the last run (one row per BatchNorm layer:
             name, class, action swap / keep / skip, reason, backend, kernel, adapter),
@@ -533,8 +602,9 @@ class BNSwap(_BNSwapBase, pl.Callback):
             ``log_table`` says.
 
     Raises:
-        ValueError: unknown ``backend``.
-        TypeError: a pattern is neither str nor class; ``log_table`` is not a bool.
+        ValueError: unknown ``backend``; at ``setup``, a Trainer with another ``BNSwap``.
+        TypeError: a pattern is neither str nor class; ``log_table`` is not a bool; an
+            unknown argument (``BNSwap.__init__() got an unexpected keyword argument``).
         bnswap.ort.ORTNotAvailableError: (an ImportError, at ``setup``, before the model
             changes) ``backend="ort"`` without ONNX Runtime training installed.
 
@@ -554,6 +624,23 @@ class BNSwap(_BNSwapBase, pl.Callback):
         ValueError: unknown backend 'cudnn'; choose one of 'aten', 'ort'
     """
 
+    def __init__(
+        self,
+        backend: Literal["aten", "ort"] = "aten",
+        *,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        revert_on_teardown: bool = False,
+        log_table: bool = False,
+    ) -> None:
+        self._init(
+            backend,
+            include=include,
+            exclude=exclude,
+            revert_on_teardown=revert_on_teardown,
+            log_table=log_table,
+        )
+
 
 def __getattr__(name: str) -> Any:
     if name == "BNSwapPL":  # the callback for pytorch_lightning.Trainer
@@ -564,7 +651,7 @@ def __getattr__(name: str) -> Any:
         cls = type(
             "BNSwap",
             (_BNSwapBase, pytorch_lightning.Callback),
-            {"__doc__": BNSwap.__doc__, "__module__": __name__, "__init__": _BNSwapBase.__init__},
+            {"__doc__": BNSwap.__doc__, "__module__": __name__, "__init__": BNSwap.__init__},
         )
         globals()["BNSwapPL"] = cls
         return cls

@@ -20,6 +20,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from bnswap import kernels, registry
 from bnswap._rows import Rows
 from bnswap._swap import (
+    SWAP,
     Adapter,
     adapter_of,
     swap,
@@ -75,7 +76,10 @@ def check_module(module: object, fn: str) -> None:
 def _pattern_list(p: Patterns, arg: str) -> list[Pattern]:
     if p is None:
         return []
-    items = [p] if isinstance(p, (str, type)) else list(p)
+    try:
+        items = [p] if isinstance(p, (str, type)) else list(p)
+    except TypeError:  # not iterable (exclude=42): bnswap's message, not list()'s
+        items = [p]  # type: ignore[list-item]  # refused just below
     for item in items:
         if not isinstance(item, (str, type)):
             raise TypeError(
@@ -83,6 +87,13 @@ def _pattern_list(p: Patterns, arg: str) -> list[Pattern]:
                 f"got {item!r}"
             )
     return items
+
+
+#: What an empty ``include`` says (``include=[]``: nothing is included).
+EMPTY_INCLUDE = (
+    "bnswap: include is empty, so it matches no BatchNorm layer and none is swapped "
+    "(include=None, the default, swaps every layer)"
+)
 
 
 def check_patterns(include: Patterns = None, exclude: Patterns = None) -> None:
@@ -378,6 +389,12 @@ class Plan(Rows[PlanRow]):
                     # two (a KeyboardInterrupt) cannot leave a layer swapped
                     undos.append(undo_of(r.module))
                     swap(r.module, r.adapter)
+                elif r.action == "skip" and r.module is not None and SWAP in r.module.__dict__:
+                    # a skipped layer that holds a swap: one its class's forward, replaced
+                    # since (a class-level patch), no longer runs (bypass_of). Dropped, so
+                    # that a dispatcher put on that class again cannot revive it
+                    undos.append(undo_of(r.module))
+                    del r.module.__dict__[SWAP]
             if backend.wraps and self.wrap == "children":
                 for key in self.to_wrap:
                     child = model._modules[key]
@@ -486,7 +503,7 @@ class Plan(Rows[PlanRow]):
         return f"Plan({self._counts()})"
 
 
-_NONE: tuple = ()
+_NONE: tuple[()] = ()
 
 
 def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:
@@ -682,8 +699,9 @@ def plan(
         backend: ``"aten"`` (consolidated aten ops) or ``"ort"`` (ONNX Runtime's
             ``com.microsoft::BatchNormInternal``).
         include, exclude: glob pattern(s) on qualified names from ``named_modules()``
-            and/or classes (matched with ``isinstance``); a layer is swapped only if it
-            matches ``include`` (when given) and no ``exclude``.
+            and/or classes (matched with ``isinstance``), or an iterable of them; a layer
+            is swapped only if it matches ``include`` (when given: an empty ``include``,
+            ``[]``, matches no layer, and warns so) and no ``exclude``.
         device: where to evaluate the kernel column
             (``torch._C._select_batch_norm_backend``); default: where each layer's
             parameters live.
@@ -709,7 +727,9 @@ def plan(
         TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
         ValueError: unknown ``backend`` or ``wrap``; ``backend="aten"`` for an ORT
             wrapper.
-        RuntimeError: ``device`` is not a device torch knows (``"gpu"``).
+        RuntimeError: ``device`` is not a device torch knows (``"gpu"``: bnswap's
+            message names torch's device types, and ``'cuda'`` for a GPU), before
+            anything is planned. TypeError: ``device`` is no str or ``torch.device``.
         bnswap.ort.errors.UnsupportedLayerError: ``sync_batchnorm=True`` with
             ``backend="ort"`` (ONNX Runtime cannot synchronize statistics).
 
@@ -758,7 +778,9 @@ def plan(
     )
     for kind, p in unmatched:
         warn(
-            f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
+            EMPTY_INCLUDE
+            if p is None
+            else f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
             UnmatchedPatternWarning,
         )
     return todo
@@ -774,11 +796,12 @@ def _plan_layers(
     sync_batchnorm: bool = False,
     process_group: object = None,
     wrap: str = "model",
-) -> tuple[Plan, list[tuple[str, Pattern]]]:
+) -> tuple[Plan, list[tuple[str, Pattern | None]]]:
     """:func:`plan` of a module's BatchNorm layers, warning nothing: the plan, and each
     include / exclude pattern that matches no layer as ``("include" | "exclude",
     pattern)``, which :func:`plan` warns about (``bnswap.convert`` of a GraphModule holding
-    batch-norm nodes too warns only about a pattern that matches neither)."""
+    batch-norm nodes too warns only about a pattern that matches neither); ``("include",
+    None)`` for an empty ``include`` (:data:`EMPTY_INCLUDE`)."""
     check_module(module, "plan")
     be = backend_named(backend)
     if wrap not in WRAP_SCOPES:
@@ -787,8 +810,10 @@ def _plan_layers(
         )
     if sync_batchnorm and not be.synchronizes:
         raise be.sync_error()
-    if device is not None:
-        torch.device(device)  # an unknown device type fails here, not in the table
+    if device is not None:  # an unknown device type fails here, not in the table
+        from bnswap.programs import check_device
+
+        check_device(device)
     wrapper, inner = module, wrapped_model(module)
     if inner is not None:
         if not be.is_wrapper(module):
@@ -815,6 +840,7 @@ def _plan_layers(
         # collector's passes over the model, not this loop, set convert's time)
         hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)] if exc else _NONE
         hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)] if inc else _NONE
+        # (include=[] includes nothing: an empty list of the layers to swap)
         if hit_exc:
             used["exclude"].update(hit_exc)
         if hit_inc:
@@ -835,7 +861,7 @@ def _plan_layers(
                 else None
             )
         else:
-            left_out = "not matched by include" if inc and not hit_inc else None
+            left_out = "not matched by include" if include is not None and not hit_inc else None
         to_sync = (
             sync_class(cls)
             if sync_batchnorm
@@ -903,6 +929,7 @@ def _plan_layers(
                 note = "; ".join(filter(None, [note, why]))
             rows.append(_row(name, m, cls, be, device, "swap", note, adapter, lazy=lazy))
         else:
+            replaced = registry.replaced_forward(cls)
             rows.append(
                 _row(
                     name,
@@ -911,19 +938,32 @@ def _plan_layers(
                     be,
                     device,
                     "skip",
-                    f"{cls.__name__} overrides forward; swapping would drop it (pytorch issue "
-                    f"187298); register an adapter: bnswap.register({cls.__name__}, <function>), "
-                    "see the 'Adapters' guide of bnswap's documentation",
+                    (
+                        f"{replaced[0].__name__}.forward is not torch's (a class-level patch "
+                        f"put {qualified_name(replaced[1])} there); swapping would drop it"
+                        if replaced is not None
+                        else f"{cls.__name__} overrides forward; swapping would drop it "
+                        "(pytorch issue 187298)"
+                    )
+                    + f"; register an adapter: bnswap.register({cls.__name__}, <function>), "
+                    "see the 'Adapters' guide of bnswap's documentation"
+                    + (
+                        "; convert drops its swap, made before the patch (it no longer runs)"
+                        if SWAP in m.__dict__
+                        else ""
+                    ),
                 )
             )
         if m._modules:
             by_name[name] = rows[-1]
-    unmatched = [
+    unmatched: list[tuple[str, Pattern | None]] = [
         (kind, p)
         for kind, pats in (("include", inc), ("exclude", exc))
         for i, p in enumerate(pats)
         if i not in used[kind]
     ]
+    if include is not None and not inc:
+        unmatched.append(("include", None))  # include=[]: EMPTY_INCLUDE
     parents: dict[int, list[tuple[nn.Module, str]]] = {}
     if any(r.sync_class is not None for r in rows):
         for holder in module.modules():

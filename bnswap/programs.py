@@ -29,7 +29,7 @@ import fnmatch
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 from torch.fx import GraphModule, Node
@@ -46,16 +46,24 @@ from bnswap._graph import (
     runs_bnswap_op,
     stock_call,
     to_consolidated_ops,
-    to_stock_ops,
     validation_error,
 )
+from bnswap._graph import to_stock_ops as _to_stock_ops_in_place
 from bnswap._rows import Rows
 from bnswap._warn import UnmatchedPatternWarning, warn
 
 if TYPE_CHECKING:  # (typing.TypeIs is Python 3.13's)
     from typing_extensions import TypeIs
 
-__all__ = ["NodeRow", "ProgramPlan", "convert", "is_program", "plan", "to_stock_ops"]
+__all__ = [
+    "NodeRow",
+    "ProgramPlan",
+    "check_device",
+    "convert",
+    "is_program",
+    "plan",
+    "to_stock_ops",
+]
 
 Program = torch.export.ExportedProgram | GraphModule
 
@@ -85,6 +93,57 @@ def _graph_module(program: object, fn: str) -> GraphModule:
     )
 
 
+#: Device names people try for a GPU, which torch does not read: the error says 'cuda'.
+_GPU_NAMES = ("gpu", "nvidia", "amd", "rocm", "cudnn")
+
+
+def check_device(device: object, fn: str = "plan") -> torch.device | None:
+    """``torch.device(device)`` (None stays None), with bnswap's error for what torch does
+    not read: ``bnswap.plan``'s ``device`` (issue 46: ``device="gpu"`` gave torch's raw
+    error listing 20 types).
+
+    Raises:
+        RuntimeError: (torch's type) a device type torch does not know, naming torch's
+            types and, for a GPU's name (``"gpu"``), ``'cuda'``; a device string torch
+            cannot read (``"cuda:x"``).
+        TypeError: (torch's type) ``device`` is neither a ``torch.device``, a str, an int
+            (torch's accelerator index) nor None.
+
+    Examples::
+
+        >>> from bnswap.programs import check_device
+        >>> check_device("cuda:1")
+        device(type='cuda', index=1)
+        >>> check_device("gpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: bnswap.plan: device 'gpu' is not a device type torch knows ...
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(
+            f"bnswap.{fn}: device is a torch.device, a str such as 'cuda' or 'cuda:1', an "
+            f"accelerator index, or None, got {device!r}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        text = str(e)
+        if text.startswith("Expected one of ") and " device type" in text:
+            kinds = text.removeprefix("Expected one of ").partition(" device type")[0]
+            kind = str(device).partition(":")[0]
+            gpu = " (a GPU, NVIDIA's or AMD's, is 'cuda')" if kind.lower() in _GPU_NAMES else ""
+            raise RuntimeError(
+                f"bnswap.{fn}: device {kind!r} is not a device type torch knows{gpu}; "
+                f"torch's are {kinds}, with an optional index ('cuda:1')"
+            ) from None
+        raise RuntimeError(
+            f"bnswap.{fn}: device {device!r} is not one torch reads ({text}); e.g. 'cpu', "
+            "'cuda', 'cuda:1', 'mps', 'xpu'"
+        ) from None
+
+
 def _check_backend(backend: str) -> None:
     if backend != "aten":
         raise ValueError(
@@ -96,7 +155,10 @@ def _check_backend(backend: str) -> None:
 def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     out = []
     for arg, p in (("include", include), ("exclude", exclude)):
-        items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]  # list()'s TypeError
+        try:
+            items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]  # not iterable: below
+        except TypeError:  # (exclude=42: bnswap's message, not list()'s)
+            items = [p]
         for item in items:
             if not isinstance(item, str):
                 raise TypeError(
@@ -106,12 +168,13 @@ def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     return out[0], out[1]
 
 
-def _selected(name: str, inc: list[str], exc: list[str]) -> str | None:
-    """Why node ``name`` is left out by the patterns (None: it is not)."""
+def _selected(name: str, inc: list[str] | None, exc: list[str]) -> str | None:
+    """Why node ``name`` is left out by the patterns (None: it is not; ``inc`` None: no
+    include given, an empty list: ``include=[]``, which includes nothing)."""
     hit = next((p for p in exc if fnmatch.fnmatchcase(name, p)), None)
     if hit is not None:
         return f"excluded by {hit!r}"
-    if inc and not any(fnmatch.fnmatchcase(name, p) for p in inc):
+    if inc is not None and not any(fnmatch.fnmatchcase(name, p) for p in inc):
         return "not matched by include"
     return None
 
@@ -430,7 +493,8 @@ def plan(
     Args:
         program: a ``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule``.
         backend: ``"aten"`` only (ONNX Runtime runs modules, not programs).
-        include, exclude: glob pattern(s) on node names (``node.name``).
+        include, exclude: glob pattern(s) on node names (``node.name``); an empty
+            ``include`` (``[]``) includes no node (a warning says so), None every node.
         device: where to evaluate the kernel column; default: the device of each node's
             input (``node.meta["val"]``). An absent CUDA device is predicted by torch's
             rule (``"Cudnn (predicted)"``).
@@ -456,7 +520,10 @@ def plan(
     todo, unmatched = _plan_nodes(program, backend, include=include, exclude=exclude, device=device)
     for kind, p in unmatched:  # as plan() does for layers
         warn(
-            f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program patterns "
+            "bnswap: include is empty, so it matches no batch-norm node and none is swapped "
+            "(include=None, the default, swaps every node)"
+            if p is None
+            else f"bnswap: {kind} pattern {p!r} matches no batch-norm node (program patterns "
             "match node names, e.g. 'batch_norm_1')",
             UnmatchedPatternWarning,
         )
@@ -470,7 +537,7 @@ def _plan_nodes(
     include: object = None,
     exclude: object = None,
     device: torch.device | str | None = None,
-) -> tuple[ProgramPlan, list[tuple[str, str]]]:
+) -> tuple[ProgramPlan, list[tuple[str, str | None]]]:
     """:func:`plan`, warning nothing: the plan, and each include / exclude pattern that
     matches no batch-norm node as ``("include" | "exclude", pattern)``, which :func:`plan`
     warns about (and :meth:`ProgramPlan.apply`, planning again, does not)."""
@@ -478,7 +545,7 @@ def _plan_nodes(
     _check_backend(backend)
     if is_program(program):
         check_program(program, repair=False)  # torch's error for a program not valid
-    dev = torch.device(device) if device is not None else None
+    dev = check_device(device)
     inc, exc = _names(include, exclude)
     rows = []
     for sub in gm.modules():
@@ -506,7 +573,7 @@ def _plan_nodes(
             if n.op != "call_function" or n.target not in STOCK_TARGETS:
                 continue
             target, reason = consolidated_target(n)
-            left_out = _selected(n.name, inc, exc)
+            left_out = _selected(n.name, None if include is None else inc, exc)
             excluded = left_out is not None
             if left_out is not None:
                 target, reason = None, left_out
@@ -538,12 +605,14 @@ def _plan_nodes(
         # a program that holds bnswap's ops (a .pt2 that `bnswap convert` wrote, loaded):
         # torchao's pt2e flow needs the patches for it, though nothing is swapped here
         _compat.install()
-    unmatched = [
+    unmatched: list[tuple[str, str | None]] = [
         (kind, p)
         for kind, pats in (("include", inc), ("exclude", exc))
         for p in pats
         if not any(fnmatch.fnmatchcase(r.name, p) for r in rows)
     ]
+    if include is not None and not inc:
+        unmatched.append(("include", None))  # include=[]: nothing is included
     return ProgramPlan(rows, program, include, exclude), unmatched
 
 
@@ -600,7 +669,8 @@ def convert(
             returned, its own copy of the state) or a ``torch.fx.GraphModule``
             (``ep.module()``, a ``make_fx`` / AOT graph: rewritten in place).
         backend: ``"aten"`` only (ONNX Runtime runs modules, not programs).
-        include, exclude: glob pattern(s) on node names.
+        include, exclude: glob pattern(s) on node names (an empty ``include`` includes
+            none, as for a module).
 
     Returns:
         The new ``ExportedProgram`` (``torch.export.save`` / ``load`` round-trip it,
@@ -682,6 +752,76 @@ def _apply(todo: ProgramPlan) -> Program:
         return new
     to_consolidated_ops(gm, names=names.__contains__)
     return gm
+
+
+@overload
+def to_stock_ops(
+    module: torch.export.ExportedProgram, *, core_aten: bool = False
+) -> torch.export.ExportedProgram: ...
+@overload
+def to_stock_ops(module: GraphModule, *, core_aten: bool = False) -> GraphModule: ...
+def to_stock_ops(module: Program, *, core_aten: bool = False) -> Program:
+    """Make bnswap's batch-norm nodes of an exported graph stock's ``aten.batch_norm``
+    again: the inverse of :func:`convert`, with its convention (issue 46).
+
+    The rewritten graph is the one stock ``nn.BatchNorm`` layers record: the same op,
+    arguments, outputs and statistics updates (the rule is ``bnswap._graph``'s, from the
+    ops' schemas in ``native_functions.yaml``; bnswap's empty-batch assertions go with
+    them). bnswap runs it for torchao's ``prepare_pt2e`` / ``prepare_qat_pt2e``; call it
+    yourself for other graph tools written against stock's op. The graph loses what
+    bnswap's op gives (cuDNN in a training graph on CUDA, pytorch issue 111384).
+
+    Args:
+        module: a ``torch.export.ExportedProgram``: not changed, a new program is returned
+            (its own copy of the state), as :func:`convert` and torch's own passes
+            (``run_decompositions``) return one; or a ``torch.fx.GraphModule``
+            (``exported_program.module()``, a ``torch.export`` / ``make_fx`` graph, a pt2e
+            prepared graph): rewritten in place and returned, as :func:`convert` and
+            :func:`bnswap.revert` do with a module. Its nodes are
+            ``aten._batch_norm_with_update`` / ``_batch_norm_no_update`` (the graph
+            ``torch.export.export`` returns) or, after ``run_decompositions()``,
+            ``_batch_norm_with_update_functional``.
+        core_aten: the graph is core ATen (``run_decompositions()`` was run): the nodes
+            become stock's decomposed ops, ``_native_batch_norm_legit_functional`` /
+            ``_native_batch_norm_legit.no_stats`` (track_running_stats=False) /
+            ``_native_batch_norm_legit_no_training``, not ``aten.batch_norm``.
+
+    Returns:
+        The new program, or the graph module itself. A program with no node of bnswap's
+        is returned itself. How many nodes there are: ``bnswap.plan(module)``.
+
+    Raises:
+        TypeError: ``module`` is neither.
+        torch._export.verifier.SpecViolationError: ``module`` is not a valid program
+            (``validate()``'s error), before anything changes (:func:`convert` takes a deep
+            copy's renamed placeholder the same way).
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from torch import nn
+        >>> model = bnswap.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+        >>> ep = torch.export.export(model, (torch.randn(2, 3, 8, 8),))
+        >>> stock = bnswap.to_stock_ops(ep)
+        >>> stock is not ep, [str(n.target) for n in stock.graph.nodes if "norm" in n.name]
+        (True, ['aten.batch_norm.default'])
+        >>> gm = ep.module()
+        >>> bnswap.to_stock_ops(gm) is gm
+        True
+    """
+    if not is_program(module):
+        _to_stock_ops_in_place(module, core_aten=core_aten)  # (its TypeError for others)
+        return module
+    gm = module.graph_module
+    if not any(
+        n.op == "call_function" and n.target in CONSOLIDATED_TARGETS
+        for sub in gm.modules()
+        for n in getattr(sub, "graph", torch.fx.Graph()).nodes
+    ):
+        return _valid(module)
+    new = _copy(module)
+    _to_stock_ops_in_place(new, core_aten=core_aten)
+    return new
 
 
 def _valid(program: Program) -> Program:

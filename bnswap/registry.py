@@ -12,7 +12,10 @@ class's ``forward`` does, with the batch norm on bnswap's kernel
 * ``nn.SyncBatchNorm`` (and subclasses that keep its ``forward``):
   :func:`bnswap.sync.sync_batch_norm_forward`, synchronized over its ``process_group``;
 * a class that overrides ``forward`` and is not registered: none (the layer is skipped;
-  swapping would drop its behaviour, pytorch issue 187298).
+  swapping would drop its behaviour, pytorch issue 187298). So is a class whose
+  ``forward`` a class-level patch replaced in torch's classes
+  (``nn.BatchNorm2d.forward = f``, ``_BatchNorm.forward = f``: :func:`replaced_forward`,
+  issue 46): torch's forward is the function torch's source defines, nothing else.
 
 Built in: timm's ``timm.layers.norm_act.BatchNormAct2d`` ->
 :func:`bnswap.adapters.timm.batch_norm_act_2d`, ``SyncBatchNormAct`` ->
@@ -25,11 +28,15 @@ imported only when a timm model is converted.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap._swap import Adapter, unpickle_swap
+from bnswap._swap import Adapter, stood_for, unpickle_swap
 from bnswap.layers import batch_norm_forward
 from bnswap.sync import sync_batch_norm_forward
 
@@ -39,14 +46,17 @@ __all__ = [
     "qualified_name",
     "register",
     "registered",
+    "replaced_forward",
     "safe_globals",
     "unregister",
 ]
 
 _ADAPTERS: dict[type, Adapter] = {}
 # lookup() of classes with no entry of their own, memoized (cleared by register /
-# unregister): the qualified-name check of the lazy entries cost ~1 us per layer.
-_FOUND: dict[type, Adapter | None] = {}
+# unregister): the qualified-name check of the lazy entries cost ~1 us per layer. Each
+# answer is kept with the class's forward it was found for (a class-level patch of it
+# since is looked up again).
+_FOUND: dict[type, tuple[object, Adapter | None]] = {}
 # "module.Class" of a source class -> "module:function" of its adapter, resolved on first
 # use (the source's package is already imported when a model holds it).
 _LAZY: dict[str, str] = {
@@ -61,14 +71,59 @@ def qualified_name(obj: object) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
-def overrides_forward(cls: type) -> bool:
-    """True if ``cls`` defines a ``forward`` of its own below torch's BatchNorm classes
-    (torch's parametrization class ``Parametrized<Base>`` adds none)."""
+def _defined_by_torch(klass: type, fn: object) -> bool:
+    """Whether ``fn``, the ``forward`` in torch's class ``klass``'s ``__dict__`` (bnswap's
+    dispatcher seen through), is the function torch's source defines there: its name
+    and its code's file are the class's (a function that wraps it with
+    ``functools.wraps`` has its name, not its code)."""
+    fn = stood_for(fn)
+    code = getattr(fn, "__code__", None)
+    source = getattr(sys.modules.get(klass.__module__), "__file__", None)
+    return (
+        code is not None
+        and source is not None
+        and getattr(fn, "__qualname__", None) == f"{klass.__qualname__}.forward"
+        and os.path.splitext(code.co_filename)[0] == os.path.splitext(source)[0]
+    )
+
+
+def replaced_forward(cls: type) -> tuple[type, Callable[..., Any]] | None:
+    """The class of torch's whose ``forward`` a layer of ``cls`` runs, with that function,
+    when it is not the function torch defined: a class-level patch (test-time adaptation
+    code such as MEMO sets ``nn.BatchNorm2d.forward`` or ``_BatchNorm.forward`` to its own
+    function, issue 46). None when ``cls`` runs torch's forward or one of its own
+    (:func:`overrides_forward`).
+
+    Examples::
+
+        >>> from torch import nn
+        >>> from bnswap.registry import replaced_forward
+        >>> replaced_forward(nn.BatchNorm2d) is None
+        True
+    """
     for klass in cls.__mro__:
+        fn = vars(klass).get("forward")
+        if fn is None or klass.__module__ == "torch.nn.utils.parametrize":
+            continue
+        if not klass.__module__.startswith("torch.nn.modules"):
+            return None  # a forward of the user's class (or none of torch's runs)
+        if _defined_by_torch(klass, fn):
+            return None
+        return klass, stood_for(fn)
+    return None
+
+
+def overrides_forward(cls: type) -> bool:
+    """True if a layer of ``cls`` runs a ``forward`` that is not torch's: one that ``cls``
+    defines below torch's BatchNorm classes (torch's parametrization class
+    ``Parametrized<Base>`` adds none), or one a class-level patch put on torch's classes
+    (:func:`replaced_forward`)."""
+    for klass in cls.__mro__:
+        if "forward" not in vars(klass) or klass.__module__ == "torch.nn.utils.parametrize":
+            continue
         if klass.__module__.startswith("torch.nn.modules"):
-            return False
-        if klass.__module__ != "torch.nn.utils.parametrize" and "forward" in vars(klass):
-            return True
+            return replaced_forward(cls) is not None
+        return True
     return False
 
 
@@ -165,15 +220,17 @@ def lookup(cls: type) -> Adapter | None:
     found = _ADAPTERS.get(cls)
     if found is not None:
         return found
-    if cls in _FOUND:
-        return _FOUND[cls]
+    forward = getattr(cls, "forward", None)
+    seen = _FOUND.get(cls)
+    if seen is not None and seen[0] is forward:  # (a class-level patch since: looked up again)
+        return seen[1]
     _resolve_lazy(cls)
     found = _ADAPTERS.get(cls)
     if found is None and (
         isinstance(cls, type) and issubclass(cls, _BatchNorm) and not overrides_forward(cls)
     ):
         found = sync_batch_norm_forward if issubclass(cls, nn.SyncBatchNorm) else batch_norm_forward
-    _FOUND[cls] = found
+    _FOUND[cls] = (forward, found)
     return found
 
 
@@ -182,7 +239,7 @@ def registered() -> dict[type, Adapter]:
     return dict(_ADAPTERS)
 
 
-def safe_globals() -> list:
+def safe_globals() -> list[Any]:
     """What a whole pickled converted model references of bnswap's where the swap is
     pickled too (``BNSWAP_DISABLE_PATCHES=checkpoints``): the function that rebuilds the
     swap's mark (:class:`bnswap._swap.Swap`), the classes whose ``forward`` it replaces

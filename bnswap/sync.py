@@ -677,7 +677,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         return out, stats.mean, stats.unbiased, stats.total
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple:
+    def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Any, ...]:
         input, weight, mean, invstd, counts = ctx.saved_tensors
         slots, compiling = ctx.slots, ctx.compiling
         dy, x, sum_dy, sum_dy_xmu, xmu, kernels = rank_sums(
@@ -736,6 +736,9 @@ def synchronized_batch_norm(layer: _BatchNorm, input: Tensor, group: Any) -> Ten
         more than 1 value per channel when training, ..."`` when the global batch has one
         value per channel.
     """
+    # read where stock reads it, before anything runs: only when it counts the batch (a
+    # layer without the attribute, a torch 0.3-era pickle: stock's AttributeError)
+    nbt = layer.num_batches_tracked if layer.track_running_stats else None
     weight, bias = layer.weight, layer.bias
     tracking = layer.track_running_stats and layer.running_mean is not None
     running_mean = layer.running_mean if tracking else None
@@ -748,8 +751,7 @@ def synchronized_batch_norm(layer: _BatchNorm, input: Tensor, group: Any) -> Ten
     out, mean, unbiased, total = _SyncBatchNorm.apply(
         input, weight, bias, float(layer.eps), group, dist.get_world_size(group), input.size()
     )
-    nbt = layer.num_batches_tracked
-    if layer.track_running_stats and nbt is not None:
+    if nbt is not None:
         nbt.add_(1)
     if running_mean is None:
         return out

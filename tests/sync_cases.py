@@ -10,6 +10,7 @@ batch from the same seed and keeps its own slice.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import socket
@@ -315,6 +316,7 @@ def errors_case(rank: int, world: int) -> dict:
     except ValueError as e:
         out["not_member"] = str(e)
     out["plan_sync"] = [r.sync for r in bnswap.plan(nn.Sequential(only0, nn.SyncBatchNorm(2)))]
+    out["no_counter"] = no_counter_case(rank)
     # DDP wraps a CPU module whose SyncBatchNorm layers are swapped, and still refuses a
     # stock one (torch's check: stock's kernels are CUDA-only)
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -325,6 +327,35 @@ def errors_case(rank: int, world: int) -> dict:
         out["ddp_stock"] = None
     except ValueError as e:
         out["ddp_stock"] = str(e)
+    return out
+
+
+def no_counter_case(rank: int) -> dict:
+    """A layer without num_batches_tracked (a torch 0.3-era whole-model pickle, issue 46)
+    made synchronized: training with track_running_stats raises stock's AttributeError on
+    every rank before any collective or state change; without tracking it synchronizes as
+    the same layer with a counter does; eval is stock's."""
+    import bnswap
+
+    torch.manual_seed(5)
+    x = torch.randn(3 + rank, 3)
+    out: dict = {}
+    for tracking in (True, False):
+        layers = []
+        for keep in (False, True):
+            bn = nn.BatchNorm1d(3, track_running_stats=tracking)
+            if not keep:
+                del bn.num_batches_tracked
+            layers.append(bnswap.convert(nn.Sequential(bn), sync_batchnorm=True)[0])
+        old, ref = layers
+        try:
+            out[tracking] = torch.equal(old(x), ref(x))
+        except AttributeError as e:
+            out[tracking] = f"{e}; state same: {torch.equal(old.running_mean, torch.zeros(3))}"
+    stock = nn.BatchNorm1d(3).eval()
+    del stock.num_batches_tracked
+    swapped = bnswap.convert(nn.Sequential(copy.deepcopy(stock)), sync_batchnorm=True)[0]
+    out["eval"] = torch.equal(swapped.eval()(x), stock(x))
     return out
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import bnswap
-from tests._helpers import TORCH, state_diff
+from tests._helpers import TORCH, state_diff, to_stock
 
 X = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(7))
 
@@ -298,7 +298,7 @@ def test_torchao_pt2e_prepare_gives_stocks_graph(qat):
         gm = torch.export.export(m, (X,)).module()
         quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=qat))
         prepared = (prepare_qat_pt2e if qat else prepare_pt2e)(gm, quantizer)
-        assert bnswap.to_stock_ops(prepared) == (2 if qat and m is swapped else 0)
+        assert to_stock(prepared) == (prepared, 2 if qat and m is swapped else 0)
         ops = collections.Counter(
             str(n.target) for n in prepared.graph.nodes if n.op == "call_function"
         )
@@ -337,7 +337,7 @@ def test_to_stock_ops_gives_stocks_exported_graph_for_every_flag():
         gb = torch.export.export(swapped, (X,)).module()
         # (evaluation with running statistics records stock's op already: nothing to do)
         batch_stats = train or kwargs.get("track_running_stats", True) is False
-        assert bnswap.to_stock_ops(gb) == int(batch_stats) and bnswap.to_stock_ops(gs) == 0
+        assert to_stock(gb) == (gb, int(batch_stats)) and to_stock(gs) == (gs, 0)
         nodes = [(n.op, str(n.target), len(n.args)) for n in gs.graph.nodes]
         assert [(n.op, str(n.target), len(n.args)) for n in gb.graph.nodes] == nodes, kwargs
         for n_s, n_b in zip(gs.graph.nodes, gb.graph.nodes, strict=True):
@@ -396,7 +396,7 @@ def test_exported_program_with_an_empty_batch_raises_clearly_or_runs_as_stock():
     ):
         mb(b0)
     assert all(torch.equal(v, mb.state_dict()[k]) for k, v in before.items())
-    assert bnswap.to_stock_ops(mb) == 2
+    assert to_stock(mb) == (mb, 2)
     for x in (b0, b3):
         ys, yb = ms(x), mb(x)
         assert ys.shape == yb.shape and torch.equal(ys, yb)
@@ -498,7 +498,7 @@ def test_onnx_dynamo_export_of_an_exported_program_like_stock(train, kwargs):
             protos.append(torch.onnx.export(ep, (X,), dynamo=True, verbose=False).model_proto)
         # (evaluation with running statistics: stock's op already)
         bnswap_ops = m is swapped and (train or kwargs.get("track_running_stats") is False)
-        assert bnswap.to_stock_ops(copy.deepcopy(ep)) == int(bnswap_ops)
+        assert to_stock(ep)[1] == int(bnswap_ops)
     ps, pb = protos
     assert _ops(pb) == _ops(ps)
     assert torch.equal(_run_onnx(pb, X), _run_onnx(ps, X))
@@ -510,10 +510,16 @@ def test_onnx_dynamo_export_of_an_exported_program_like_stock(train, kwargs):
 )
 def test_to_stock_ops_on_an_exported_program_keeps_it_valid_and_saveable(tmp_path):
     """Guards: the rewrite left the program's signature naming an erased node
-    (SpecViolationError on validate / torch.export.save)."""
+    (SpecViolationError on validate / torch.export.save). A program is not changed: the
+    new one is returned (issue 46: as convert(program) and run_decompositions do)."""
     stock, swapped = pair(train=True)
     ep = torch.export.export(swapped, (X,))
-    assert bnswap.to_stock_ops(ep) == 2
+    codes = (ep.graph_module.code, [str(n.target) for n in ep.graph.nodes])
+    ep_stock, rewritten = to_stock(ep)
+    assert rewritten == 2 and ep_stock is not ep
+    assert codes == (ep.graph_module.code, [str(n.target) for n in ep.graph.nodes])
+    assert to_stock(ep_stock) == (ep_stock, 0)  # nothing of bnswap's: itself
+    ep = ep_stock
     ep.validate()
     path = tmp_path / "program.pt2"
     torch.export.save(ep, path)

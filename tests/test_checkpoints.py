@@ -153,6 +153,49 @@ def test_checkpoint_missing_num_batches_tracked_at_version_2_fails_as_stock():
     assert a[1][1] == b[1][1] and "1.num_batches_tracked" in a[1][1]
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"momentum": None}, {"track_running_stats": False}, {"affine": False}],
+    ids=["default", "cma", "no_tracking", "no_affine"],
+)
+@pytest.mark.parametrize("parametrized", [False, True], ids=["plain", "parametrized"])
+def test_whole_model_pickle_without_num_batches_tracked_runs_as_stock(kw, parametrized):
+    """A torch 0.3-era whole-model pickle (issue 46): its layers have no
+    num_batches_tracked at all (neither a buffer nor an attribute). Stock reads it only
+    where it counts a batch (training with track_running_stats: AttributeError there);
+    the converted model evaluates, trains and fails exactly where stock does, with
+    stock's error and no state changed."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, **kw))
+    if stock[1].running_mean is not None:
+        with torch.no_grad():
+            stock[1].running_mean.uniform_(-1, 1)
+            stock[1].running_var.uniform_(0.5, 2)
+    del stock[1].num_batches_tracked
+    swapped = torch.load(_bytes(stock), weights_only=False)
+    if parametrized:  # (after loading: torch pickles no parametrized module)
+        name = "weight" if stock[1].weight is not None else "running_mean"
+        for m in (stock, swapped):
+            parametrize.register_parametrization(m[1], name, nn.Identity())
+    assert not hasattr(stock[1], "num_batches_tracked")
+    converted(swapped)
+    assert bnswap.is_swapped(swapped[1]) and not hasattr(swapped[1], "num_batches_tracked")
+    x = torch.randn(2, 3, 3, 3)
+    for training in (False, True, False):
+        a = outcome(lambda m=stock, t=training: m.train(t)(x))
+        b = outcome(lambda m=swapped, t=training: m.train(t)(x))
+        assert a[0] == b[0], (a, b)
+        if a[0] == "ok":
+            assert torch.equal(a[1], b[1])
+        else:
+            assert a[1] == b[1] and a[1][0] is AttributeError
+            assert a[1][1].endswith("object has no attribute 'num_batches_tracked'")
+        assert state_diff(stock, swapped) == []
+    assert a[0] == "ok"  # eval runs; training fails exactly where the layer counts
+    tracks = kw.get("track_running_stats", True)
+    assert outcome(lambda: swapped.train()(x))[0] == ("err" if tracks else "ok")
+
+
 @pytest.mark.parametrize("old", [False, True])
 def test_meta_device_model_loaded_with_assign(old):
     src = trained()

@@ -826,3 +826,129 @@ def test_the_front_door_alone_holds_the_subcommand_table():
                 importers.append(str(path.relative_to(ROOT)))
     assert importers == []
     assert [*BNSwapCLI.subcommands(), "compare"] == list(_bnswap_command.LIGHTNING_SUBCOMMANDS)
+
+
+# ------------------------------------------------ usage errors before Lightning (issue 46)
+def _parser_options(subcommand: str) -> list[str]:
+    """Every ``--option`` of ``bnswap SUBCOMMAND``'s real parser (LightningCLI's, built)."""
+    from bnswap.app import cli
+
+    seen: dict[str, list[str]] = {}
+
+    class Catch(cli._Parser):
+        def error(self, message, ex=None):
+            seen["options"] = cli._option_strings(getattr(ex, "subcommand_parser", None) or self)
+            raise SystemExit(2)
+
+    with pytest.raises(SystemExit):
+        cli.BNSwapCLI(args=[subcommand, "--no-such-option"], parser_class=Catch)
+    return seen["options"]
+
+
+@pytest.mark.parametrize("subcommand", ["train", "validate", "test", "predict"])
+def test_the_front_doors_option_list_is_the_parsers(subcommand):
+    """The front door reads each Trainer subcommand's options from the sources (no import
+    of Lightning): the same names as LightningCLI's parser gives (less its '.help' entries
+    of a Trainer argument's class and the '+' of list arguments, which it reads as their
+    option), so a Lightning release that adds or renames one shows here."""
+    from _bnswap_command import lightning_options
+
+    real = {
+        o.rstrip("+")
+        for o in _parser_options(subcommand)
+        if not (o.startswith("--trainer.") and o.endswith(".help"))
+    }
+    assert set(lightning_options(subcommand)) == real
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--nope"],
+        ["train", "--config", "digits_mobilenetv2.yaml", "--trainer.max_epochz", "3"],
+        ["train", "--num_threadz", "2"],
+        ["train", "--trainer.max_epochs=2", "--ckpt-path", "a.ckpt"],
+        ["validate", "--verbse", "false"],
+        ["predict", "--return_predictons", "true"],
+        ["test", "--trainr.max_epochs", "1"],
+        ["compare", "--trainer.max_epochz", "2"],
+        ["train"],
+        ["validate"],
+        ["train", "--config", "nope.yaml"],
+        ["validate", "--config=sub/nope.yml", "--trainer.max_epochs", "1"],
+        ["train", "--config", "nope.yaml", "--nope"],
+        ["train", "--nope", "--config", "nope.yaml"],
+        ["test", "--trainr.max_epochs", "1", "--model", "bnswap.app.task.DigitsClassifier"],
+    ],
+)
+def test_a_usage_error_is_the_parsers_before_lightning_is_imported(
+    capsys, monkeypatch, tmp_path, args
+):
+    """Issue 46: a usage error of a Lightning subcommand took 11-17 s (Lightning's import
+    and the parser's build). The front door finds a mistyped option, a config file that
+    is not there and a run with no model and data first: the same two lines as the full
+    parser prints (run here with the front door's check off)."""
+    import _bnswap_command
+
+    monkeypatch.chdir(tmp_path)
+    errors = []
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(_bnswap_command, "lightning_usage_error", lambda *a: None)
+        with pytest.raises(SystemExit) as exit_:
+            _bnswap_command.main(args)
+        assert exit_.value.code == 2
+        errors.append(capsys.readouterr().err)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"bnswap {args[0]}: error: ")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--config", "digits_mobilenetv2.yaml", "--model.init_args.lr", "0.1"],
+        ["train", "--config", "digits_mobilenetv2.yaml", "--trainer.callbacks.backend", "ort"],
+        ["train", "--model=m.Lit", "--trainer.logger.save_dir", "x"],
+        ["train", "--trainer.callbacks+=bnswap.BNSwap", "--data.batch_size", "8"],
+        ["predict", "--config=digits_mobilenetv2_stock.yaml", "--ckpt_path", "x.ckpt"],
+        ["train", "--config=digits_mobilenetv2.yaml", "--print_config", "--", "--nope"],
+        ["train", "--num_thread", "2", "--ckpt", "a.ckpt", "--model", "m.Lit"],  # expanded
+        ["train", "--config", "digits_mobilenetv2.yaml"],  # a shipped config, by name
+        ["train", "--config", "trainer:\n  max_epochs: 1\n", "--model", "m.Lit"],  # its text
+        ["compare"],
+        ["train", "--trainer.callbacks.backend", "cuda"],  # (the parser reads it first)
+        ["predict", "--num_threads", "2"],
+    ],
+)
+def test_options_the_front_door_cannot_judge_are_left_to_the_parser(args):
+    """Options under a class-valued one (the class is known once parsed), known ones and
+    the start of one (argparse expands an abbreviation, with jsonargparse's deprecation
+    warning) are no usage error of the front door's."""
+    from _bnswap_command import lightning_usage_error
+
+    assert lightning_usage_error(args[0], args[1:]) is None
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--trainr.x", "1"], "unknown option '--trainr.x'; did you mean"),
+        (["--config", "nope.yaml"], "config: File does not exist: "),
+        ([], "missing --data, --model"),
+    ],
+)
+def test_a_usage_error_answers_without_importing_torch_or_lightning(args, said):
+    """Issue 46: ``bnswap train --trainr.max_epochs 3`` answered after 11-17 s; the front
+    door's check imports neither torch nor Lightning."""
+    p = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "_bnswap_command", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    assert p.returncode == 2
+    imported = imported_modules(p.stderr)
+    assert not {"torch", "lightning", "bnswap"} & imported, sorted(imported)[:20]
+    assert f"bnswap train: error: {said}" in p.stderr

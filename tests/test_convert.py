@@ -389,6 +389,14 @@ def test_a_layer_without_tensors_is_planned_for_the_cpu():
             dict(exclude=[nn.BatchNorm2d, None]),
             "exclude takes glob patterns (str) on qualified module names and/or classes, got None",
         ),
+        (  # not iterable (issue 46: list()'s "'int' object is not iterable")
+            dict(exclude=42),
+            "exclude takes glob patterns (str) on qualified module names and/or classes, got 42",
+        ),
+        (
+            dict(include=3.5),
+            "include takes glob patterns (str) on qualified module names and/or classes, got 3.5",
+        ),
     ],
 )
 def test_bad_patterns_name_the_argument_and_the_item(kwargs, message):
@@ -396,7 +404,37 @@ def test_bad_patterns_name_the_argument_and_the_item(kwargs, message):
         bnswap.check_patterns(**kwargs)
     with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
         bnswap.plan(net(), **kwargs)
+    model = net()
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        bnswap.convert(model, **kwargs)
+    assert not any(bnswap.is_swapped(m) for m in model.modules())  # before anything
     bnswap.check_patterns(include="a.*", exclude=(nn.BatchNorm1d, "b"))  # accepted
+
+
+@pytest.mark.parametrize("empty", [[], (), set()], ids=["list", "tuple", "set"])
+def test_an_empty_include_includes_nothing_and_says_so(empty):
+    """Issue 46: include=[] swapped every layer (an empty list read as no include). An
+    include is the list of layers to swap: empty, it swaps none, and a warning says so
+    (None, the default, swaps every layer); an empty exclude excludes nothing."""
+    from bnswap.plan import UnmatchedPatternWarning
+
+    model = net()
+    with pytest.warns(UnmatchedPatternWarning) as caught:
+        assert bnswap.convert(model, include=empty) is model
+    assert [str(w.message) for w in caught] == [
+        "bnswap: include is empty, so it matches no BatchNorm layer and none is swapped "
+        "(include=None, the default, swaps every layer)"
+    ]
+    assert not any(bnswap.is_swapped(m) for m in model.modules())
+    with pytest.warns(UnmatchedPatternWarning):
+        rows = bnswap.plan(model, include=empty).rows
+    assert {(r.action, r.reason, r.excluded) for r in rows} == {
+        ("skip", "not matched by include", True)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bnswap.convert(model, exclude=empty)  # excludes nothing, says nothing
+    assert all(bnswap.is_swapped(m) for m in bns(model))
 
 
 def test_plan_does_not_change_the_model():
@@ -432,8 +470,37 @@ def test_revert_keeps_training_flags_and_hooks_of_a_mixed_mode_model():
         assert torch.equal(a, b), k
 
 
-def test_an_unknown_device_fails_when_planned_not_when_shown():
-    with pytest.raises(RuntimeError, match="Expected one of cpu, cuda"):
+@pytest.mark.parametrize(
+    "device, error, message",
+    [
+        (
+            "gpu",
+            RuntimeError,
+            "bnswap.plan: device 'gpu' is not a device type torch knows (a GPU, NVIDIA's or "
+            "AMD's, is 'cuda'); torch's are cpu, cuda, ",
+        ),
+        ("tpu:0", RuntimeError, "bnswap.plan: device 'tpu' is not a device type torch knows; "),
+        ("cuda:x", RuntimeError, "bnswap.plan: device 'cuda:x' is not one torch reads ("),
+        (2.5, TypeError, "bnswap.plan: device is a torch.device, a str such as 'cuda' or "),
+    ],
+)
+def test_an_unknown_device_fails_when_planned_with_bnswaps_error(device, error, message):
+    """Issue 46: plan(m, device="gpu") gave torch's raw error. bnswap's names torch's device
+    types (read from torch's own error: every type this torch knows) and, for a GPU's
+    name, 'cuda'; torch's exception type. Modules and programs alike, before planning."""
+    ep = torch.export.export(nn.Sequential(nn.BatchNorm2d(3)).eval(), (torch.randn(2, 3, 2, 2),))
+    for target in (net(), ep):
+        with pytest.raises(error) as caught:
+            bnswap.plan(target, device=device)
+        assert str(caught.value).startswith(message), str(caught.value)
+        # (torch's own error is not chained under it: one message)
+        assert caught.value.__cause__ is None
+        assert caught.value.__context__ is None or caught.value.__suppress_context__
+    assert bnswap.plan(net(), device="cuda:1")[0].kernel.startswith("Cudnn")  # (predicted)
+    with pytest.raises(RuntimeError) as torchs:
+        torch.device("gpu")
+    types = str(torchs.value).removeprefix("Expected one of ").partition(" device type")[0]
+    with pytest.raises(RuntimeError, match=re.escape(f"torch's are {types}, with an optional")):
         bnswap.plan(net(), device="gpu")
 
 

@@ -37,7 +37,7 @@ REQUIRED = {
     "bnswap.registry": ["register"],
     "bnswap._swap": ["is_swapped"],
     "bnswap._graph": ["to_stock_ops"],
-    "bnswap.programs": ["convert", "plan", "NodeRow", "ProgramPlan"],
+    "bnswap.programs": ["convert", "plan", "NodeRow", "ProgramPlan", "to_stock_ops"],
     "bnswap.lightning": ["BNSwap"],
     "bnswap.ort": ["wrap"],
 }

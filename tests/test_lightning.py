@@ -600,7 +600,9 @@ def test_include_exclude_are_matched_against_qualified_names():
         trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
     ours = [w for w in caught if str(w.message).startswith("bnswap")]
     assert [str(w.message) for w in ours] == [
-        "bnswap: include pattern 'nope.*' matches no BatchNorm layer"
+        "bnswap: include pattern 'nope.*' matches no BatchNorm layer; BNSwap's patterns "
+        "match qualified names from the LightningModule down, as pl_module.named_modules() "
+        "gives them (e.g. 'b.features.1')"
     ]
     assert ours[0].filename == __file__  # the trainer.fit line, not Lightning's call.py
     assert not any(bnswap.is_swapped(m) for m in model.modules())
@@ -611,6 +613,50 @@ def test_bad_arguments_are_refused_at_construction():
         BNSwap("cudnn")
     with pytest.raises(TypeError, match="glob patterns"):
         BNSwap(include=[3])
+    with pytest.raises(TypeError, match=r"^exclude takes glob patterns .*, got 42$"):
+        BNSwap(exclude=42)
+    # issue 46: the TypeError named the private _BNSwapBase.__init__()
+    with pytest.raises(TypeError, match=r"^BNSwap\.__init__\(\) got an unexpected keyword "):
+        BNSwap(exclud="head.*")
+    # a generator of patterns is read once: every stage plans with it (issue 46)
+    assert BNSwap(exclude=(p for p in ["a.*", "b"])).exclude == ["a.*", "b"]
+
+
+def test_a_pattern_from_inside_an_attribute_warns_with_the_name_that_would_match():
+    """Issue 46: BNSwap(exclude=["features.1"]) for a LightningModule whose net is
+    ``self.net`` matched nothing (names start at the LightningModule's attributes:
+    'net.features.1'), and the warning did not say so. It names the guess, and the layer
+    stays swapped (the pattern left nothing out)."""
+    model, cb = Classifier(), BNSwap(exclude=["features.1"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer([cb], limit_train_batches=1, limit_val_batches=0).fit(model, data())
+    ours = [w for w in caught if str(w.message).startswith("bnswap")]
+    assert [str(w.message) for w in ours] == [
+        "bnswap: exclude pattern 'features.1' matches no BatchNorm layer; BNSwap's patterns "
+        "match qualified names from the LightningModule down, as pl_module.named_modules() "
+        "gives them: did you mean 'net.features.1'?"
+    ]
+    assert ours[0].filename == __file__  # the trainer.fit line
+    assert all(bnswap.is_swapped(m) for m in bn_layers(model).values())
+
+
+def test_two_callbacks_in_one_trainer_are_refused_before_anything_changes():
+    """Issue 46: with two BNSwap callbacks the first swapped every layer at setup and the
+    second's exclude did nothing, silently. Refused at setup, naming both, the model
+    untouched; one callback with the patterns does what the two meant."""
+    model = Classifier()
+    before = state(model)
+    two = [BNSwap(), BNSwap(exclude="net.features.1")]
+    with pytest.raises(ValueError, match=r"^bnswap: this Trainer has 2 BNSwap callbacks \("):
+        trainer(two, limit_train_batches=1, limit_val_batches=0).fit(model, data())
+    assert not any(bnswap.is_swapped(m) for m in bn_layers(model).values())
+    assert_states_equal(before, state(model))
+    one = BNSwap(exclude="net.features.1")
+    trainer([one], limit_train_batches=1, limit_val_batches=0).fit(model, data())
+    assert {n for n, m in bn_layers(model).items() if not bnswap.is_swapped(m)} == {
+        "net.features.1"
+    }
 
 
 # --------------------------------------------------------------------------- sync BN
@@ -715,7 +761,9 @@ def test_sync_batchnorm_deferred_fit_warns_once_for_a_pattern_that_matches_nothi
             cb.teardown(t, model, "fit")
     ours = [w for w in caught if str(w.message).startswith("bnswap")]
     assert [str(w.message) for w in ours] == [
-        "bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer"
+        "bnswap: exclude pattern 'nomatch*' matches no BatchNorm layer; BNSwap's patterns "
+        "match qualified names from the LightningModule down, as pl_module.named_modules() "
+        "gives them (e.g. 'net.features.1')"
     ]
     assert ours[0].filename == __file__
     assert all(type(m) is nn.SyncBatchNorm and bnswap.is_swapped(m) for m in layers.values())

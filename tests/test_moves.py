@@ -27,6 +27,7 @@ from torch import nn
 
 import bnswap
 from tests import moves
+from tests._helpers import consolidated_nodes, to_stock
 
 KINDS = {
     "bn1d_nc": (nn.BatchNorm1d, (6, 3)),
@@ -285,7 +286,7 @@ def test_a_deep_copied_program_converts_plans_and_goes_back_to_stock():
     input_1, which its signature does not follow (ep.validate() raises
     SpecViolationError), though the copy runs. bnswap.convert / plan().apply() of it
     raised that error; they now return a valid program, bitwise the original's, and
-    to_stock_ops mends the copy it rewrites in place."""
+    to_stock_ops mends the copy it returns."""
     from torch._export.verifier import SpecViolationError
 
     ep = _sequential_program()
@@ -309,8 +310,9 @@ def test_a_deep_copied_program_converts_plans_and_goes_back_to_stock():
     again = bnswap.convert(bn)  # a deep copy of bnswap's own program: converted already
     again.validate()
     assert torch.equal(again.module()(x), bn.module()(x))
-    assert bnswap.to_stock_ops(bn) == 1
-    bn.validate()
+    stock, rewritten = to_stock(bn)  # a new program, valid; bn itself unchanged
+    assert rewritten == 1 and stock is not bn and consolidated_nodes(bn) == 1
+    stock.validate()
 
 
 def test_a_program_invalid_otherwise_is_refused_with_torchs_error_before_any_change():

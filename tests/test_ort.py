@@ -159,6 +159,32 @@ def test_affine_false_and_untracked_layers(kw):
 
 
 @pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "untracked"])
+def test_layers_without_num_batches_tracked_run_and_fail_as_stock(tracked):
+    """A torch 0.3-era whole-model pickle's layers have no num_batches_tracked (issue 46):
+    eval (and training without tracking) runs as stock's; training with tracking raises
+    stock's AttributeError, its statistics unchanged."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, track_running_stats=tracked))
+    del ref[1].num_batches_tracked
+    model = copy.deepcopy(ref)
+    wrapped = bnswap.convert(model, backend="ort")
+    x = torch.randn(4, 3, 3, 3)
+    for m in (ref, wrapped):
+        m.eval()
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+    for m in (ref, wrapped):
+        m.train()
+    if tracked:
+        message = "'BatchNorm2d' object has no attribute 'num_batches_tracked'"
+        with pytest.raises(AttributeError, match=message), buffers_unchanged(model):
+            wrapped(x)
+        with pytest.raises(AttributeError, match=message):
+            ref(x)
+    else:
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "untracked"])
 def test_affine_false_layers_of_one_width(tracked):
     """Three affine=False layers of width 4: traced as constants, their ones / zeros are
     one value, which ORT 1.19.2 merges and then cannot differentiate ("Duplicate

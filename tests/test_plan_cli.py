@@ -1187,3 +1187,28 @@ def _import_user_module():
 
     _bnswap_command.import_from_cwd()
     return importlib.import_module("mymodels")
+
+
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        (["--model.widht", "4"], "unknown option '--model.widht'; did you mean '--model.width'?"),
+        (
+            ["--model.init_args.widht=4"],
+            "unknown option '--model.init_args.widht'; did you mean '--model.init_args.width'?",
+        ),
+        (["--model.zzzzz", "4"], "unknown option '--model.zzzzz'"),  # nothing close
+    ],
+)
+def test_a_class_models_mistyped_argument_gets_a_did_you_mean(capsys, user_models, given, said):
+    """Issue 46: ``--model mymodels.Net --model.widht 4`` said jsonargparse's "model: Option
+    'widht' is not accepted" where a function's typo got "did you mean". The same line for
+    a class, from its constructor's parameters, in the form given."""
+    user_models(ISSUE26_MODELS)
+    code, out, err = front_door(capsys, "plan", "--model", "mymodels.Net", *given)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"bnswap plan: error: {said}",
+        "(bnswap plan --help lists every option)",
+    ]
+    assert front_door(capsys, "plan", "--model", "mymodels.Net", "--model.width", "5")[0] == 0

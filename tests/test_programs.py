@@ -15,6 +15,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import bnswap
+from tests._helpers import to_stock
 
 X = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
 CONSOLIDATED = {
@@ -129,8 +130,9 @@ def test_converted_dynamic_batch_program_refuses_an_empty_batch_before_any_state
         assert EMPTY_BATCH_MESSAGE in str(err.value)
         assert all(torch.equal(before[k], v) for k, v in mod.state_dict().items())
     ref, gm = ep.module(), new.module()
-    # (in eval, the one node with batch statistics, and with core_aten the two eval nodes)
-    assert bnswap.to_stock_ops(gm, core_aten=decomposed) == (3 if train or decomposed else 1)
+    # the graph module, in place; in eval the one node with batch statistics is bnswap's
+    # (with core_aten the two eval nodes go back to _native_batch_norm_legit_no_training too)
+    assert to_stock(gm, core_aten=decomposed) == (gm, 3 if train else 1)
     assert "got an empty input" not in gm.code  # the assertions went with the nodes
     assert bn_ops(gm) == bn_ops(ref)  # stock's ops again, node for node
     empty = torch.randn(0, 3, 8, 8)
@@ -422,6 +424,33 @@ def test_a_program_pattern_that_matches_no_node_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         bnswap.plan(ep, include=["batch_norm*"])  # matches: no warning
+
+
+@pytest.mark.parametrize("patterns", [{"include": []}, {"exclude": 42}], ids=["empty", "int"])
+def test_a_programs_empty_include_includes_nothing_and_a_bad_pattern_is_bnswaps_error(patterns):
+    """Issue 46: as for a module, include=[] includes no node (it converted every one) and
+    says so; exclude=42 gets bnswap's TypeError (it was list()'s "'int' object is not
+    iterable"), before anything changes."""
+    ep = torch.export.export(model().eval(), (X,))
+    if "exclude" in patterns:
+        with pytest.raises(
+            TypeError,
+            match=r"^exclude takes glob patterns \(str\) on node "
+            r"names for a program, got 42$",
+        ):
+            bnswap.convert(ep, **patterns)
+        return
+    seen, new = _unmatched_warnings(lambda: bnswap.convert(ep, **patterns))
+    assert seen == [
+        "bnswap: include is empty, so it matches no batch-norm node and none is swapped "
+        "(include=None, the default, swaps every node)"
+    ]
+    assert new is ep and bn_ops(ep.module()) == bn_ops(
+        torch.export.export(model().eval(), (X,)).module()
+    )
+    assert {(r.action, r.reason) for r in bnswap.plan(ep, **patterns)} == {
+        ("skip", "not matched by include")
+    }
 
 
 def _unmatched_warnings(fn):

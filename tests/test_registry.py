@@ -386,3 +386,229 @@ def test_timm_entry_is_resolved_only_when_a_model_holds_the_class():
     lines = out.strip().splitlines()
     assert lines[0] == "BatchNormAct2d keep bnswap.adapters.timm.batch_norm_act_2d"
     assert lines[1] == lines[2]  # train output, eval output, gradients, statistics
+
+
+# --- a class-level forward patch (issue 46: MEMO-like test-time adaptation) ----------
+
+
+class Memo:
+    """A MEMO-like test-time adaptation patch: a forward that normalizes with the running
+    statistics mixed with the batch's (prior 0.8), counting its calls. Both the stock
+    model and the converted one run it, so their outputs must be equal."""
+
+    def __init__(self):
+        self.calls = 0
+
+        def memo_forward(layer, input):
+            self.calls += 1
+            batch = input.detach()
+            dims = [0, *range(2, batch.dim())]
+            mean = 0.8 * layer.running_mean + 0.2 * batch.mean(dims)
+            var = 0.8 * layer.running_var + 0.2 * batch.var(dims, unbiased=False)
+            return F.batch_norm(input, mean, var, layer.weight, layer.bias, False, 0.0, layer.eps)
+
+        self.forward = memo_forward
+
+
+@pytest.fixture
+def patch_forward():
+    """``patch_forward(cls, fn)``: ``cls.forward = fn`` as the user's code does, the class's
+    own entry (bnswap's dispatcher on ``_BatchNorm`` in this process, or none) put back
+    after the test."""
+    saved: list[tuple[type, object]] = []
+
+    def put_back(cls: type, before: object) -> None:
+        if before is None:
+            if "forward" in vars(cls):
+                del cls.forward
+        else:
+            cls.forward = before
+
+    def patch(cls: type, fn):
+        """Returns what puts the class's own entry back now."""
+        saved.append((cls, vars(cls).get("forward")))
+        cls.forward = fn
+        return lambda: put_back(*saved[-1])
+
+    yield patch
+    for cls, before in reversed(saved):
+        put_back(cls, before)
+
+
+def _tta_net() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+    )
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+_PATCHED = {"BatchNorm2d": nn.BatchNorm2d, "_BatchNorm": torch.nn.modules.batchnorm._BatchNorm}
+
+
+def _memo_adapter(memo: Memo):
+    """An adapter that runs ``memo``'s function on bnswap's kernel (the fix the reason
+    names), counting its own calls."""
+    seen = []
+
+    def adapter(layer, x):
+        seen.append(layer)
+        layer._check_input_dim(x)
+        batch = x.detach()
+        mean = 0.8 * layer.running_mean + 0.2 * batch.mean((0, 2, 3))
+        var = 0.8 * layer.running_var + 0.2 * batch.var((0, 2, 3), unbiased=False)
+        return torch.batch_norm(
+            x, layer.weight, layer.bias, mean, var, False, 0.0, layer.eps, False
+        )
+
+    return adapter, seen
+
+
+@pytest.mark.parametrize("patched", sorted(_PATCHED))
+def test_class_patch_before_convert_is_an_override(clean_registry, patch_forward, patched):
+    """Order 1 (patch, then build and convert): a forward that is not the function torch
+    defined is an override, as a subclass's is: the layers are skipped, the reason names
+    the patch and the fix, and the user's function runs (as in stock, the same outputs).
+    Registering an adapter for the class swaps them onto it."""
+    memo = Memo()
+    patch_forward(_PATCHED[patched], memo.forward)
+    stock, model = _tta_net(), _tta_net()
+    assert registry.overrides_forward(nn.BatchNorm2d)
+    assert registry.replaced_forward(nn.BatchNorm2d) == (_PATCHED[patched], memo.forward)
+    with pytest.warns(UserWarning, match="class-level patch replaced needs an adapter"):
+        bnswap.convert(model)
+    rows = bnswap.plan(model).rows
+    assert [r.action for r in rows] == ["skip", "skip"]
+    assert rows[0].reason == (
+        f"{patched}.forward is not torch's (a class-level patch put "
+        f"{_qual(memo.forward)} there); swapping would drop it; register an adapter: "
+        "bnswap.register(BatchNorm2d, <function>), see the 'Adapters' guide of bnswap's "
+        "documentation"
+    )
+    assert not any(bnswap.is_swapped(m) for m in model.modules())
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        out = model(x)
+        assert memo.calls == 2
+        assert torch.equal(out, stock(x)) and memo.calls == 4
+
+    adapter, seen = _memo_adapter(memo)
+    bnswap.register(nn.BatchNorm2d, adapter)
+    bnswap.convert(model)
+    assert [r.action for r in bnswap.plan(model)] == ["keep", "keep"]
+    with torch.no_grad():
+        assert torch.equal(model(x), stock(x))
+    assert len(seen) == 2 and memo.calls == 6  # the adapter ran, the patch only for stock
+    bnswap.revert(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), stock(x))
+    assert len(seen) == 2 and memo.calls == 10  # reverted: the user's function again
+
+
+@pytest.mark.parametrize("patched", sorted(_PATCHED))
+def test_class_patch_after_convert_runs_and_is_said(clean_registry, patch_forward, patched):
+    """Order 2 (convert, then patch the class): the user's function runs (as in stock:
+    the same outputs); bnswap says so with one warning, ``is_swapped`` is False, ``plan``
+    skips the layers naming the patch, and ``convert`` drops the swap that no longer
+    runs. Putting torch's forward back needs a convert to swap them again."""
+    stock, model = _tta_net(), _tta_net()
+    bnswap.convert(model)
+    assert all(bnswap.is_swapped(m) for m in (model[1], model[4]))
+    memo = Memo()
+    put_back = patch_forward(_PATCHED[patched], memo.forward)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        out = model(x)
+        assert memo.calls == 2
+        assert torch.equal(out, stock(x)) and memo.calls == 4
+    with pytest.warns(UserWarning) as caught:
+        assert not bnswap.is_swapped(model[1]) and not bnswap.is_swapped(model[4])
+        assert bnswap._swap.adapter_of(model[1]) is None
+    assert [str(w.message) for w in caught] == [
+        f"bnswap: {patched}.forward was replaced after bnswap swapped layers that run it (by "
+        f"{_qual(memo.forward)}, a class-level patch): that function runs for them, not "
+        "bnswap's forward (which runs only where that function calls the forward it "
+        "replaced). bnswap.is_swapped(layer) is False for them and bnswap.plan skips them; "
+        "to run your function on bnswap's kernel, register an adapter that does what it does "
+        "(bnswap.register(<class>, <function>), see the 'Adapters' guide of bnswap's "
+        "documentation) and convert again"
+    ]  # once: not again for the second layer, nor for the calls below
+    rows = bnswap.plan(model).rows
+    assert [r.action for r in rows] == ["skip", "skip"]
+    assert rows[0].reason.startswith(f"{patched}.forward is not torch's (a class-level patch")
+    assert rows[0].reason.endswith(
+        "; convert drops its swap, made before the patch (it no longer runs)"
+    )
+    with pytest.warns(UserWarning, match="class-level patch replaced needs an adapter"):
+        bnswap.convert(model)
+    assert SWAP not in vars(model[1]) and SWAP not in vars(model[4])
+    with torch.no_grad():
+        assert torch.equal(model(x), stock(x)) and memo.calls == 8
+    put_back()  # torch's forward (bnswap's dispatcher) again: the layers are stock's
+    assert not any(bnswap.is_swapped(m) for m in model.modules())
+    bnswap.convert(model)
+    assert [r.action for r in bnswap.plan(model)] == ["keep", "keep"]
+    with torch.no_grad():
+        assert torch.equal(model(x), stock(x)) and memo.calls == 8
+
+
+def test_class_patch_that_calls_the_dispatcher_is_no_bypass_for_a_subclass():
+    """higher's ``monkeypatch`` makes a subclass whose forward calls the class's (bnswap's
+    dispatcher): the copy stays swapped, no warning. A subclass of the user's own is no
+    replacement either."""
+
+    class Patched(nn.BatchNorm2d):
+        def forward(self, x):
+            return nn.BatchNorm2d.forward(self, x)
+
+    layer = bnswap.convert(nn.BatchNorm2d(3))
+    copy_ = copy.copy(layer)
+    copy_.__dict__.update(layer.__dict__)
+    copy_.__class__ = Patched
+    assert bnswap._swap.bypass_of(copy_) is None and bnswap.is_swapped(copy_)
+
+
+def test_class_patch_before_the_first_swap_of_a_process():
+    """MEMO's own order in a fresh process: ``_BatchNorm.forward`` replaced before bnswap
+    put anything on it. The layers are skipped; an adapter registered for the class runs
+    (the dispatcher then stands for the user's function, which the stock layers of other
+    classes keep running)."""
+    out = _run("""
+        import warnings
+        import torch, torch.nn.functional as F
+        from torch import nn
+        from torch.nn.modules.batchnorm import _BatchNorm
+        import bnswap
+        calls = []
+        def memo(self, input):
+            calls.append(type(self).__name__)
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
+                                self.bias, False, 0.0, self.eps)
+        _BatchNorm.forward = memo
+        model = nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm1d(3)).eval()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            bnswap.convert(model)
+        print(len(w), [r.action for r in bnswap.plan(model)])
+        seen = []
+        def adapter(layer, x):
+            seen.append(1)
+            return bnswap.module_batch_norm(layer, x)
+        bnswap.register(nn.BatchNorm2d, adapter)
+        bnswap.convert(model)
+        print([r.action for r in bnswap.plan(model)], _BatchNorm.forward is not memo)
+        x = torch.randn(2, 3, 1, 1)
+        with torch.no_grad():
+            y = model[1](model[0](x).flatten(1))
+        print(len(seen), calls)
+    """)
+    assert out.splitlines() == [
+        "1 ['skip', 'skip']",
+        "['keep', 'skip'] True",
+        "1 ['BatchNorm1d']",
+    ]

@@ -193,6 +193,13 @@ def test_errors_on_many_ranks(ranks):
         assert shape == (0, 3) and int(state["num_batches_tracked"]) == 1
         assert torch.equal(state["running_mean"], torch.zeros(3))
         assert torch.equal(state["running_var"], torch.ones(3))
+        # a layer without num_batches_tracked (issue 46): stock's AttributeError in
+        # training with tracking, before any collective or state change; runs otherwise
+        assert e["no_counter"] == {
+            True: "'SyncBatchNorm' object has no attribute 'num_batches_tracked'; state same: True",
+            False: True,
+            "eval": True,
+        }
     assert results[0]["errors"]["not_member"] is None  # a group of one rank: unsynchronized
     assert "is not in the layer's process_group" in results[1]["errors"]["not_member"]
     assert results[0]["errors"]["plan_sync"] == ["group of 1 rank", "WORLD, 2 ranks"]

@@ -119,7 +119,7 @@ class DigitsDataModule(pl.LightningDataModule):
         self.train_set = TensorDataset(xt, yt)
         self.val_set = TensorDataset(xv, yv)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader[Any]:
         assert self.train_set is not None, "call setup() first"
         self._sampler = EpochShuffleSampler(len(self.train_set), self.seed)
         if self._resume is not None:
@@ -136,7 +136,7 @@ class DigitsDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
         )
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader[Any]:
         assert self.val_set is not None, "call setup() first"
         return DataLoader(
             self.val_set,
@@ -145,10 +145,10 @@ class DigitsDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
         )
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> DataLoader[Any]:
         return self.val_dataloader()
 
-    def predict_dataloader(self) -> DataLoader:
+    def predict_dataloader(self) -> DataLoader[Any]:
         return self.val_dataloader()
 
     # -- checkpointing: where in the epoch a mid-epoch checkpoint was taken ----------

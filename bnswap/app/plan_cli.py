@@ -54,7 +54,7 @@ from torch import nn
 
 import bnswap
 from bnswap.app.configs import resolve as resolve_config
-from bnswap.app.messages import import_path, short_error, unrecognized_error
+from bnswap.app.messages import did_you_mean, import_path, short_error, unrecognized_error
 from bnswap.extras import install_hint
 
 __all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "convert_main", "main", "render"]
@@ -543,6 +543,40 @@ def _untyped_hint(text: str) -> str | None:
     )
 
 
+_NOT_ACCEPTED = re.compile(r"Option '(?P<name>[^']+)' is not accepted")
+
+
+def _class_option_error(message: str, argv: Sequence[str]) -> str | None:
+    """jsonargparse's "Option 'widht' is not accepted" for ``--model.widht`` where
+    ``--model`` is a class (issue 46: a function's mistyped argument got a did-you-mean,
+    a class's did not) as the function's line: ``unknown option '--model.widht'; did
+    you mean '--model.width'?``, the closest of the class's constructor parameters, in
+    the form given (``--model.init_args.widht`` too). None for any other message."""
+    refused = _NOT_ACCEPTED.search(message)
+    if refused is None:
+        return None
+    name = refused.group("name")
+    given = next(
+        (
+            key
+            for a in argv
+            if (key := a.split("=", 1)[0]).startswith("--model.") and key.rsplit(".", 1)[-1] == name
+        ),
+        None,
+    )
+    cls = import_path(_model_path(argv) or "")
+    if given is None or not inspect.isclass(cls):
+        return None
+    prefix = given[: len(given) - len(name)]
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    close = did_you_mean(name, names)  # (on the names alone: the prefix is common to all)
+    return f"unknown option {given!r}" + close.replace("mean '", f"mean '{prefix}", 1)
+
+
 _WARNING_PREFIX = re.compile(r"^bnswap(?:\.convert)?: ")
 
 
@@ -638,7 +672,11 @@ def main(argv: Sequence[str]) -> int:
             if "does not correspond to a subclass of Module" in str(e)
             else "(bnswap plan --help lists every option)"
         )
-        text = unrecognized_error(str(e), _options(parser)) or short_error(str(e))
+        text = (
+            _class_option_error(str(e), argv)
+            or unrecognized_error(str(e), _options(parser))
+            or short_error(str(e))
+        )
         text = text.replace("model_args.", "model.")
         if (untyped := _untyped_hint(text)) is not None:  # the help would not help
             return _usage_error(untyped)

@@ -320,7 +320,7 @@ def unwrap(wrapper: nn.Module) -> nn.Module:
     return model
 
 
-def executed_ops(model: nn.Module, training: bool | None = None) -> collections.Counter:
+def executed_ops(model: nn.Module, training: bool | None = None) -> collections.Counter[str]:
     """Op types of the graph ONNX Runtime runs for ``model`` (its optimized session graph).
 
     Args:
@@ -372,7 +372,7 @@ def executed_ops(model: nn.Module, training: bool | None = None) -> collections.
         import onnx
 
         model = onnx.load(path, load_external_data=False)
-        counter: collections.Counter = collections.Counter(n.op_type for n in model.graph.node)
+        counter: collections.Counter[str] = collections.Counter(n.op_type for n in model.graph.node)
         for fn in model.functions:
             counter.update(n.op_type for n in fn.node)
         cache[mode] = counter

@@ -83,7 +83,7 @@ _EXT_PKG = _ORTM + ".torch_cpp_extensions"
 
 _lock = threading.RLock()
 #: Modules wrapped by :func:`bnswap.ort.wrap`: only their exports get bnswap's symbolics.
-BNSWAP_MODULES: weakref.WeakSet = weakref.WeakSet()
+BNSWAP_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _applied = False
 _scope_depth = 0
 
@@ -148,13 +148,13 @@ def _registry() -> Any:
     return importlib.import_module(f"{_TSE}.registration").registry
 
 
-def _snapshot_registry() -> dict[str, dict]:
+def _snapshot_registry() -> dict[str, dict[Any, Any]]:
     return {
         name: dict(group._functions._overrides) for name, group in _registry()._registry.items()
     }
 
 
-def _restore_registry(snap: dict[str, dict]) -> None:
+def _restore_registry(snap: dict[str, dict[Any, Any]]) -> None:
     reg = _registry()
     for name in list(reg._registry):
         group = reg._registry[name]
@@ -250,7 +250,7 @@ def _unwrap_ort_overrides() -> None:
     """Put back the torch functions ORTModule's ``__init__`` replaced (also when an earlier
     failed ``import onnxruntime.training`` replaced them, possibly more than once)."""
 
-    def original(fn: Callable, holder: str) -> Callable:
+    def original(fn: Callable[..., Any], holder: str) -> Callable[..., Any]:
         seen = 0
         while (getattr(fn, "__module__", "") or "").startswith("onnxruntime") and seen < 8:
             seen += 1

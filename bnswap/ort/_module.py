@@ -78,16 +78,16 @@ class WrapperState:
     eager: bool = False  # ORT failed with fallback="aten": the model runs eagerly
     verification: Verification = Verification.NEXT_STEP
     warned_eval_grad: bool = False
-    export_keys: dict[bool, tuple] = field(default_factory=dict)
+    export_keys: dict[bool, tuple[Any, ...]] = field(default_factory=dict)
     ort_forward: Callable[..., Any] | None = None
     graph_files: dict[str, str] = field(default_factory=dict)
     ops: dict[str, Any] = field(default_factory=dict)
     tmp: str | None = None
     # wrapper[a:b] of a wrapped container: (index, the slice's children) -> its wrapper
-    slices: dict[tuple, Any] = field(default_factory=dict)
+    slices: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     debug_options: Any = None  # ORT's DebugOptions the wrapper was made with
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         keep = ("model", "fallback", "session_options", "stats", "eager")
         state = {k: v for k, v in self.__dict__.items() if k in keep}
         # a whole-model pickle leaves the layers' swap and internal buffers out (bnswap's
@@ -100,7 +100,7 @@ class WrapperState:
         }
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         adapters = state.pop("adapters", {})
         self.__init__(**state)  # type: ignore[misc]  # rebuilt in place from its pickle
         modules = dict(self.model.named_modules())
@@ -293,7 +293,7 @@ class BNSwapORTModule(_ORTModule):
         with _original.wrapper_call():  # the wrapper's own calls of its model never warn
             return self._bnswap_forward_inner(args, kwargs)
 
-    def _bnswap_forward_inner(self, args: tuple, kwargs: dict) -> Any:
+    def _bnswap_forward_inner(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         state = self._bnswap_state()
         model = state.model
         if state.eager or _recorded_elsewhere():
@@ -331,7 +331,12 @@ class BNSwapORTModule(_ORTModule):
             flat.training = training  # its only child is the wrapped model
 
     def _bnswap_check_export(
-        self, mods: list, layers: list, args: tuple, kwargs: dict, training: bool
+        self,
+        mods: list[Any],
+        layers: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        training: bool,
     ) -> None:
         """Re-export when something the exported graph baked in has changed.
 
@@ -384,8 +389,12 @@ class BNSwapORTModule(_ORTModule):
 
     @staticmethod
     def _bnswap_export_key(
-        mods: list, layers: list, args: tuple, kwargs: dict, training: bool
-    ) -> tuple:
+        mods: list[Any],
+        layers: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        training: bool,
+    ) -> tuple[Any, ...]:
         """What the exported graph depends on, from one pass over ``mods`` (the model's
         ``named_modules()``): its structure, the identity of every Parameter / buffer
         slot (ORT feeds the tensors it found at export; a replaced one would be ignored),
@@ -403,7 +412,7 @@ class BNSwapORTModule(_ORTModule):
                 grads.append(p is not None and p.requires_grad)
             tensors.extend(id(b) for b in m._buffers.values())
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key: tuple = (
+        key: tuple[Any, ...] = (
             tuple(structure),
             tuple(tensors),
             tuple((m.track_running_stats, float(m.eps)) for _, m in layers),
@@ -434,7 +443,9 @@ class BNSwapORTModule(_ORTModule):
                 stacklevel=5,
             )
 
-    def _bnswap_train_step(self, layers: list, args: tuple, kwargs: dict) -> Any:
+    def _bnswap_train_step(
+        self, layers: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """One training forward on ORT, the running statistics by PyTorch's rule."""
         state = self._bnswap_state()
         grad = torch.is_grad_enabled()
@@ -470,13 +481,13 @@ class BNSwapORTModule(_ORTModule):
             state.verification = Verification.DONE
         return out
 
-    def _bnswap_eval_step(self, args: tuple, kwargs: dict) -> Any:
+    def _bnswap_eval_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return self._bnswap_ort_call(args, kwargs)
         except ORTRunError as err:
             return self._bnswap_fallback(err, args, kwargs)
 
-    def _bnswap_ort_call(self, args: tuple, kwargs: dict) -> Any:
+    def _bnswap_ort_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """ORT's own forward; its errors become :class:`ORTRunError`."""
         try:
             ort_forward = self._bnswap_state().ort_forward
@@ -490,7 +501,9 @@ class BNSwapORTModule(_ORTModule):
                 ) from err
             raise
 
-    def _bnswap_fallback(self, err: ORTRunError, args: tuple, kwargs: dict) -> Any:
+    def _bnswap_fallback(
+        self, err: ORTRunError, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         state = self._bnswap_state()
         if state.fallback != "aten":
             raise err
@@ -504,7 +517,7 @@ class BNSwapORTModule(_ORTModule):
         return state.model(*args, **kwargs)
 
     # ------------------------------------------------------------- pickling
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state: dict[str, Any] = super().__getstate__()
         # Bound methods are rebuilt by __setstate__. The key stays (as None): ORT's
         # __setstate__ assigns self.forward, and ORTModule.__setattr__ forwards a name
@@ -512,7 +525,7 @@ class BNSwapORTModule(_ORTModule):
         state["forward"] = None
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         # copy.deepcopy / pickle / torch.save: ORT rebuilds its managers; the copy exports
         # and verifies afresh on its first call.
         with _compat.ort_scope():

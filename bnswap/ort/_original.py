@@ -44,7 +44,7 @@ class UnwrappedCallWarning(UserWarning):
 
 _local = threading.local()
 # wrapped model -> [weakref to its wrapper, warned yet]
-_wrapped: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+_wrapped: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -105,14 +105,14 @@ def _user_level() -> int:
     return level
 
 
-class _PreHooks(collections.OrderedDict):
+class _PreHooks(collections.OrderedDict[Any, Any]):
     """A wrapped model's ``_forward_pre_hooks``: torch's ``OrderedDict`` (the same entries,
     order and handles; torch's ``RemovableHandle`` holds a weak reference to it) that
     pickles, and copies, as a plain ``collections.OrderedDict`` without the internal hooks
     (:data:`bnswap._swap.INTERNAL_HOOK`): a pickle of the model names nothing of bnswap's,
     and a copy is not wrapped (the hook would have nothing to warn of there)."""
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # stock's own reduction of an OrderedDict (class, no arguments, no state, the
         # items), so the bytes are those of the model never wrapped
         return (

@@ -67,7 +67,7 @@ def leaf_key(x: Any) -> Any:
     return (type(x).__name__, x if isinstance(x, (int, float, bool, str, type(None))) else id(x))
 
 
-def _signature(args: tuple, kwargs: dict) -> tuple:
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return (
         str(spec),
@@ -89,7 +89,7 @@ class RunningStats:
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         # input signature -> {BatchNorm layer's qualified name: its input shape per call}
-        self._shapes: dict[tuple, dict[str, list[tuple[int, ...]]]] = {}
+        self._shapes: dict[tuple[Any, ...], dict[str, list[tuple[int, ...]]]] = {}
         #: Whether the last :meth:`step` verified ORT's write for every layer that ran.
         self.verified = False
 
@@ -100,7 +100,7 @@ class RunningStats:
         seen: dict[str, list[tuple[int, ...]]] = {}
 
         def hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
-            def pre(_mod: nn.Module, inputs: tuple) -> None:
+            def pre(_mod: nn.Module, inputs: tuple[Any, ...]) -> None:
                 seen.setdefault(name, []).append(tuple(inputs[0].shape))
 
             return pre
@@ -118,7 +118,7 @@ class RunningStats:
                 h.remove()
         return seen
 
-    def _meta_pass(self, args: tuple, kwargs: dict) -> None:
+    def _meta_pass(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``root`` on meta copies of its tensors and of the inputs: shapes only, no
         compute, no state touched."""
         state: dict[str, torch.Tensor] = {}
@@ -132,7 +132,7 @@ class RunningStats:
         )
         functional_call(self.root, state, margs, mkwargs)
 
-    def _real_pass(self, args: tuple, kwargs: dict) -> None:
+    def _real_pass(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """``root`` on the inputs, every buffer restored afterwards."""
         saved = [(b, b.clone()) for b in self.root.buffers()]
         try:
@@ -141,7 +141,9 @@ class RunningStats:
             for b, old in saved:
                 b.copy_(old)
 
-    def input_shapes(self, args: tuple, kwargs: dict) -> dict[str, list[tuple[int, ...]]]:
+    def input_shapes(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, list[tuple[int, ...]]]:
         """The input shape of every call of every BatchNorm layer of ``root`` (keyed by
         its qualified name) for these inputs, from a shape-only pass on the meta device (a
         real no-grad pass, buffers restored, when the model cannot run on meta). Cached
@@ -165,7 +167,7 @@ class RunningStats:
         return shapes
 
     def reduction_sizes(
-        self, args: tuple, kwargs: dict, layers: list[tuple[str, _BatchNorm]]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], layers: list[tuple[str, _BatchNorm]]
     ) -> list[int | None]:
         """Values per channel (``N * prod(spatial)``) each of ``layers`` sees for these
         inputs; None for a layer the forward does not run. ``layers``: (qualified name in
@@ -194,7 +196,7 @@ class RunningStats:
         return sizes
 
     def empty_inputs(
-        self, args: tuple, kwargs: dict, layers: list[tuple[str, _BatchNorm]]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], layers: list[tuple[str, _BatchNorm]]
     ) -> tuple[bool, ...]:
         """Per layer of ``layers``: whether a call of it gets an empty input for these
         inputs. A graph traced then holds no batch norm for that layer (the core's
@@ -209,8 +211,8 @@ class RunningStats:
     # -------------------------------------------------------------------- step
     def step(
         self,
-        args: tuple,
-        kwargs: dict,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         run: Callable[[], T],
         *,
         verify: bool,

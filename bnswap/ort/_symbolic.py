@@ -244,7 +244,7 @@ def keep_running_stat_aliases(model: onnx.ModelProto) -> int:
 
     graph = model.graph
     outputs = {o.name for o in graph.output}
-    consumers: dict[str, list] = {}
+    consumers: dict[str, list[Any]] = {}
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
