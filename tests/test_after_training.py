@@ -298,7 +298,8 @@ def test_torchao_pt2e_prepare_gives_stocks_graph(qat):
         gm = torch.export.export(m, (X,)).module()
         quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_qat=qat))
         prepared = (prepare_qat_pt2e if qat else prepare_pt2e)(gm, quantizer)
-        assert to_stock(prepared) == (prepared, 2 if qat and m is swapped else 0)
+        # (bnswap hands torchao stock's graph and puts nothing back: stock's prepared graph)
+        assert to_stock(prepared) == (prepared, 0)
         ops = collections.Counter(
             str(n.target) for n in prepared.graph.nodes if n.op == "call_function"
         )

@@ -431,7 +431,7 @@ def test_a_programs_empty_include_includes_nothing_and_a_bad_pattern_is_bnswaps_
     """Issue 46: as for a module, include=[] includes no node (it converted every one) and
     says so; exclude=42 gets bnswap's TypeError (it was list()'s "'int' object is not
     iterable"), before anything changes."""
-    ep = torch.export.export(model().eval(), (X,))
+    ep = torch.export.export(model().train(), (X,))
     if "exclude" in patterns:
         with pytest.raises(
             TypeError,
@@ -446,7 +446,7 @@ def test_a_programs_empty_include_includes_nothing_and_a_bad_pattern_is_bnswaps_
         "(include=None, the default, swaps every node)"
     ]
     assert new is ep and bn_ops(ep.module()) == bn_ops(
-        torch.export.export(model().eval(), (X,)).module()
+        torch.export.export(model().train(), (X,)).module()
     )
     assert {(r.action, r.reason) for r in bnswap.plan(ep, **patterns)} == {
         ("skip", "not matched by include")
