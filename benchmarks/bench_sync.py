@@ -101,16 +101,16 @@ def add_floor_hooks(model: nn.Module, group, world: int) -> nn.Module:
     """``model`` (unsynchronized) with each BatchNorm layer's collectives and nothing
     else: its all_gather of 2C + 1 floats before its forward, its backward collective of
     2C floats when its output gradient is ready; ``bnswap.sync``'s own calls."""
-    from bnswap import sync
+    from bnswap import _global_batch
 
     for m in bn_layers(model):
         c = m.num_features
 
         def pre(mod, args, c=c):
-            sync._all_gather(args[0].new_zeros(2 * c + 1), group, world, False)
+            _global_batch._all_gather(args[0].new_zeros(2 * c + 1), group, world, False)
 
         def backward_collective(grad, c=c) -> None:
-            sync._sum_over_ranks(grad.new_zeros(2 * c), group, world, False)
+            _global_batch._sum_over_ranks(grad.new_zeros(2 * c), group, world, False)
 
         def post(mod, args, out):
             if out.requires_grad:
@@ -124,13 +124,13 @@ def add_floor_hooks(model: nn.Module, group, world: int) -> nn.Module:
 def collectives_alone(channels: list[int], group, world: int):
     """The synchronized step's collectives back to back: the all_gathers in forward
     order, the backward collectives in reverse."""
-    from bnswap import sync
+    from bnswap import _global_batch
 
     def run() -> None:
         for c in channels:
-            sync._all_gather(torch.zeros(2 * c + 1), group, world, False)
+            _global_batch._all_gather(torch.zeros(2 * c + 1), group, world, False)
         for c in reversed(channels):
-            sync._sum_over_ranks(torch.zeros(2 * c), group, world, False)
+            _global_batch._sum_over_ranks(torch.zeros(2 * c), group, world, False)
 
     return run
 
@@ -338,11 +338,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bnswap
-    from bnswap import sync
+    from bnswap import _global_batch
 
     group = dist.group.WORLD
     own = dist.new_group(list(range(world)))  # (every rank creates it, in the same order)
-    other = "all_reduce" if sync._BACKWARD_COLLECTIVE == "all_gather" else "all_gather"
+    other = "all_reduce" if _global_batch._BACKWARD_COLLECTIVE == "all_gather" else "all_gather"
     results = {}
     for name in args.nets.split(","):
         factory, batch, ch, hw = nets()[name]
@@ -373,9 +373,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             steps[key] = step
         steps["collectives"] = collectives_alone(channels, group, world)
         # what bnswap.sync did not keep, on the same model as "sync"
-        steps[f"sync, backward {other}"] = _with(sync, "_BACKWARD_COLLECTIVE", other, steps["sync"])
-        if sync._EAGER_C10D:
-            steps["sync, functional collectives"] = _with(sync, "_EAGER_C10D", False, steps["sync"])
+        steps[f"sync, backward {other}"] = _with(
+            _global_batch, "_BACKWARD_COLLECTIVE", other, steps["sync"]
+        )
+        if _global_batch._EAGER_C10D:
+            steps["sync, functional collectives"] = _with(
+                _global_batch, "_EAGER_C10D", False, steps["sync"]
+            )
         counts = {k: count_collectives(s) for k, s in steps.items()}
         times = rounds(steps, args.rounds, args.warmup)
         main = {part: {k: times[part][k] for k in VARIANTS} for part in ("wall", "cpu")}
@@ -524,15 +528,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     sys.path.insert(0, ROOT)
     from benchmarks.harness import machine_info
-    from bnswap import sync
+    from bnswap import _global_batch
 
     doc = {
         "machine": machine_info(),
         "threads_per_rank": 1,
         "rounds": args.rounds,
         "warmup": args.warmup,
-        "backward_collective": sync._BACKWARD_COLLECTIVE,
-        "eager_c10d": sync._EAGER_C10D,
+        "backward_collective": _global_batch._BACKWARD_COLLECTIVE,
+        "eager_c10d": _global_batch._EAGER_C10D,
         "command": " ".join(["python -m benchmarks.bench_sync", *(argv or sys.argv[1:])]),
         "results": {},
     }

@@ -15,11 +15,12 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from bnswap import _compat  # noqa: F401  (registers its patches for the first swap)
+from bnswap._patterns import check_patterns
 from bnswap._swap import is_swapped
-from bnswap.convert import convert, revert
+from bnswap.convert import convert, plan, revert
 from bnswap.functional import module_batch_norm
 from bnswap.layers import BatchNorm1d, BatchNorm2d, BatchNorm3d
-from bnswap.plan import Plan, PlanRow, check_patterns, plan
+from bnswap.plan import Plan, PlanRow
 from bnswap.programs import ProgramPlan, to_stock_ops
 from bnswap.registry import register, safe_globals, unregister
 

@@ -1,10 +1,7 @@
-"""The node rewrites of :mod:`bnswap.programs`, both directions: ``to_stock_ops`` (an
-exported graph's bnswap batch norms as stock's op, below) and ``to_consolidated_ops``
-(stock's batch-norm nodes as the ops bnswap's layers run: ``bnswap.convert(program)``,
-whose docstring gives the rules). They sit low because :mod:`bnswap._compat` applies
-``to_stock_ops`` for torch.onnx and torchao.
-
-``to_stock_ops``: an exported graph's bnswap batch norms as stock's op.
+"""The node rewrites of :mod:`bnswap.programs`, both directions: ``to_stock_ops`` (below)
+and ``to_consolidated_ops`` (stock's batch-norm nodes as the ops bnswap's layers run:
+``bnswap.convert(program)``, whose docstring gives the rules). They sit low because
+:mod:`bnswap._compat` applies ``to_stock_ops`` for torch.onnx and torchao.
 
 A swapped layer in training records the consolidated ops under ``torch.export``
 (``_batch_norm_with_update``: its kernel is picked when it runs; in evaluation it records

@@ -30,13 +30,18 @@ Examples::
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from torch import nn
 
 from bnswap._swap import wrapped_model
 
-__all__ = ["BACKENDS", "Backend", "backend_named"]
+__all__ = ["BACKENDS", "Backend", "backend_named", "place_children"]
+
+#: A plan row (:class:`bnswap.PlanRow`): its name, action, reason, backend, and whether it
+#: synchronizes or waits for a lazy layer to initialize.
+Row = TypeVar("Row", bound=Any)
 
 
 class Backend:
@@ -179,3 +184,49 @@ def backend_named(backend: str | Backend) -> Backend:
             f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}"
         )
     return found
+
+
+_EAGER = "eager: its top-level module holds a layer that is not swapped"
+_EAGER_SYNC = "eager, synchronized on aten: its top-level module holds a SyncBatchNorm ({})"
+_EAGER_LAZY = "eager until a forward initializes its top-level module's lazy layer (then wrapped)"
+
+
+def place_children(
+    rows: list[Row], model: nn.Module, backend: Backend
+) -> tuple[list[Row], list[str]]:
+    """``wrap="children"``: which direct children of ``model`` get wrapped (each whose
+    BatchNorm layers are all swapped and initialized, and synchronize none unless the
+    backend can, not wrapped yet), and the rows of swapped layers in the other children,
+    which run eager on aten (:attr:`bnswap.PlanRow.placement` says why, and the reason ends
+    with it): the rows of a plan with ``wrap="children"``, placed for ``backend``."""
+    by_child: dict[str, list[Row]] = {}
+    for r in rows:
+        by_child.setdefault(r.name.partition(".")[0], []).append(r)
+    aten = backend_named("aten")
+    placed: dict[int, Row] = {}  # id(row) of the row planned -> the row placed
+    to_wrap: list[str] = []
+    for key, child in model._modules.items():
+        mine = by_child.pop(key, [])
+        if not mine:
+            continue
+        ready = all(r.action != "skip" for r in mine)
+        syncs = ready and not backend.synchronizes and any(r.synchronized for r in mine)
+        lazy = ready and not syncs and any(r.lazy for r in mine)
+        if ready and not syncs and not lazy:
+            if not backend.is_wrapper(child):
+                to_wrap.append(key)
+            continue
+        note = _EAGER_SYNC.format(backend.cannot_sync) if syncs else _EAGER_LAZY if lazy else _EAGER
+        for r in mine:
+            if r.action != "skip":
+                placed[id(r)] = replace(
+                    r,
+                    backend=aten.name,
+                    placement=note,
+                    reason=(r.reason + "; " if r.reason != "-" else "") + note,
+                )
+    for rest in by_child.values():  # the model itself is a BatchNorm layer: never wrapped
+        for r in rest:
+            if r.action != "skip":
+                placed[id(r)] = replace(r, backend=aten.name)
+    return [placed.get(id(r), r) for r in rows], to_wrap

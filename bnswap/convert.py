@@ -1,10 +1,19 @@
-"""``bnswap.convert`` / ``bnswap.revert``: swap BatchNorm layers in place, atomically.
+"""The front door: ``bnswap.convert``, ``bnswap.plan`` and ``bnswap.revert``.
 
-A layer is swapped by giving it bnswap's forward as an instance attribute
-(:mod:`bnswap._swap`): its class, the module object, its Parameter and buffer objects (an
-optimizer built before the swap keeps working), ``training`` flag, ``requires_grad``,
-device, dtype, hooks, ``qconfig``, parametrizations and state_dict keys are all kept, and
-``revert`` is the exact inverse.
+Each looks once at what it is given (:func:`_road`) and hands it to one road:
+
+* the **module road** (:mod:`bnswap.plan`): an ``nn.Module``'s BatchNorm layers, planned
+  (``plan_layers``), swapped atomically (``Plan.apply``: the layer keeps its class,
+  module, Parameter and buffer objects, flags, hooks and state_dict keys) and swapped
+  back exactly (``revert_layers``);
+* the **program road** (:mod:`bnswap.programs`): the batch-norm nodes of a
+  ``torch.export.ExportedProgram``, or of a ``torch.fx.GraphModule`` that holds no
+  BatchNorm layer (``ep.module()``, a pt2e prepared graph), planned, rewritten and
+  rewritten back (``to_stock_ops``).
+
+A GraphModule holding both BatchNorm layers and batch-norm nodes takes both roads in
+``convert`` and ``revert`` (``plan`` of it lists its layers). Neither road calls the
+other; a graph holding the consolidated ops applies bnswap's patches here, once.
 """
 
 from __future__ import annotations
@@ -16,26 +25,50 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap import programs
+from bnswap import _compat, programs
 from bnswap._log import info, logger
-from bnswap._swap import SWAP, unswap
+from bnswap._patterns import EMPTY_INCLUDE, Patterns
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.plan import (
-    EMPTY_INCLUDE,
-    Patterns,
     Plan,
     PlanRow,
-    _plan_layers,
     check_backend,
     check_module,
-    plan,
+    plan_layers,
+    revert_layers,
+    warn_unmatched,
 )
-from bnswap.sync import ORIGINAL, original_of
+from bnswap.programs import ProgramPlan
 
-__all__ = ["convert", "revert"]
+__all__ = ["convert", "plan", "revert"]
 
 #: The module type ``convert`` returns in place (``backend="aten"``: the same object).
 _M = TypeVar("_M", bound=nn.Module)
+
+#: The roads (:func:`_road`).
+MODULE, PROGRAM, BOTH = "module", "program", "both"
+
+
+def _road(obj: object, fn: str) -> str:
+    """Which road ``obj`` takes, decided once: :data:`PROGRAM` for an ``ExportedProgram``
+    or a GraphModule with batch-norm nodes (stock's or consolidated) and no BatchNorm
+    layer; :data:`BOTH` for a GraphModule with both; :data:`MODULE` for any other
+    ``nn.Module``. A program or graph holding consolidated nodes applies bnswap's patches
+    (:func:`bnswap._compat.install_for`: torchao's pt2e flow needs them for a loaded
+    ``.pt2`` even when nothing changes).
+
+    Raises:
+        TypeError: ``obj`` is neither a program nor an ``nn.Module`` (``fn`` names the call).
+    """
+    if isinstance(obj, torch.export.ExportedProgram):
+        road = PROGRAM
+    else:
+        check_module(obj, fn)
+        if not isinstance(obj, GraphModule) or not programs.stock_nodes(obj, consolidated=True):
+            return MODULE
+        road = BOTH if any(isinstance(m, _BatchNorm) for m in obj.modules()) else PROGRAM
+    _compat.install_for(obj)
+    return road
 
 
 @overload
@@ -167,48 +200,29 @@ def convert(
         >>> bnswap.revert(model)[1] is bn
         True
     """
-    if programs.is_program(module):  # a torch.export program: bnswap.programs.convert
+    road = _road(module, "convert")
+    if road is PROGRAM:
         if sync_batchnorm:
             raise ValueError(
                 "bnswap.convert: sync_batchnorm=True converts modules; a program's "
                 "batch-norm nodes have no process group (convert the model, "
                 "then export it)"
             )
-        # a class as a pattern: programs.convert raises its TypeError (node names only)
-        return programs.convert(module, backend, include=include, exclude=exclude)  # type: ignore[arg-type]  # see above
-    check_module(module, "convert")
-    be = check_backend(backend)
-    if isinstance(module, GraphModule):  # a loaded program's graph: torchao needs the
-        programs.install_patches_for(module)  # patches even when nothing is swapped
-    graph = isinstance(module, GraphModule) and programs.stock_nodes(module) > 0
-    nodes = None
-    if (
-        isinstance(module, GraphModule)
-        and graph
-        and any(isinstance(m, _BatchNorm) for m in module.modules())
-    ):
-        # its BatchNorm layers and its stock batch-norm call_function nodes: a pattern
-        # may name either, so it warns only when it matches neither (once)
-        todo, unmatched = _plan_layers(
+        if isinstance(module, torch.export.ExportedProgram):
+            # a class as a pattern: programs.convert raises its TypeError (node names only)
+            return programs.convert(module, backend, include=include, exclude=exclude)  # type: ignore[arg-type]  # see above
+        assert isinstance(module, GraphModule)  # _road: a graph of batch-norm nodes
+        todo: Plan | ProgramPlan = programs.plan(
             module,
             backend,
-            include=include,
-            exclude=exclude,
-            sync_batchnorm=sync_batchnorm,
-            process_group=process_group,
+            include=include,  # type: ignore[arg-type]  # see above
+            exclude=exclude,  # type: ignore[arg-type]
         )
-        nodes, no_node = programs._plan_nodes(module, include=include, exclude=exclude)
-        for kind, p in unmatched:
-            if (kind, p) in no_node:
-                warn(
-                    EMPTY_INCLUDE
-                    if p is None
-                    else f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and no "
-                    "batch-norm node",
-                    UnmatchedPatternWarning,
-                )
+        out = todo.apply()
     else:
-        todo = plan(
+        assert isinstance(module, nn.Module)  # _road: a module
+        be = check_backend(backend)
+        todo, unmatched = plan_layers(
             module,
             backend,
             include=include,
@@ -216,23 +230,40 @@ def convert(
             sync_batchnorm=sync_batchnorm,
             process_group=process_group,
         )
-    if not todo.rows and not graph:
-        warn(
-            "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
-            + (
-                f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
-                f"{be.name!r}) leaves such modules eager)"
-                if be.wraps and not be.is_wrapper(module)
-                else ""
-            ),
-            UserWarning,
-        )
-    out = todo.apply()
-    if nodes is not None:  # its stock batch-norm call_function nodes too, in place
-        programs._apply(nodes)
-    left = _left_unasked(todo, sync_batchnorm)
-    if left:
-        warn(left, UserWarning)
+        nodes = None
+        if road is BOTH:
+            # its BatchNorm layers and its batch-norm call_function nodes: a pattern may
+            # name either, so it warns only when it matches neither (once)
+            assert isinstance(module, GraphModule)  # _road: a graph with layers and nodes
+            nodes, no_node = programs.plan_nodes(module, include=include, exclude=exclude)
+            for kind, p in unmatched:
+                if (kind, p) in no_node:
+                    warn(
+                        EMPTY_INCLUDE
+                        if p is None
+                        else f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and "
+                        "no batch-norm node",
+                        UnmatchedPatternWarning,
+                    )
+        else:
+            warn_unmatched(unmatched)
+            if not todo.rows:
+                warn(
+                    "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
+                    + (
+                        f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
+                        f"{be.name!r}) leaves such modules eager)"
+                        if be.wraps and not be.is_wrapper(module)
+                        else ""
+                    ),
+                    UserWarning,
+                )
+        out = todo.apply()
+        if nodes is not None:  # its batch-norm call_function nodes too, in place
+            nodes.apply()
+        left = _left_unasked(todo, sync_batchnorm)
+        if left:
+            warn(left, UserWarning)
     # (str() computes the kernel column, a probe per layer: only when it is logged)
     info(
         logger,
@@ -308,6 +339,146 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
 
 # a SyncBatchNorm that convert(..., sync_batchnorm=True) made gives back the layer it replaced
 @overload
+def plan(
+    module: torch.export.ExportedProgram,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> ProgramPlan: ...
+@overload
+def plan(  # type: ignore[overload-overlap]  # a GraphModule is an nn.Module: it matches first
+    module: torch.fx.GraphModule,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> Plan | ProgramPlan: ...
+@overload
+def plan(
+    module: nn.Module,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> Plan: ...
+def plan(
+    module: nn.Module | torch.export.ExportedProgram,
+    backend: str = "aten",
+    *,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    device: torch.device | str | None = None,
+    sync_batchnorm: bool = False,
+    process_group: object = None,
+    wrap: str = "model",
+) -> Plan | ProgramPlan:
+    """What :func:`bnswap.convert` would do to ``module``, without changing it.
+
+    A layer is swapped unless it is excluded or overrides ``forward`` with no registered
+    adapter (pytorch issue 187298; :func:`bnswap.register`). A ``SyncBatchNorm`` is
+    swapped onto bnswap's synchronized forward (:mod:`bnswap.sync`); with
+    ``sync_batchnorm=True``, every ``BatchNorm1d/2d/3d`` (and timm's ``BatchNormAct2d``)
+    becomes one.
+
+    Given a ``torch.export.ExportedProgram`` (or a GraphModule holding batch-norm
+    nodes and no BatchNorm layer, such as ``ep.module()``), returns one row per
+    batch-norm node instead (:func:`bnswap.programs.plan`). A GraphModule holding
+    consolidated nodes applies bnswap's patches, as a first swap does (``docs/qat.md``).
+
+    Args:
+        module: any ``nn.Module``, or a program.
+        backend: ``"aten"`` (consolidated aten ops) or ``"ort"`` (ONNX Runtime's
+            ``com.microsoft::BatchNormInternal``).
+        include, exclude: glob pattern(s) on qualified names from ``named_modules()``
+            and/or classes (matched with ``isinstance``), or an iterable of them; a layer
+            is swapped only if it matches ``include`` (when given: an empty ``include``,
+            ``[]``, matches no layer, and warns so) and no ``exclude``.
+        device: where to evaluate the kernel column
+            (``torch._C._select_batch_norm_backend``); default: where each layer's
+            parameters live.
+        sync_batchnorm: convert ``nn.BatchNorm1d/2d/3d`` layers (exact classes, not
+            parametrized) to swapped ``nn.SyncBatchNorm`` layers sharing their Parameter
+            and buffer objects, and timm's ``BatchNormAct2d`` to timm's
+            ``SyncBatchNormAct``; other BatchNorm classes are swapped unsynchronized
+            (the reason says so).
+        process_group: the converted layers' ``process_group`` (None: WORLD).
+        wrap: for a backend that wraps (``"ort"``): ``"model"`` wraps the whole model;
+            ``"children"`` wraps each direct child whose BatchNorm layers are all swapped
+            and initialized (what :class:`bnswap.lightning.BNSwap` does: a LightningModule cannot be
+            wrapped), and the swapped layers of the other children run eager on aten
+            (their rows say so). Ignored for ``"aten"``.
+
+    Returns:
+        A :class:`Plan` (``plan.apply()`` carries it out).
+
+    Given an ORT wrapper (what ``backend="ort"`` returned), plans the model it wraps;
+    :meth:`Plan.apply` then swaps what was added inside and returns the wrapper.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
+        ValueError: unknown ``backend`` or ``wrap``; ``backend="aten"`` for an ORT
+            wrapper.
+        RuntimeError: ``device`` is not a device torch knows (``"gpu"``: bnswap's
+            message names torch's device types, and ``'cuda'`` for a GPU), before
+            anything is planned. TypeError: ``device`` is no str or ``torch.device``.
+        bnswap.ort.errors.UnsupportedLayerError: ``sync_batchnorm=True`` with
+            ``backend="ort"`` (ONNX Runtime cannot synchronize statistics).
+
+    Warns:
+        UnmatchedPatternWarning: (a UserWarning) for each include / exclude pattern that
+            matches no BatchNorm layer.
+
+    Examples::
+
+        >>> import bnswap
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SyncBatchNorm(8))
+        >>> p = bnswap.plan(model)
+        >>> print(p.summary())
+        bnswap plan: 2 of 2 BatchNorm layers would be swapped, 0 skipped
+        >>> [(r.name, r.adapter_name, r.sync) for r in p]  # doctest: +NORMALIZE_WHITESPACE
+        [('1', 'bnswap.layers.batch_norm_forward', '-'),
+         ('2', 'bnswap.sync.sync_batch_norm_forward',
+          'WORLD after init_process_group; unsynchronized before')]
+        >>> bnswap.is_swapped(model[1])  # a plan changes nothing
+        False
+        >>> [r.cls + (" -> " + r.sync_class.__name__ if r.sync_class else "")
+        ...  for r in bnswap.plan(model, sync_batchnorm=True)]
+        ['BatchNorm2d -> SyncBatchNorm', 'SyncBatchNorm']
+    """
+    road = _road(module, "plan")
+    if road is PROGRAM:
+        # a class as a pattern: programs.plan raises its TypeError (patterns are node names)
+        return programs.plan(module, backend, include=include, exclude=exclude, device=device)  # type: ignore[arg-type]  # see above
+    assert isinstance(module, nn.Module)  # _road: a program or a module
+    todo, unmatched = plan_layers(
+        module,
+        backend,
+        include=include,
+        exclude=exclude,
+        device=device,
+        sync_batchnorm=sync_batchnorm,
+        process_group=process_group,
+        wrap=wrap,
+    )
+    warn_unmatched(unmatched)
+    return todo
+
+
+@overload
 def revert(module: nn.SyncBatchNorm) -> nn.Module: ...
 @overload
 def revert(module: _M) -> _M: ...
@@ -340,37 +511,14 @@ def revert(module: nn.Module) -> nn.Module:
         >>> bnswap.revert(bn) is bn, bnswap.is_swapped(bn), "_bnswap_swap" in vars(bn)
         (True, False, False)
     """
-    if programs.is_program(module):  # (check_module would say only "expects a Module")
+    if isinstance(module, torch.export.ExportedProgram):  # (not "expects a Module")
         raise TypeError(
             f"bnswap.revert() expects a torch.nn.Module, got {type(module).__name__}; a "
             "program's consolidated nodes go back to stock's ops with "
             "bnswap.to_stock_ops(program), which returns a new program"
         )
-    check_module(module, "revert")
-    if isinstance(module, GraphModule):
-        programs.install_patches_for(module)  # (as convert and plan do)
-    modules = list(module.modules())  # an ORT wrapper's modules() include the model's
-    # One pass over the modules, testing their __dict__ before calling anything: the
-    # per-module calls cost more than the traversal itself (benchmarks P5).
-    stand_ins = False
-    for m in modules:
-        d = m.__dict__
-        stand_ins = stand_ins or ORIGINAL in d
-        if SWAP in d or m._buffers:  # (what unswap removes: the mark, internal buffers)
-            unswap(m)
-    if stand_ins:  # SyncBatchNorm layers convert(..., sync_batchnorm=True) put in
-        first = len(modules)
-        for parent in modules:  # (the originals put back are visited too)
-            for key, child in parent._modules.items():
-                if child is None or ORIGINAL not in child.__dict__:
-                    continue
-                original = original_of(child)
-                if original is not None:
-                    parent._modules[key] = original
-                    modules.append(original)
-        for m in modules[first:]:
-            unswap(m)
-    if isinstance(module, GraphModule):
-        programs.to_stock_ops(module)
-    root = original_of(module)
-    return module if root is None else root
+    road = _road(module, "revert")
+    out = revert_layers(module) if road is not PROGRAM else module
+    if road is not MODULE:  # its consolidated nodes, in place
+        programs.to_stock_ops(module)  # type: ignore[call-overload]  # a GraphModule (_road)
+    return out

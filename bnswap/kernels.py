@@ -79,6 +79,7 @@ __all__ = [
     "PREDICTED",
     "RUN_TIME_OPS",
     "Call",
+    "check_device",
     "layer_call",
     "layer_device",
     "layer_kernel",
@@ -607,3 +608,54 @@ def layer_kernel(
         plain = [(shape, k.removesuffix(PREDICTED)) for shape, k in found[1]]
         text += "; eval " + _join(plain, ", ")
     return text
+
+
+#: Device names people try for a GPU, which torch does not read: the error says 'cuda'.
+_GPU_NAMES = ("gpu", "nvidia", "amd", "rocm", "cudnn")
+
+
+def check_device(device: object, fn: str = "plan") -> torch.device | None:
+    """``torch.device(device)`` (None stays None), with bnswap's error for what torch does
+    not read: ``bnswap.plan``'s ``device`` (issue 46: ``device="gpu"`` gave torch's raw
+    error listing 20 types).
+
+    Raises:
+        RuntimeError: (torch's type) a device type torch does not know, naming torch's
+            types and, for a GPU's name (``"gpu"``), ``'cuda'``; a device string torch
+            cannot read (``"cuda:x"``).
+        TypeError: (torch's type) ``device`` is neither a ``torch.device``, a str, an int
+            (torch's accelerator index) nor None.
+
+    Examples::
+
+        >>> from bnswap.kernels import check_device
+        >>> check_device("cuda:1")
+        device(type='cuda', index=1)
+        >>> check_device("gpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: bnswap.plan: device 'gpu' is not a device type torch knows ...
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(
+            f"bnswap.{fn}: device is a torch.device, a str such as 'cuda' or 'cuda:1', an "
+            f"accelerator index, or None, got {device!r}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        text = str(e)
+        if text.startswith("Expected one of ") and " device type" in text:
+            kinds = text.removeprefix("Expected one of ").partition(" device type")[0]
+            kind = str(device).partition(":")[0]
+            gpu = " (a GPU, NVIDIA's or AMD's, is 'cuda')" if kind.lower() in _GPU_NAMES else ""
+            raise RuntimeError(
+                f"bnswap.{fn}: device {kind!r} is not a device type torch knows{gpu}; "
+                f"torch's are {kinds}, with an optional index ('cuda:1')"
+            ) from None
+        raise RuntimeError(
+            f"bnswap.{fn}: device {device!r} is not one torch reads ({text}); e.g. 'cpu', "
+            "'cuda', 'cuda:1', 'mps', 'xpu'"
+        ) from None

@@ -29,7 +29,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils.hooks import RemovableHandle
 
 from bnswap.backends import Backend, backend_named
-from bnswap.convert import convert, revert
+from bnswap.convert import convert, plan, revert
 from bnswap.extras import install_hint
 from bnswap.layers import is_swapped
 from bnswap.plan import (
@@ -37,7 +37,6 @@ from bnswap.plan import (
     Plan,
     UnmatchedPatternWarning,
     check_patterns,
-    plan,
 )
 from bnswap.sync import original_of
 

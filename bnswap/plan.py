@@ -1,16 +1,17 @@
-"""``bnswap.plan``: what happens to every BatchNorm layer of a model, and why.
+"""The module road: what happens to every BatchNorm layer of a model, and why.
 
 One :class:`PlanRow` per layer (swap, keep or skip, the reason, the adapter, the backend, the
-kernel); :meth:`Plan.apply` carries the plan out, atomically. :func:`bnswap.convert` is
-``plan(...).apply()``; the Lightning callback uses the same two calls.
+kernel): :func:`plan_layers`; :meth:`Plan.apply` carries the plan out, atomically;
+:func:`revert_layers` undoes it. The front door (:mod:`bnswap.convert`: ``bnswap.plan``,
+``bnswap.convert``, ``bnswap.revert``) hands a module here, a program to
+:mod:`bnswap.programs`; this road knows nothing of programs.
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from bnswap import kernels, registry
+from bnswap._patterns import (
+    EMPTY_INCLUDE,
+    Pattern,
+    Patterns,
+    check_patterns,
+    matches,
+    pattern_list,
+    pattern_str,
+)
 from bnswap._rows import Rows
 from bnswap._swap import (
     SWAP,
@@ -26,16 +36,21 @@ from bnswap._swap import (
     swap,
     type_before_parametrizations,
     undo_of,
+    unswap,
     wrapped_model,
 )
 from bnswap._warn import UnmatchedPatternWarning, warn
-from bnswap.backends import BACKENDS, Backend, backend_named
+from bnswap.backends import BACKENDS, Backend, backend_named, place_children
 from bnswap.kernels import CUDNN_BN_MIN_EPSILON as CUDNN_BN_MIN_EPSILON  # (plan's name before)
 from bnswap.registry import qualified_name
-from bnswap.sync import describe_group, sync_class, sync_kernel, to_sync_batch_norm
-
-if TYPE_CHECKING:
-    from bnswap.programs import ProgramPlan
+from bnswap.sync import (
+    ORIGINAL,
+    describe_group,
+    original_of,
+    sync_class,
+    sync_kernel,
+    to_sync_batch_norm,
+)
 
 __all__ = [
     "BACKENDS",
@@ -48,12 +63,11 @@ __all__ = [
     "check_backend",
     "check_module",
     "check_patterns",
-    "plan",
+    "plan_layers",
+    "revert_layers",
     "select_kernel",
+    "warn_unmatched",
 ]
-
-Pattern = str | type
-Patterns = Pattern | Iterable[Pattern] | None
 
 #: What a wrapping backend (``"ort"``) wraps: the whole model, or each direct child whose
 #: BatchNorm layers it can all run (what the Lightning callback does: a LightningModule
@@ -71,57 +85,6 @@ def check_module(module: object, fn: str) -> None:
     """Raise TypeError unless ``module`` is an ``nn.Module`` (``fn`` names the caller)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"bnswap.{fn}() expects a torch.nn.Module, got {type(module).__name__}")
-
-
-def _pattern_list(p: Patterns, arg: str) -> list[Pattern]:
-    if p is None:
-        return []
-    try:
-        items = [p] if isinstance(p, (str, type)) else list(p)
-    except TypeError:  # not iterable (exclude=42): bnswap's message, not list()'s
-        items = [p]  # type: ignore[list-item]  # refused just below
-    for item in items:
-        if not isinstance(item, (str, type)):
-            raise TypeError(
-                f"{arg} takes glob patterns (str) on qualified module names and/or classes, "
-                f"got {item!r}"
-            )
-    return items
-
-
-#: What an empty ``include`` says (``include=[]``: nothing is included).
-EMPTY_INCLUDE = (
-    "bnswap: include is empty, so it matches no BatchNorm layer and none is swapped "
-    "(include=None, the default, swaps every layer)"
-)
-
-
-def check_patterns(include: Patterns = None, exclude: Patterns = None) -> None:
-    """Raise TypeError unless ``include`` / ``exclude`` are what :func:`plan` accepts: a
-    glob pattern (str) on qualified module names, a class, or an iterable of those.
-
-    Examples::
-
-        >>> import bnswap
-        >>> from torch import nn
-        >>> bnswap.check_patterns(include="backbone.*", exclude=[nn.BatchNorm1d])
-        >>> bnswap.check_patterns(include=[3])
-        Traceback (most recent call last):
-        ...
-        TypeError: include takes glob patterns (str) on qualified module names and/or classes, got 3
-    """
-    _pattern_list(include, "include")
-    _pattern_list(exclude, "exclude")
-
-
-def _matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
-    if isinstance(pattern, type):
-        return isinstance(module, pattern)
-    return fnmatch.fnmatchcase(name, pattern)
-
-
-def _pattern_str(p: Pattern) -> str:
-    return p.__name__ if isinstance(p, type) else repr(p)
 
 
 def select_kernel(m: nn.Module, device: torch.device | str | None = None) -> str:
@@ -506,17 +469,6 @@ class Plan(Rows[PlanRow]):
 _NONE: tuple[()] = ()
 
 
-def _has_stock_nodes(gm: torch.fx.GraphModule) -> bool:
-    """A graph module with batch-norm nodes (stock's or consolidated ones) and no
-    BatchNorm submodule (``exported_program.module()``, a pt2e prepared graph): planned
-    node by node."""
-    from bnswap import programs
-
-    return programs.stock_nodes(gm, consolidated=True) > 0 and not any(
-        isinstance(m, _BatchNorm) for m in gm.modules()
-    )
-
-
 def _put_back(parent: nn.Module, key: str, layer: nn.Module) -> Callable[[], None]:
     def undo() -> None:
         parent._modules[key] = layer
@@ -589,204 +541,7 @@ _new_row = object.__new__
 _ROW_DEFAULTS = {f.name: f.default for f in fields(PlanRow) if f.default is not MISSING}
 
 
-_EAGER = "eager: its top-level module holds a layer that is not swapped"
-_EAGER_SYNC = "eager, synchronized on aten: its top-level module holds a SyncBatchNorm ({})"
-_EAGER_LAZY = "eager until a forward initializes its top-level module's lazy layer (then wrapped)"
-
-
-def _place(
-    rows: list[PlanRow], model: nn.Module, backend: Backend
-) -> tuple[list[PlanRow], list[str]]:
-    """``wrap="children"``: which direct children of ``model`` get wrapped (each whose
-    BatchNorm layers are all swapped and initialized, and synchronize none unless the
-    backend can, not wrapped yet), and the rows of swapped layers in the other children,
-    which run eager on aten (:attr:`PlanRow.placement` says why, and the reason ends
-    with it)."""
-    by_child: dict[str, list[PlanRow]] = {}
-    for r in rows:
-        by_child.setdefault(r.name.partition(".")[0], []).append(r)
-    aten = backend_named("aten")
-    placed: dict[int, PlanRow] = {}  # id(row) of the row planned -> the row placed
-    to_wrap: list[str] = []
-    for key, child in model._modules.items():
-        mine = by_child.pop(key, [])
-        if not mine:
-            continue
-        ready = all(r.action != "skip" for r in mine)
-        syncs = ready and not backend.synchronizes and any(r.synchronized for r in mine)
-        lazy = ready and not syncs and any(r.lazy for r in mine)
-        if ready and not syncs and not lazy:
-            if not backend.is_wrapper(child):
-                to_wrap.append(key)
-            continue
-        note = _EAGER_SYNC.format(backend.cannot_sync) if syncs else _EAGER_LAZY if lazy else _EAGER
-        for r in mine:
-            if r.action != "skip":
-                placed[id(r)] = replace(
-                    r,
-                    backend=aten.name,
-                    placement=note,
-                    reason=(r.reason + "; " if r.reason != "-" else "") + note,
-                )
-    for rest in by_child.values():  # the model itself is a BatchNorm layer: never wrapped
-        for r in rest:
-            if r.action != "skip":
-                placed[id(r)] = replace(r, backend=aten.name)
-    return [placed.get(id(r), r) for r in rows], to_wrap
-
-
-@overload
-def plan(
-    module: torch.export.ExportedProgram,
-    backend: str = "aten",
-    *,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    device: torch.device | str | None = None,
-    sync_batchnorm: bool = False,
-    process_group: object = None,
-    wrap: str = "model",
-) -> ProgramPlan: ...
-@overload
-def plan(  # type: ignore[overload-overlap]  # a GraphModule is an nn.Module: it matches first
-    module: torch.fx.GraphModule,
-    backend: str = "aten",
-    *,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    device: torch.device | str | None = None,
-    sync_batchnorm: bool = False,
-    process_group: object = None,
-    wrap: str = "model",
-) -> Plan | ProgramPlan: ...
-@overload
-def plan(
-    module: nn.Module,
-    backend: str = "aten",
-    *,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    device: torch.device | str | None = None,
-    sync_batchnorm: bool = False,
-    process_group: object = None,
-    wrap: str = "model",
-) -> Plan: ...
-def plan(
-    module: nn.Module | torch.export.ExportedProgram,
-    backend: str = "aten",
-    *,
-    include: Patterns = None,
-    exclude: Patterns = None,
-    device: torch.device | str | None = None,
-    sync_batchnorm: bool = False,
-    process_group: object = None,
-    wrap: str = "model",
-) -> Plan | ProgramPlan:
-    """What :func:`bnswap.convert` would do to ``module``, without changing it.
-
-    A layer is swapped unless it is excluded or overrides ``forward`` with no registered
-    adapter (pytorch issue 187298; :func:`bnswap.register`). A ``SyncBatchNorm`` is
-    swapped onto bnswap's synchronized forward (:mod:`bnswap.sync`); with
-    ``sync_batchnorm=True``, every ``BatchNorm1d/2d/3d`` (and timm's ``BatchNormAct2d``)
-    becomes one.
-
-    Given a ``torch.export.ExportedProgram`` (or a GraphModule holding batch-norm
-    nodes and no BatchNorm layer, such as ``ep.module()``), returns one row per
-    batch-norm node instead (:func:`bnswap.programs.plan`).
-
-    Args:
-        module: any ``nn.Module``, or a program.
-        backend: ``"aten"`` (consolidated aten ops) or ``"ort"`` (ONNX Runtime's
-            ``com.microsoft::BatchNormInternal``).
-        include, exclude: glob pattern(s) on qualified names from ``named_modules()``
-            and/or classes (matched with ``isinstance``), or an iterable of them; a layer
-            is swapped only if it matches ``include`` (when given: an empty ``include``,
-            ``[]``, matches no layer, and warns so) and no ``exclude``.
-        device: where to evaluate the kernel column
-            (``torch._C._select_batch_norm_backend``); default: where each layer's
-            parameters live.
-        sync_batchnorm: convert ``nn.BatchNorm1d/2d/3d`` layers (exact classes, not
-            parametrized) to swapped ``nn.SyncBatchNorm`` layers sharing their Parameter
-            and buffer objects, and timm's ``BatchNormAct2d`` to timm's
-            ``SyncBatchNormAct``; other BatchNorm classes are swapped unsynchronized
-            (the reason says so).
-        process_group: the converted layers' ``process_group`` (None: WORLD).
-        wrap: for a backend that wraps (``"ort"``): ``"model"`` wraps the whole model;
-            ``"children"`` wraps each direct child whose BatchNorm layers are all swapped
-            and initialized (what :class:`bnswap.lightning.BNSwap` does: a LightningModule cannot be
-            wrapped), and the swapped layers of the other children run eager on aten
-            (their rows say so). Ignored for ``"aten"``.
-
-    Returns:
-        A :class:`Plan` (``plan.apply()`` carries it out).
-
-    Given an ORT wrapper (what ``backend="ort"`` returned), plans the model it wraps;
-    :meth:`Plan.apply` then swaps what was added inside and returns the wrapper.
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Module``; a pattern is not str or class.
-        ValueError: unknown ``backend`` or ``wrap``; ``backend="aten"`` for an ORT
-            wrapper.
-        RuntimeError: ``device`` is not a device torch knows (``"gpu"``: bnswap's
-            message names torch's device types, and ``'cuda'`` for a GPU), before
-            anything is planned. TypeError: ``device`` is no str or ``torch.device``.
-        bnswap.ort.errors.UnsupportedLayerError: ``sync_batchnorm=True`` with
-            ``backend="ort"`` (ONNX Runtime cannot synchronize statistics).
-
-    Warns:
-        UnmatchedPatternWarning: (a UserWarning) for each include / exclude pattern that
-            matches no BatchNorm layer.
-
-    Examples::
-
-        >>> import bnswap
-        >>> from torch import nn
-        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.SyncBatchNorm(8))
-        >>> p = bnswap.plan(model)
-        >>> print(p.summary())
-        bnswap plan: 2 of 2 BatchNorm layers would be swapped, 0 skipped
-        >>> [(r.name, r.adapter_name, r.sync) for r in p]  # doctest: +NORMALIZE_WHITESPACE
-        [('1', 'bnswap.layers.batch_norm_forward', '-'),
-         ('2', 'bnswap.sync.sync_batch_norm_forward',
-          'WORLD after init_process_group; unsynchronized before')]
-        >>> bnswap.is_swapped(model[1])  # a plan changes nothing
-        False
-        >>> [r.cls + (" -> " + r.sync_class.__name__ if r.sync_class else "")
-        ...  for r in bnswap.plan(model, sync_batchnorm=True)]
-        ['BatchNorm2d -> SyncBatchNorm', 'SyncBatchNorm']
-    """
-    if isinstance(module, torch.fx.GraphModule) and not _has_stock_nodes(module):
-        from bnswap import programs  # a graph with BatchNorm layers: planned by layer,
-
-        programs.install_patches_for(module)  # and its consolidated nodes need the patches
-    if isinstance(module, torch.export.ExportedProgram) or (
-        isinstance(module, torch.fx.GraphModule) and _has_stock_nodes(module)
-    ):
-        from bnswap import programs  # a program: one row per batch-norm node
-
-        # a class as a pattern: programs.plan raises its TypeError (patterns are node names)
-        return programs.plan(module, backend, include=include, exclude=exclude, device=device)  # type: ignore[arg-type]  # see above
-    todo, unmatched = _plan_layers(
-        module,
-        backend,
-        include=include,
-        exclude=exclude,
-        device=device,
-        sync_batchnorm=sync_batchnorm,
-        process_group=process_group,
-        wrap=wrap,
-    )
-    for kind, p in unmatched:
-        warn(
-            EMPTY_INCLUDE
-            if p is None
-            else f"bnswap: {kind} pattern {_pattern_str(p)} matches no BatchNorm layer",
-            UnmatchedPatternWarning,
-        )
-    return todo
-
-
-def _plan_layers(
+def plan_layers(
     module: nn.Module,
     backend: str = "aten",
     *,
@@ -797,9 +552,10 @@ def _plan_layers(
     process_group: object = None,
     wrap: str = "model",
 ) -> tuple[Plan, list[tuple[str, Pattern | None]]]:
-    """:func:`plan` of a module's BatchNorm layers, warning nothing: the plan, and each
-    include / exclude pattern that matches no layer as ``("include" | "exclude",
-    pattern)``, which :func:`plan` warns about (``bnswap.convert`` of a GraphModule holding
+    """The module road's plan (:func:`bnswap.plan` of a module comes here; its arguments):
+    the plan of ``module``'s BatchNorm layers, warning nothing, and each include / exclude
+    pattern that matches no layer as ``("include" | "exclude", pattern)``, which
+    :func:`warn_unmatched` warns about (``bnswap.convert`` of a GraphModule holding
     batch-norm nodes too warns only about a pattern that matches neither); ``("include",
     None)`` for an empty ``include`` (:data:`EMPTY_INCLUDE`)."""
     check_module(module, "plan")
@@ -810,10 +566,7 @@ def _plan_layers(
         )
     if sync_batchnorm and not be.synchronizes:
         raise be.sync_error()
-    if device is not None:  # an unknown device type fails here, not in the table
-        from bnswap.programs import check_device
-
-        check_device(device)
+    kernels.check_device(device)  # an unknown device type fails here, not in the table
     wrapper, inner = module, wrapped_model(module)
     if inner is not None:
         if not be.is_wrapper(module):
@@ -825,8 +578,8 @@ def _plan_layers(
                 "bnswap.revert(wrapper.module) for stock BatchNorm."
             )
         module = inner
-    inc = _pattern_list(include, "include")
-    exc = _pattern_list(exclude, "exclude")
+    inc = pattern_list(include, "include")
+    exc = pattern_list(exclude, "exclude")
     used: dict[str, set[int]] = {"include": set(), "exclude": set()}
     rows: list[PlanRow] = []
     # the rows of BatchNorm layers that hold submodules (qualified name as named_modules
@@ -838,8 +591,8 @@ def _plan_layers(
         cls = type_before_parametrizations(m)
         # (no list per layer without patterns: on 10,000-layer models the garbage
         # collector's passes over the model, not this loop, set convert's time)
-        hit_exc = [i for i, p in enumerate(exc) if _matches(p, name, m)] if exc else _NONE
-        hit_inc = [i for i, p in enumerate(inc) if _matches(p, name, m)] if inc else _NONE
+        hit_exc = [i for i, p in enumerate(exc) if matches(p, name, m)] if exc else _NONE
+        hit_inc = [i for i, p in enumerate(inc) if matches(p, name, m)] if inc else _NONE
         # (include=[] includes nothing: an empty list of the layers to swap)
         if hit_exc:
             used["exclude"].update(hit_exc)
@@ -853,7 +606,7 @@ def _plan_layers(
         # only with it (a half-converted layer otherwise)
         parent = _bn_parent(name, by_name) if by_name else None
         if hit_exc:
-            left_out: str | None = f"excluded by {_pattern_str(exc[hit_exc[0]])}"
+            left_out: str | None = f"excluded by {pattern_str(exc[hit_exc[0]])}"
         elif parent is not None:
             left_out = (
                 f"excluded with the BatchNorm layer it is part of, {parent.name!r}"
@@ -972,7 +725,7 @@ def _plan_layers(
                     parents.setdefault(id(child), []).append((holder, key))
     to_wrap: list[str] = []
     if be.wraps and wrap == "children":
-        rows, to_wrap = _place(rows, module, be)
+        rows, to_wrap = place_children(rows, module, be)
     return Plan(rows, wrapper, be.name, parents, wrap, to_wrap), unmatched
 
 
@@ -993,3 +746,47 @@ def _sync_reason(to: type) -> str:
         f"sync_batchnorm=True: becomes {to.__name__}, same Parameter and buffer objects; "
         "bnswap.revert puts the original back"
     )
+
+
+def warn_unmatched(unmatched: Sequence[tuple[str, Pattern | None]]) -> None:
+    """Warn (:class:`UnmatchedPatternWarning`) about each include / exclude pattern that
+    :func:`plan_layers` found matching no BatchNorm layer, and an empty ``include``."""
+    for kind, p in unmatched:
+        warn(
+            EMPTY_INCLUDE
+            if p is None
+            else f"bnswap: {kind} pattern {pattern_str(p)} matches no BatchNorm layer",
+            UnmatchedPatternWarning,
+        )
+
+
+def revert_layers(module: nn.Module) -> nn.Module:
+    """The module road's revert (:func:`bnswap.revert` of a module comes here): every
+    swapped layer of ``module`` runs its class's own forward again, its internal buffers
+    gone, and each ``SyncBatchNorm`` that ``sync_batchnorm=True`` made is replaced by the
+    original layer object it shares its state with (:func:`bnswap.sync.original_of`).
+    Returns ``module``, or the original layer when ``module`` itself is such a
+    SyncBatchNorm."""
+    modules = list(module.modules())  # an ORT wrapper's modules() include the model's
+    # One pass over the modules, testing their __dict__ before calling anything: the
+    # per-module calls cost more than the traversal itself (benchmarks P5).
+    stand_ins = False
+    for m in modules:
+        d = m.__dict__
+        stand_ins = stand_ins or ORIGINAL in d
+        if SWAP in d or m._buffers:  # (what unswap removes: the mark, internal buffers)
+            unswap(m)
+    if stand_ins:  # SyncBatchNorm layers convert(..., sync_batchnorm=True) put in
+        first = len(modules)
+        for parent in modules:  # (the originals put back are visited too)
+            for key, child in parent._modules.items():
+                if child is None or ORIGINAL not in child.__dict__:
+                    continue
+                original = original_of(child)
+                if original is not None:
+                    parent._modules[key] = original
+                    modules.append(original)
+        for m in modules[first:]:
+            unswap(m)
+    root = original_of(module)
+    return module if root is None else root

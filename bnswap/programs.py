@@ -24,7 +24,6 @@ default table turns the consolidated ops into stock's core ATen ops
 from __future__ import annotations
 
 import copy
-import dataclasses
 import fnmatch
 import warnings
 from collections.abc import Iterable, Sequence
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, overload
 import torch
 from torch.fx import GraphModule, Node
 
-from bnswap import _compat, kernels
+from bnswap import _compat
 from bnswap._graph import (
     _BACKWARD,
     _EVAL_KEPT,
@@ -44,13 +43,14 @@ from bnswap._graph import (
     check_program,
     consolidated_target,
     runs_bnswap_op,
-    stock_call,
     to_consolidated_ops,
     validation_error,
 )
 from bnswap._graph import to_stock_ops as _to_stock_ops_in_place
+from bnswap._node_kernels import kernel_after, kernel_before
 from bnswap._rows import Rows
 from bnswap._warn import UnmatchedPatternWarning, warn
+from bnswap.kernels import check_device
 
 if TYPE_CHECKING:  # (typing.TypeIs is Python 3.13's)
     from typing_extensions import TypeIs
@@ -62,6 +62,7 @@ __all__ = [
     "convert",
     "is_program",
     "plan",
+    "plan_nodes",
     "to_stock_ops",
 ]
 
@@ -74,13 +75,6 @@ def is_program(obj: object) -> TypeIs[torch.export.ExportedProgram]:
     return isinstance(obj, torch.export.ExportedProgram)
 
 
-def install_patches_for(program: object) -> None:
-    """Apply bnswap's patches (:func:`bnswap._compat.install`) when ``program`` (an
-    ``ExportedProgram`` or a ``GraphModule``) holds a consolidated batch-norm node: what
-    every bnswap entry point that takes a program does (:func:`bnswap._compat.install_for`)."""
-    _compat.install_for(program)
-
-
 def _graph_module(program: object, fn: str) -> GraphModule:
     if isinstance(program, torch.export.ExportedProgram):
         gm: GraphModule = program.graph_module
@@ -91,57 +85,6 @@ def _graph_module(program: object, fn: str) -> GraphModule:
         f"bnswap.programs.{fn}() expects a torch.export.ExportedProgram or a "
         f"torch.fx.GraphModule, got {type(program).__name__}"
     )
-
-
-#: Device names people try for a GPU, which torch does not read: the error says 'cuda'.
-_GPU_NAMES = ("gpu", "nvidia", "amd", "rocm", "cudnn")
-
-
-def check_device(device: object, fn: str = "plan") -> torch.device | None:
-    """``torch.device(device)`` (None stays None), with bnswap's error for what torch does
-    not read: ``bnswap.plan``'s ``device`` (issue 46: ``device="gpu"`` gave torch's raw
-    error listing 20 types).
-
-    Raises:
-        RuntimeError: (torch's type) a device type torch does not know, naming torch's
-            types and, for a GPU's name (``"gpu"``), ``'cuda'``; a device string torch
-            cannot read (``"cuda:x"``).
-        TypeError: (torch's type) ``device`` is neither a ``torch.device``, a str, an int
-            (torch's accelerator index) nor None.
-
-    Examples::
-
-        >>> from bnswap.programs import check_device
-        >>> check_device("cuda:1")
-        device(type='cuda', index=1)
-        >>> check_device("gpu")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        RuntimeError: bnswap.plan: device 'gpu' is not a device type torch knows ...
-    """
-    if device is None:
-        return None
-    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
-        raise TypeError(
-            f"bnswap.{fn}: device is a torch.device, a str such as 'cuda' or 'cuda:1', an "
-            f"accelerator index, or None, got {device!r}"
-        )
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        text = str(e)
-        if text.startswith("Expected one of ") and " device type" in text:
-            kinds = text.removeprefix("Expected one of ").partition(" device type")[0]
-            kind = str(device).partition(":")[0]
-            gpu = " (a GPU, NVIDIA's or AMD's, is 'cuda')" if kind.lower() in _GPU_NAMES else ""
-            raise RuntimeError(
-                f"bnswap.{fn}: device {kind!r} is not a device type torch knows{gpu}; "
-                f"torch's are {kinds}, with an optional index ('cuda:1')"
-            ) from None
-        raise RuntimeError(
-            f"bnswap.{fn}: device {device!r} is not one torch reads ({text}); e.g. 'cpu', "
-            "'cuda', 'cuda:1', 'mps', 'xpu'"
-        ) from None
 
 
 def _check_backend(backend: str) -> None:
@@ -180,142 +123,6 @@ def _selected(name: str, inc: list[str] | None, exc: list[str]) -> str | None:
 
 
 # ----------------------------------------------------------------------------- plan
-# The kernel columns: torch's rule (bnswap.kernels) on what each node passes, now and
-# after convert.
-_NO_SHAPE = "n/a (no shape metadata)"
-
-
-def _tensor_of(arg: object) -> torch.Tensor | None:
-    """The value of a graph argument: its ``meta["val"]``, or the tensor a ``get_attr``
-    node names (a pt2e graph's parameters); None when there is none."""
-    if not isinstance(arg, Node):
-        return None
-    val = arg.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return val
-    if arg.op == "get_attr" and isinstance(arg.target, str):
-        owner: object = arg.graph.owning_module
-        for part in arg.target.split("."):
-            owner = getattr(owner, part, None)
-        return owner if isinstance(owner, torch.Tensor) else None
-    return None
-
-
-def _dtype_of(arg: object, default: torch.dtype) -> torch.dtype | None:
-    """A (C,) argument's dtype: None when not passed, ``default`` (the input's) when its
-    value is not known."""
-    if arg is None:
-        return None
-    t = _tensor_of(arg)
-    return t.dtype if t is not None else default
-
-
-#: A (C,) argument that is passed but has no value of its own in the graph: the dummy
-#: bias ``batch_norm_backward``'s CUDA kernel selects with (``at::empty(1)``).
-_DEFINED = object()
-
-
-def _call(
-    x: object,
-    w: object,
-    b: object,
-    mean: object,
-    var: object,
-    training: object,
-    eps: object,
-    *,
-    stand_ins: bool = False,
-) -> kernels.Call | None:
-    """What torch's selection sees of a node's arguments (None without the input's shape
-    metadata); ``stand_ins``: as :func:`convert` makes them for a consolidated op (a
-    missing weight / bias / statistics made like the first (C,) tensor, else like the
-    input)."""
-    xv = _tensor_of(x)
-    if xv is None or xv.dim() < 2:
-        return None
-    call = kernels.Call.of(xv, None, None, None, None, training is not False, _float(eps))
-    wd, bd, md = (_dtype_of(a, xv.dtype) for a in (w, b, mean))
-    has_mean, has_var = mean is not None, var is not None
-    if stand_ins:
-        like = next((d for d in (wd, bd, md) if d is not None), xv.dtype)
-        wd, bd, has_mean, has_var = wd or like, bd or like, True, True
-    return dataclasses.replace(call, weight=wd, bias=bd, running_mean=has_mean, running_var=has_var)
-
-
-def _args(node: Node, count: int) -> list[object]:
-    """The node's first ``count`` arguments, positional or by the op's schema names."""
-    args: list[object] = list(node.args[:count])
-    schema = getattr(node.target, "_schema", None)
-    if len(args) < count and schema is not None:
-        args += [node.kwargs.get(a.name) for a in schema.arguments[len(args) : count]]
-    return args + [None] * (count - len(args))
-
-
-def _on(x: object, device: torch.device | None) -> torch.device | None:
-    """``device``, else the device of the input ``x``'s value."""
-    xv = _tensor_of(x)
-    return device if device is not None else (xv.device if xv is not None else None)
-
-
-def _kernel(
-    target: object, x: object, call: kernels.Call | None, device: torch.device | None
-) -> str:
-    dev = _on(x, device)
-    packet = getattr(target, "overloadpacket", target)
-    if packet in kernels.NATIVE_OPS or packet in kernels.CPU_ONLY_OPS:
-        return kernels.op_kernel(target, call, dev if dev is not None else "cpu")
-    if call is None or dev is None:
-        return _NO_SHAPE
-    return kernels.op_kernel(target, call, dev)
-
-
-def _kernel_before(node: Node, device: torch.device | None) -> str:
-    """The kernel ``node`` runs as it is, on ``device`` (default: its input's):
-    :func:`bnswap.kernels.op_kernel` on its own arguments. Stock's ``aten.batch_norm``
-    selects at run time whatever its ``cudnn_enabled`` says."""
-    target = node.target
-    if target is _BACKWARD:
-        return _kernel(target, _args(node, 2)[1], None, device)
-    if target is torch.ops.aten.batch_norm_backward.default:
-        _, x, w, mean, var, _, _, _, eps = _args(node, 9)
-        return _kernel(target, x, _call(x, w, _DEFINED, mean, var, True, eps), device)
-    if target in CONSOLIDATED_TARGETS:  # (x, w, b, mean, var, momentum, eps)
-        x, w, b, mean, var, _, eps = _args(node, 7)
-        return _kernel(target, x, _call(x, w, b, mean, var, True, eps), device)
-    found = stock_call(node)
-    if found is None:
-        return "-"
-    x, w, b, mean, var, training, _, eps = found[0]
-    return _kernel(target, x, _call(x, w, b, mean, var, training, eps), device)
-
-
-def _kernel_after(node: Node, target: object, device: torch.device | None) -> str:
-    """The kernel ``node`` runs once :func:`convert` has made it a ``target`` node: the
-    consolidated forward ops with the stand-ins convert adds, ``batch_norm_backward``
-    with its forward's weight (or stand-in), any other op with the node's arguments."""
-    aten = torch.ops.aten
-    packet = getattr(target, "overloadpacket", target)
-    if packet is aten.batch_norm_backward:  # (grad, x, w, mean, var, save_mean,
-        # save_invstd, train, eps, mask) -> the same with the forward's weight
-        _, x, _, mean, var, _, _, _, eps = _args(node, 9)
-        fwd = _forward_of(node)
-        found = stock_call(fwd) if fwd is not None else None
-        if found is None:
-            return "-"
-        fx, fw, fb, fmean = found[0][:4]
-        forward = _call(fx, fw, fb, fmean, fmean, True, eps, stand_ins=True)
-        call = _call(x, _DEFINED, _DEFINED, mean, var, True, eps)
-        if call is not None and forward is not None:
-            call = dataclasses.replace(call, weight=forward.weight)
-        return _kernel(target, x, call, device)
-    found = stock_call(node)
-    if found is None:
-        return _kernel_before(node, device)
-    x, w, b, mean, var, training, _, eps = found[0]
-    stand_ins = packet in (aten._batch_norm_with_update, aten._batch_norm_with_update_functional)
-    return _kernel(target, x, _call(x, w, b, mean, var, training, eps, stand_ins=stand_ins), device)
-
-
 @dataclass(frozen=True)
 class NodeRow:
     """What :func:`convert` does to one batch-norm node of a program.
@@ -373,7 +180,7 @@ class NodeRow:
             return "-"
         if self.action == "keep" or self.becomes == self.op:
             return self.kernel_before
-        return _kernel_after(self.node, _op_named(self.becomes), self.device)
+        return kernel_after(self.node, _op_named(self.becomes), self.device)
 
     def to_dict(self) -> dict[str, str]:
         """The row as plain strings (for logging or JSON)."""
@@ -431,7 +238,7 @@ class ProgramPlan(Rows[NodeRow]):
             )
         # planned again (the program may have changed), without the warnings plan gave
         new = _apply(
-            _plan_nodes(self.program, include=self._patterns[0], exclude=self._patterns[1])[0]
+            plan_nodes(self.program, include=self._patterns[0], exclude=self._patterns[1])[0]
         )
         self.applied = True  # the summary says what was done from now on
         return new
@@ -465,12 +272,6 @@ class ProgramPlan(Rows[NodeRow]):
 
     def __repr__(self) -> str:
         return f"ProgramPlan({self._counts()})"
-
-
-def _float(arg: object) -> float:
-    """A node's ``float eps`` argument: a literal in every graph torch records."""
-    assert isinstance(arg, (int, float)), arg
-    return float(arg)
 
 
 def _op_named(name: str) -> object:
@@ -517,7 +318,8 @@ def plan(
         >>> print(bnswap.plan(ep, device="cuda").summary())
         bnswap plan: 1 of 1 batch-norm nodes would be swapped, 0 skipped
     """
-    todo, unmatched = _plan_nodes(program, backend, include=include, exclude=exclude, device=device)
+    _compat.install_for(program)  # a program on bnswap's ops: torchao's flow needs the patches
+    todo, unmatched = plan_nodes(program, backend, include=include, exclude=exclude, device=device)
     for kind, p in unmatched:  # as plan() does for layers
         warn(
             "bnswap: include is empty, so it matches no batch-norm node and none is swapped "
@@ -530,7 +332,7 @@ def plan(
     return todo
 
 
-def _plan_nodes(
+def plan_nodes(
     program: Program,
     backend: str = "aten",
     *,
@@ -563,7 +365,7 @@ def _plan_nodes(
                         "already the consolidated op"
                         if n.target in CONSOLIDATED_TARGETS
                         else _EVAL_KEPT,
-                        _kernel_before(n, dev),
+                        kernel_before(n, dev),
                         already=True,
                         node=n,
                         device=dev,
@@ -595,16 +397,12 @@ def _plan_nodes(
                     "swap" if target else "skip",
                     str(target) if target else "-",
                     reason,
-                    _kernel_before(n, dev),
+                    kernel_before(n, dev),
                     excluded=excluded and not target,
                     node=n,
                     device=dev,
                 )
             )
-    if any(r.already for r in rows):
-        # a program that holds bnswap's ops (a .pt2 that `bnswap convert` wrote, loaded):
-        # torchao's pt2e flow needs the patches for it, though nothing is swapped here
-        _compat.install()
     unmatched: list[tuple[str, str | None]] = [
         (kind, p)
         for kind, pats in (("include", inc), ("exclude", exc))
@@ -710,7 +508,7 @@ def convert(
     """
     _graph_module(program, "convert")
     _check_backend(backend)
-    return _apply(plan(program, include=include, exclude=exclude))
+    return _apply(plan(program, include=include, exclude=exclude))  # (plan: the patches)
 
 
 def _apply(todo: ProgramPlan) -> Program:

@@ -22,20 +22,23 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "_warn": {"_log"},
     "_rows": set(),
+    "_patterns": set(),
     "_log": set(),
     "extras": set(),
     "_swap": {"functional", "_warn"},
     "_graph": {"functional"},
+    "_node_kernels": {"kernels", "_graph"},
     "layers": {"functional", "_swap"},
-    "sync": {"functional", "_swap"},
+    "_global_batch": set(),
+    "sync": {"functional", "_swap", "_global_batch"},
     "adapters": {"functional", "sync"},
     "_compat": {"functional", "_swap", "_graph", "_warn"},
-    "programs": {"_graph", "_warn", "_rows", "_compat", "kernels"},
+    "programs": {"_graph", "_node_kernels", "_warn", "_rows", "_compat", "kernels"},
     "registry": {"_swap", "layers", "adapters", "sync"},
     "ort": {"functional", "_swap", "_log", "extras"},
     "backends": {"_swap", "ort"},
-    "plan": {"_swap", "_warn", "_rows", "registry", "sync", "backends", "programs", "kernels"},
-    "convert": {"_swap", "_warn", "_log", "plan", "sync", "programs"},
+    "plan": {"_swap", "_warn", "_rows", "_patterns", "registry", "sync", "backends", "kernels"},
+    "convert": {"_warn", "_log", "_patterns", "_compat", "plan", "programs"},
     "lightning": {"backends", "convert", "extras", "layers", "plan", "sync"},
     "__init__": {
         "functional",
@@ -43,6 +46,7 @@ ALLOWED: dict[str, set[str]] = {
         "_graph",
         "layers",
         "_compat",
+        "_patterns",
         "registry",
         "plan",
         "convert",
@@ -169,9 +173,10 @@ def test_imports_only_what_its_room_may(name):
 
 
 def test_only_the_synchronized_room_and_the_log_import_torch_distributed():
-    """docs/architecture.md: torch.distributed is imported in bnswap/sync.py (the
-    collectives) and bnswap/_log.py (the rank, to log once per job) only; in the app,
-    bnswap/app/cli.py ends the process group a multi-device job made."""
+    """docs/architecture.md: torch.distributed is imported in bnswap/sync.py and
+    bnswap/_global_batch.py (the synchronized layers: groups and collectives) and
+    bnswap/_log.py (the rank, to log once per job) only; in the app, bnswap/app/cli.py
+    ends the process group a multi-device job made."""
     found = []
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -184,7 +189,12 @@ def test_only_the_synchronized_room_and_the_log_import_torch_distributed():
             )
             if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
                 found.append(name)
-    assert sorted(set(found)) == ["bnswap._log", "bnswap.app.cli", "bnswap.sync"]
+    assert sorted(set(found)) == [
+        "bnswap._global_batch",
+        "bnswap._log",
+        "bnswap.app.cli",
+        "bnswap.sync",
+    ]
 
 
 def test_no_import_cycle():

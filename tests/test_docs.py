@@ -20,6 +20,7 @@ MODULES = [
     "bnswap.layers",
     "bnswap.registry",
     "bnswap.kernels",
+    "bnswap._patterns",
     "bnswap.plan",
     "bnswap.convert",
     "bnswap._graph",
@@ -32,8 +33,9 @@ MODULES = [
 ]
 
 REQUIRED = {
-    "bnswap.convert": ["convert", "revert"],
-    "bnswap.plan": ["plan", "Plan.apply", "check_patterns"],
+    "bnswap.convert": ["convert", "plan", "revert"],
+    "bnswap.plan": ["Plan.apply"],
+    "bnswap._patterns": ["check_patterns"],
     "bnswap.registry": ["register"],
     "bnswap._swap": ["is_swapped"],
     "bnswap._graph": ["to_stock_ops"],
