@@ -52,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "app": {"__init__", "lightning", "extras"},
 }
-PACKAGES = {"ort", "app", "adapters"}  # rooms that are folders: their modules may import
+PACKAGES = {"ort", "app", "adapters", "_compat"}  # rooms that are folders: their modules may import
 # each other (cycles are still checked)
 PUBLIC_ONLY = {"lightning", "app"}
 LAZY_ONLY = {"__init__": {"lightning", "ort"}, "backends": {"ort"}}  # inside functions only
