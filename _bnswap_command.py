@@ -6,8 +6,8 @@ anything under ``bnswap`` runs ``bnswap/__init__.py``, which imports torch (1.7 
 without it. This module imports the standard library only: ``bnswap --help``, a
 mistyped subcommand and a mistyped option of a Lightning subcommand
 (:func:`lightning_usage_error`, which reads their options from the sources) answer in
-about 0.1 s (``benchmarks/startup.py``). ``bnswap plan`` /
-``convert`` then import torch and jsonargparse (:mod:`bnswap.app.plan_cli`), and the
+about 0.1 s (``benchmarks/startup.py``). ``bnswap plan`` / ``convert`` then import torch
+and jsonargparse (:mod:`bnswap.app.plan_cli`, :mod:`bnswap.app.convert_cli`), and the
 Lightning subcommands Lightning (:mod:`bnswap.app.cli`); without Lightning those print
 one line naming the ``pip install`` of bnswap's ``lightning`` extra from where bnswap was
 installed (:func:`bnswap.extras.install_hint`) and exit 2. The current folder is
@@ -327,8 +327,9 @@ def _missing_for_the_job() -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: ``plan`` / ``convert`` go to :mod:`bnswap.app.plan_cli`, the
-    Lightning subcommands to :func:`bnswap.app.cli.run_lightning_subcommand`.
+    """Console entry point: ``plan`` goes to :mod:`bnswap.app.plan_cli`, ``convert`` to
+    :mod:`bnswap.app.convert_cli`, the Lightning subcommands to
+    :func:`bnswap.app.cli.run_lightning_subcommand`.
 
     Exits with status 2 on usage errors (an unknown subcommand: the usage line and a
     "did you mean"; none: the help; a Lightning subcommand without Lightning
@@ -355,9 +356,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         sys.exit(plan_cli.main(args[1:]))
     if args[0] == "convert":
-        from bnswap.app import plan_cli
+        from bnswap.app import convert_cli
 
-        sys.exit(plan_cli.convert_main(args[1:]))
+        sys.exit(convert_cli.convert_main(args[1:]))
     missing = _missing_for_the_job()
     error = lightning_usage_error(args[0], args[1:]) if missing is None else None
     if error is not None:  # a mistyped option, said before Lightning is imported

@@ -23,7 +23,7 @@ every copy that carries it runs its own state:
   parameters and buffers, called as ``copy(x)``, ``copy.forward(x)``, from another
   thread or inside ``torch.compile``.
 * ``torch.save`` / pickle of a whole model and ``copy.copy``: no mark (the
-  ``checkpoints`` patch of :mod:`bnswap._compat`): a checkpoint names nothing of
+  ``checkpoints`` patch, :mod:`bnswap._compat.checkpoints`): a checkpoint names nothing of
   bnswap's and loads as stock's layers, where bnswap is not installed too. A pickle for
   another process of the job (multiprocessing) keeps it: unpickling a :class:`Swap`
   puts the dispatcher on its class in that process.
@@ -81,7 +81,7 @@ WRAPPER_STATE = "_bnswap"
 
 #: Attribute (true) of a forward pre-hook a bnswap backend puts on a user's module (e.g.
 #: a warning of :mod:`bnswap.ort`): views for other runtimes (TorchScript,
-#: ``bnswap._compat.stock_view``) leave such hooks out.
+#: ``bnswap._compat.torchscript.stock_view``) leave such hooks out.
 INTERNAL_HOOK = "_bnswap_internal_hook"
 
 #: The prefix of every internal buffer's name (:func:`add_internal_buffer`): a buffer so
@@ -203,9 +203,9 @@ class Swap:
         return f"<bnswap swap: {self.owner.__name__}.forward -> {name}>"
 
 
-#: Set by the ``checkpoints`` patch (:mod:`bnswap._compat`): called while a :class:`Swap`
-#: is pickled, False where the pickle is a checkpoint (the swap is left out: it
-#: unpickles as None) rather than a copy for this job (deepcopy, multiprocessing).
+#: Set by the ``checkpoints`` patch (:mod:`bnswap._compat.checkpoints`): called while a
+#: :class:`Swap` is pickled, False where the pickle is a checkpoint (the swap is left out:
+#: it unpickles as None) rather than a copy for this job (deepcopy, multiprocessing).
 pickle_keeps_swap: Callable[[], bool] | None = None
 
 
@@ -507,7 +507,7 @@ def add_internal_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> N
 
     An internal buffer is never in the state_dict (non-persistent); every view of the
     model for another runtime (TorchScript's: ``torch.jit.script`` / ``trace``,
-    ``bnswap._compat.stock_view``) leaves it out, and :func:`unswap` (so
+    ``bnswap._compat.torchscript.stock_view``) leaves it out, and :func:`unswap` (so
     :func:`bnswap.revert`) removes it. Its name starts with
     :data:`INTERNAL_BUFFER_PREFIX`, which is how each of them recognizes it. A name
     registered again replaces the tensor.

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bnswap import _compat
+from bnswap._compat._shared import is_patched
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,7 +186,7 @@ def test_torchao_is_patched_in_three_helpers_and_nothing_else():
         f"{mod.__name__}.{name}"
         for mod in (quantize_pt2e, export_utils)
         for name, value in vars(mod).items()
-        if _compat._patched(value)
+        if is_patched(value)
     }
     assert wrapped == {
         "torchao.quantization.pt2e.quantize_pt2e._get_node_name_to_scope",

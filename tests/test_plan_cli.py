@@ -13,7 +13,7 @@ pytest.importorskip("jsonargparse")
 pytest.importorskip("lightning.pytorch")
 
 import bnswap
-from bnswap.app import plan_cli
+from bnswap.app import convert_cli, plan_cli
 from tests import plan_models
 from tests._helpers import run_bnswap
 
@@ -363,13 +363,13 @@ def test_convert_with_sync_batchnorm_says_why_programs_take_none(capsys, tmp_pat
     answered a bare "unrecognized arguments", where ``bnswap plan --program`` explains.
     The same one line, exit 2, from both."""
     assert (
-        plan_cli.convert_main(
+        convert_cli.convert_main(
             [str(tmp_path / "m.pt2"), "-o", str(tmp_path / "o.pt2"), "--sync_batchnorm"]
         )
         == 2
     )
     err = capsys.readouterr().err
-    assert err == f"bnswap convert: error: {plan_cli._NO_SYNC_FOR_PROGRAMS}\n"
+    assert err == f"bnswap convert: error: {convert_cli.NO_SYNC_FOR_PROGRAMS}\n"
     assert "process group" in err
 
 
@@ -458,7 +458,7 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     says nothing would change; ``bnswap convert`` of it says the same."""
     path, _, _ = _program_file(tmp_path)
     done = tmp_path / "done.pt2"
-    assert plan_cli.convert_main([str(path), "-o", str(done)]) == 0
+    assert convert_cli.convert_main([str(path), "-o", str(done)]) == 0
     capsys.readouterr()
     summary = "all 2 batch-norm nodes already on bnswap's ops: nothing would change"
     code, out, _ = run(capsys, "--program", str(done))
@@ -468,7 +468,7 @@ def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_pa
     data = json.loads(out)
     assert code == 0 and [r["action"] for r in data["nodes"]] == ["keep", "keep"]
     assert data["summary"]["text"] == f"bnswap plan: {summary}"
-    assert plan_cli.convert_main([str(done), "-o", str(tmp_path / "again.pt2")]) == 0
+    assert convert_cli.convert_main([str(done), "-o", str(tmp_path / "again.pt2")]) == 0
     # (convert reports the applied plan: what was done)
     assert capsys.readouterr().out.startswith(
         "bnswap convert: all 2 batch-norm nodes already on bnswap's ops: nothing changed\n"
@@ -480,7 +480,7 @@ def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, c
 
     path, ep, x = _program_file(tmp_path)
     out_path = tmp_path / "model_bnswap.pt2"
-    assert plan_cli.convert_main([str(path), "-o", str(out_path)]) == 0
+    assert convert_cli.convert_main([str(path), "-o", str(out_path)]) == 0
     out = capsys.readouterr().out
     assert "2 of 2 batch-norm nodes swapped" in out and f"wrote {out_path}" in out
     new = torch.export.load(out_path)
@@ -494,7 +494,7 @@ def test_bnswap_convert_writes_a_program_that_runs_like_the_original(tmp_path, c
         assert torch.equal(v, w), k
     # --exclude takes a bare pattern, as bnswap plan's does: that node is left stock
     part = tmp_path / "part.pt2"
-    assert plan_cli.convert_main([str(path), "-o", str(part), "--exclude", "*_1"]) == 0
+    assert convert_cli.convert_main([str(path), "-o", str(part), "--exclude", "*_1"]) == 0
     assert [
         str(n.target) for n in torch.export.load(part).graph.nodes if "batch_norm" in str(n.target)
     ] == ["aten._batch_norm_with_update.default", "aten.batch_norm.default"]
@@ -507,12 +507,24 @@ def test_a_file_that_is_no_program_is_a_one_line_usage_error(capsys, tmp_path, c
     if cmd == "plan":
         code, out, err = run(capsys, "--program", str(bad))
     else:
-        code = plan_cli.convert_main([str(bad), "-o", str(tmp_path / "o.pt2")])
+        code = convert_cli.convert_main([str(bad), "-o", str(tmp_path / "o.pt2")])
         out, err = capsys.readouterr()
     assert code == 2 and not out and not (tmp_path / "o.pt2").exists()
     assert err.count("\n") == 1 and err.startswith(
         f"bnswap {cmd}: error: {bad}: not a torch.export program"
     ), err
+
+
+def test_convert_keeps_its_old_import_path():
+    """``bnswap convert`` moved to bnswap.app.convert_cli (issue 47: no module over 800
+    lines); ``bnswap.app.plan_cli.convert_main``, and the names both commands share, still
+    name the same objects."""
+    from bnswap.app import plan_output
+
+    assert plan_cli.convert_main is convert_cli.convert_main
+    assert plan_cli.render is plan_output.render
+    assert (plan_cli.EXIT_ALL_SWAPPED, plan_cli.EXIT_USAGE, plan_cli.EXIT_SOME_SKIPPED) == (0, 2, 3)
+    assert set(plan_cli.__all__) <= set(vars(plan_cli))
 
 
 def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_path):
@@ -527,7 +539,7 @@ def test_convert_into_a_missing_folder_is_a_one_line_usage_error(capsys, tmp_pat
         str(src),
     )
     out = tmp_path / "nothere" / "o.pt2"
-    code = plan_cli.convert_main([str(src), "-o", str(out)])
+    code = convert_cli.convert_main([str(src), "-o", str(out)])
     cap = capsys.readouterr()
     assert (code, cap.out) == (2, "") and not out.parent.exists()
     assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
@@ -539,9 +551,9 @@ def test_convert_refuses_a_missing_folder_before_loading_the_program(capsys, tmp
     src = tmp_path / "m.pt2"
     src.write_bytes(b"not read")
     loaded = []
-    monkeypatch.setattr(plan_cli, "load_program", lambda path: loaded.append(path))
+    monkeypatch.setattr(convert_cli, "load_program", lambda path: loaded.append(path))
     out = tmp_path / "nothere" / "o.pt2"
-    code = plan_cli.convert_main([str(src), "-o", str(out)])
+    code = convert_cli.convert_main([str(src), "-o", str(out)])
     cap = capsys.readouterr()
     assert (code, cap.out, loaded) == (2, "", [])
     assert cap.err == f"bnswap convert: error: {out}: no such folder: {out.parent}\n"
@@ -554,7 +566,7 @@ def test_convert_to_a_folder_or_an_unwritable_place_is_a_one_line_usage_error(ca
     path, _, _ = _program_file(tmp_path)
     folder = tmp_path / "outdir"
     folder.mkdir()
-    code = plan_cli.convert_main([str(path), "-o", str(folder)])
+    code = convert_cli.convert_main([str(path), "-o", str(folder)])
     cap = capsys.readouterr()
     assert (code, cap.out, list(folder.iterdir())) == (2, "", [])
     assert cap.err == (
@@ -564,7 +576,7 @@ def test_convert_to_a_folder_or_an_unwritable_place_is_a_one_line_usage_error(ca
     for cmd in (
         lambda: run(capsys, "--program", str(folder)),
         lambda: (
-            plan_cli.convert_main([str(folder), "-o", str(tmp_path / "o.pt2")]),
+            convert_cli.convert_main([str(folder), "-o", str(tmp_path / "o.pt2")]),
             *capsys.readouterr(),
         ),
     ):
@@ -573,7 +585,7 @@ def test_convert_to_a_folder_or_an_unwritable_place_is_a_one_line_usage_error(ca
             f"error: {folder}: is a folder, not a program file (.pt2)\n"
         )
     if pathlib.Path("/proc/self").is_dir():  # Linux: a folder no file can be made in
-        code = plan_cli.convert_main([str(path), "-o", "/proc/bnswap_o.pt2"])
+        code = convert_cli.convert_main([str(path), "-o", "/proc/bnswap_o.pt2"])
         cap = capsys.readouterr()
         assert (code, cap.out) == (2, "") and cap.err.startswith(
             "bnswap convert: error: /proc/bnswap_o.pt2: cannot be written ("
@@ -596,7 +608,7 @@ def test_convert_to_a_folder_or_an_unwritable_place_is_a_one_line_usage_error(ca
 def test_convert_without_its_arguments_names_them_with_an_example(capsys, args, missing):
     """Guards (a user's try): ``bnswap convert model.pt2`` said "the following arguments
     are required: output", naming no option a user types."""
-    code = plan_cli.convert_main(args)
+    code = convert_cli.convert_main(args)
     cap = capsys.readouterr()
     assert (code, cap.out) == (2, "")
     assert cap.err == (
@@ -629,7 +641,7 @@ def test_convert_refuses_to_overwrite_its_input(capsys, tmp_path, monkeypatch, s
         os.symlink(tmp_path / "m.pt2", tmp_path / "link.pt2")
     elif spelling == "hardlink":
         os.link(tmp_path / "m.pt2", tmp_path / "hard.pt2")
-    code = plan_cli.convert_main(["m.pt2", "-o", out])
+    code = convert_cli.convert_main(["m.pt2", "-o", out])
     cap = capsys.readouterr()
     assert (code, cap.out) == (2, "") and (tmp_path / "m.pt2").read_bytes() == before
     assert cap.err == (
@@ -637,7 +649,7 @@ def test_convert_refuses_to_overwrite_its_input(capsys, tmp_path, monkeypatch, s
         "(m.pt2): bnswap convert never overwrites its input; write to "
         "another file, e.g. -o model_bnswap.pt2\n"
     )
-    assert plan_cli.convert_main(["m.pt2", "-o", "new.pt2"]) == 0  # another file: written
+    assert convert_cli.convert_main(["m.pt2", "-o", "new.pt2"]) == 0  # another file: written
     assert (tmp_path / "m.pt2").read_bytes() == before
     new = torch.export.load("new.pt2")
     assert any("_batch_norm_with_update" in str(n.target) for n in new.graph.nodes)
@@ -693,7 +705,7 @@ def test_an_unmatched_pattern_warns_once_with_one_prefix(capsys, tmp_path):
     assert len(api) == 1 and api[0].startswith("bnswap: exclude pattern '*features*'")
     line = api[0].removeprefix("bnswap: ")
     out = tmp_path / "y.pt2"
-    assert plan_cli.convert_main([str(path), "-o", str(out), "--exclude", "*features*"]) == 0
+    assert convert_cli.convert_main([str(path), "-o", str(out), "--exclude", "*features*"]) == 0
     cap = capsys.readouterr()
     assert cap.err == f"bnswap convert: warning: {line}\n"
     assert {
@@ -716,10 +728,10 @@ def test_convert_names_itself_in_its_output(capsys, tmp_path):
     ref = bnswap.plan(ep)
     assert ref.summary() == "bnswap plan: 2 of 2 batch-norm nodes would be swapped, 0 skipped"
     out_path = tmp_path / "o.pt2"
-    assert plan_cli.convert_main([str(path), "-o", str(out_path)]) == 0
+    assert convert_cli.convert_main([str(path), "-o", str(out_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "bnswap convert: 2 of 2 batch-norm nodes swapped, 0 skipped"
-    assert out[1:] == [*str(ref).splitlines()[1:], f"wrote {out_path}", plan_cli.TORCHAO_NOTE]
+    assert out[1:] == [*str(ref).splitlines()[1:], f"wrote {out_path}", convert_cli.TORCHAO_NOTE]
     assert not any("bnswap plan" in ln for ln in out)
     code, plan_out, _ = run(capsys, "--program", str(path))
     assert code == 0 and plan_out.splitlines() == str(ref).splitlines()
@@ -748,7 +760,7 @@ def test_a_file_that_is_no_program_points_to_no_warnings(capsys, tmp_path, cmd, 
     if cmd == "plan":
         code, out, err = run(capsys, "--program", str(bad))
     else:
-        code = plan_cli.convert_main([str(bad), "-o", str(tmp_path / "o.pt2")])
+        code = convert_cli.convert_main([str(bad), "-o", str(tmp_path / "o.pt2")])
         out, err = capsys.readouterr()
     assert (code, out) == (2, "") and "warnings above" not in err
     assert err == (

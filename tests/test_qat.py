@@ -342,9 +342,9 @@ def test_an_older_or_changed_torchao_is_left_as_it_is_with_one_warning(case, mon
     call that does it by hand."""
     import torchao
 
-    from bnswap import _compat
+    from bnswap._compat import torchao as torchao_patches
 
-    monkeypatch.setattr(_compat, "_unpatched_warned", set())
+    monkeypatch.setattr(torchao_patches, "_unpatched_warned", set())
     source = _FAKE_PT2E
     if case == "too_old":
         monkeypatch.setattr(torchao, "__version__", "0.17.0")
@@ -358,9 +358,9 @@ def test_an_older_or_changed_torchao_is_left_as_it_is_with_one_warning(case, mon
     mod, before = _fake_pt2e(source)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        applied = _compat.patch_torchao_pt2e(mod)
+        applied = torchao_patches.patch_torchao_pt2e(mod)
         if case == "too_old":  # the other torchao module: no second warning
-            assert _compat.patch_torchao_export_utils(mod) is False
+            assert torchao_patches.patch_torchao_export_utils(mod) is False
     messages = [str(w.message) for w in caught if "bnswap" in str(w.message)]
     assert len(messages) == 1, messages
     assert applied is False and dict(vars(mod)) == before  # nothing patched

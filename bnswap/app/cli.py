@@ -3,8 +3,9 @@ every subcommand).
 
 The console script's front door, ``_bnswap_command`` (outside the package: it imports
 no torch), holds the subcommand table and dispatches here (:func:`run_lightning_subcommand`)
-and to :mod:`bnswap.app.plan_cli`; this module never imports it back. Run them as
-``bnswap SUBCOMMAND`` (or ``python -m _bnswap_command SUBCOMMAND``).
+and to :mod:`bnswap.app.plan_cli` / :mod:`bnswap.app.convert_cli`; this module never
+imports it back. Run them as ``bnswap SUBCOMMAND`` (or ``python -m _bnswap_command
+SUBCOMMAND``).
 
 ``bnswap train --config configs/digits_mobilenetv2.yaml``
     LightningCLI (jsonargparse): trains the configured model on the configured data.
@@ -23,7 +24,7 @@ and to :mod:`bnswap.app.plan_cli`; this module never imports it back. Run them a
 
 ``bnswap convert model.pt2 -o model_bnswap.pt2``
     A ``torch.export`` program file with its batch-norm nodes on the consolidated ops
-    (:func:`bnswap.app.plan_cli.convert_main`).
+    (:func:`bnswap.app.convert_cli.convert_main`).
 
 A ``--config`` that is not a file but the name of a config shipped with bnswap
 (:mod:`bnswap.app.configs`) is read from the package, so the commands work from any

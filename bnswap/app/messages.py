@@ -1,15 +1,26 @@
-"""What ``bnswap train`` and ``bnswap plan`` share in reading their arguments: jsonargparse's
-parse errors in one line, and the object a dotted path names (:func:`import_path`)."""
+"""What ``bnswap train``, ``bnswap plan`` and ``bnswap convert`` share in reading their
+arguments: jsonargparse's parse errors in one line, the object a dotted path names
+(:func:`import_path`), the options a parser takes (:func:`long_options`) and the error
+of an ``--include`` / ``--exclude`` that is no pattern (:func:`pattern_error`)."""
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import re
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["did_you_mean", "short_error", "unrecognized_error"]
+import yaml
+
+__all__ = [
+    "did_you_mean",
+    "long_options",
+    "pattern_error",
+    "short_error",
+    "unrecognized_error",
+]
 
 _KEY = re.compile(r'Parser key "(?P<key>[^"]+)":\s*(?P<rest>.*)')
 _CLASS_PATH = re.compile(r"Problem with given class_path '[^']*':\s*(?P<rest>.*)")
@@ -291,4 +302,31 @@ def import_path(path: str) -> Any:
         except AttributeError:
             return None
         return obj
+    return None
+
+
+def long_options(parser: Any) -> list[str]:
+    """The ``--options`` ``parser`` takes (for a typo's "did you mean")."""
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+
+
+def pattern_error(cfg: Any) -> str | None:
+    """The error for an ``--include`` / ``--exclude`` value that YAML reads as a list but
+    not of strings (``'[1]'``): jsonargparse, having failed ``list[str]``, keeps it as one
+    bare pattern (a glob character class), which the user did not mean. None when
+    both are fine. (A glob that is itself a YAML list, ``'[ab]'``, is given in a list:
+    ``'["[ab]"]'``.)"""
+    for option in ("include", "exclude"):
+        value = getattr(cfg, option)
+        if isinstance(value, str) and value.lstrip().startswith("["):
+            try:
+                loaded = yaml.safe_load(value)
+            except yaml.YAMLError:
+                continue  # a glob such as '[ab]*'
+            if isinstance(loaded, list):
+                return (
+                    f"{option}: expected a glob pattern or a list of patterns (str), "
+                    f"got {value!r}; a pattern that is itself a YAML list goes in one: "
+                    f"--{option} '{json.dumps([value])}'"
+                )
     return None

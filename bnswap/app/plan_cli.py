@@ -18,7 +18,8 @@ with bnswap) and takes the backend and patterns of its ``BNSwap`` callback unles
 here. Nothing is trained, no data is loaded, no Trainer is built.
 
 ``--program`` plans a ``torch.export.save`` file node by node (what ``bnswap convert
-model.pt2 -o model_bnswap.pt2`` does to it: :func:`convert_main`).
+model.pt2 -o model_bnswap.pt2`` does to it: :mod:`bnswap.app.convert_cli`). What both
+commands print and return is :mod:`bnswap.app.plan_output`'s.
 
 ``--sync_batchnorm`` plans ``bnswap.plan(..., sync_batchnorm=True)``: every
 ``BatchNorm1d/2d/3d`` becomes a synchronized ``SyncBatchNorm`` (the table's ``sync``
@@ -36,8 +37,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import json
-import logging
 import os
 import re
 import sys
@@ -54,14 +53,33 @@ from torch import nn
 
 import bnswap
 from bnswap.app.configs import resolve as resolve_config
-from bnswap.app.messages import did_you_mean, import_path, short_error, unrecognized_error
+from bnswap.app.convert_cli import (
+    NO_SYNC_FOR_PROGRAMS,
+    ProgramFileError,
+    convert_main,  # (its old place, kept: `bnswap convert` is bnswap.app.convert_cli's)
+    load_program,
+)
+from bnswap.app.messages import (
+    did_you_mean,
+    import_path,
+    long_options,
+    pattern_error,
+    short_error,
+    unrecognized_error,
+)
+from bnswap.app.plan_output import (
+    EXIT_ALL_SWAPPED,
+    EXIT_SOME_SKIPPED,
+    EXIT_USAGE,
+    WARNING_PREFIX,
+    exit_status,
+    print_warnings,
+    render,
+    usage_error,
+)
 from bnswap.extras import install_hint
 
 __all__ = ["EXIT_ALL_SWAPPED", "EXIT_SOME_SKIPPED", "EXIT_USAGE", "convert_main", "main", "render"]
-
-EXIT_ALL_SWAPPED = 0
-EXIT_SOME_SKIPPED = 3
-EXIT_USAGE = 2
 
 Format = Literal["table", "json", "markdown"]
 
@@ -164,11 +182,6 @@ def _parser(factory: Any = None) -> ArgumentParser:
         "markdown (for pull requests)",
     )
     return p
-
-
-def _options(parser: Any) -> list[str]:
-    """The ``--options`` ``parser`` takes (for a typo's "did you mean")."""
-    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
 
 
 def _model_path(argv: Sequence[str]) -> str | None:
@@ -390,135 +403,6 @@ def _from_config(path: str) -> tuple[nn.Module, dict[str, Any] | None, bool]:
     return model, swap, trainer.get("sync_batchnorm") is True
 
 
-def _null(cell: str) -> str | None:
-    """A table cell for JSON: the table's ``-`` (nothing there) is ``null``."""
-    return None if cell == "-" else cell
-
-
-def _render_program(plan: bnswap.ProgramPlan, fmt: str, note: str) -> str:
-    rows = plan.to_dicts()
-    if fmt == "json":
-        return json.dumps(
-            {
-                "nodes": [{k: _null(v) for k, v in r.items()} for r in rows],
-                "summary": {
-                    "nodes": len(plan),
-                    "swapped": len(plan.swapped),
-                    "skipped": len(plan.skipped),
-                    "backend": plan.backend,
-                    "text": plan.summary(),
-                    "note": note or None,
-                },
-            },
-            indent=1,
-        )
-    if fmt == "markdown":
-        head = ["node", "op", "action", "becomes", "kernel_before", "kernel", "reason"]
-        lines = [
-            f"**{plan.summary()}**",
-            "",
-            "| " + " | ".join(head) + " |",
-            "|" + "---|" * len(head),
-        ]
-        for r in rows:
-            lines.append(
-                "| "
-                + " | ".join(
-                    f"`{r[k]}`" if k in ("node", "op", "becomes") else r[k].replace("|", "\\|")
-                    for k in head
-                )
-                + " |"
-            )
-        return "\n".join(lines + ([f"\n{note}"] if note else []))
-    return str(plan) + (f"\n{note}" if note else "")
-
-
-#: What ``bnswap convert`` says after writing a program on the consolidated ops: torchao's
-#: pt2e flow (conv-BN fold, eval switch) sees them only where bnswap's patches are applied.
-TORCHAO_NOTE = (
-    "for torchao's pt2e quantization, call bnswap.convert(program) in the process that "
-    "loads it, before prepare_pt2e / prepare_qat_pt2e (the guide 'pt2e quantization-aware "
-    "training')"
-)
-
-
-def render(plan: bnswap.Plan | bnswap.ProgramPlan, fmt: str, note: str = "") -> str:
-    """The plan as ``table`` (``str(plan)``), ``json`` (``{"layers": [...], "summary":
-    {...}}``; a program's: ``{"nodes": [...], ...}``; ``null`` where the table shows ``-``)
-    or ``markdown`` (a GitHub table)."""
-    if isinstance(plan, bnswap.ProgramPlan):
-        return _render_program(plan, fmt, note)
-    if fmt == "json":
-        return json.dumps(
-            {
-                "layers": [
-                    {
-                        "name": r.name,
-                        "class": r.cls,
-                        "action": r.action,
-                        "backend": _null(r.backend),
-                        "kernel": _null(r.kernel),
-                        "adapter": _null(r.adapter_name),
-                        "sync": _null(r.sync),
-                        "reason": _null(r.reason),
-                    }
-                    for r in plan
-                ],
-                "summary": {
-                    "layers": len(plan),
-                    "swapped": len(plan.swapped),
-                    "skipped": len(plan.skipped),
-                    "backend": plan.backend,
-                    "text": plan.summary(),
-                    "note": note or None,
-                },
-            },
-            indent=1,
-        )
-    if fmt == "markdown":
-        head = ["layer", "class", "action", "backend", "kernel", "adapter", "sync", "reason"]
-        lines = [
-            f"**{plan.summary()}**",
-            "",
-            "| " + " | ".join(head) + " |",
-            "|" + "---|" * len(head),
-        ]
-        for r in plan:
-            cells = [r.name, r.cls, r.action, r.backend, r.kernel, r.adapter_name, r.sync, r.reason]
-            lines.append(
-                "| "
-                + " | ".join(
-                    f"`{c}`" if i in (0, 1, 5) else str(c).replace("|", "\\|")
-                    for i, c in enumerate(cells)
-                )
-                + " |"
-            )
-        return "\n".join(lines + ([f"\n{note}"] if note else []))
-    return str(plan) + (f"\n{note}" if note else "")
-
-
-def _pattern_error(cfg: Any) -> str | None:
-    """The error for an ``--include`` / ``--exclude`` value that YAML reads as a list but
-    not of strings (``'[1]'``): jsonargparse, having failed ``list[str]``, keeps it as one
-    bare pattern (a glob character class), which the user did not mean. None when
-    both are fine. (A glob that is itself a YAML list, ``'[ab]'``, is given in a list:
-    ``'["[ab]"]'``.)"""
-    for option in ("include", "exclude"):
-        value = getattr(cfg, option)
-        if isinstance(value, str) and value.lstrip().startswith("["):
-            try:
-                loaded = yaml.safe_load(value)
-            except yaml.YAMLError:
-                continue  # a glob such as '[ab]*'
-            if isinstance(loaded, list):
-                return (
-                    f"{option}: expected a glob pattern or a list of patterns (str), "
-                    f"got {value!r}; a pattern that is itself a YAML list goes in one: "
-                    f"--{option} '{json.dumps([value])}'"
-                )
-    return None
-
-
 _UNTYPED = re.compile(r"parameter '(?P<name>[^']+)' of (?P<src>[\w.]+) has no type annotation")
 
 
@@ -577,54 +461,6 @@ def _class_option_error(message: str, argv: Sequence[str]) -> str | None:
     return f"unknown option {given!r}" + close.replace("mean '", f"mean '{prefix}", 1)
 
 
-_WARNING_PREFIX = re.compile(r"^bnswap(?:\.convert)?: ")
-
-
-def _print_warnings(caught: Sequence[warnings.WarningMessage], command: str) -> None:
-    """Each warning once, in one line, ``bnswap COMMAND: warning: ...`` (without the
-    library's own ``bnswap:`` / ``bnswap.convert:`` prefix), not Python's format."""
-    for text in dict.fromkeys(_WARNING_PREFIX.sub("", str(w.message)) for w in caught):
-        print(f"bnswap {command}: warning: {text}", file=sys.stderr)
-
-
-def _usage_error(message: str, command: str = "plan") -> int:
-    """Print ``bnswap plan: error: message`` to stderr; the usage-error exit status."""
-    print(f"bnswap {command}: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
-#: Why ``--sync_batchnorm`` takes no program (``bnswap plan --program``, ``bnswap convert``).
-_NO_SYNC_FOR_PROGRAMS = (
-    "--sync_batchnorm converts a model's BatchNorm layers; a program's "
-    "batch-norm nodes have no process group (convert the model with "
-    "sync_batchnorm=True, then export it)"
-)
-
-
-def _left_out_on_purpose(row: Any) -> bool:
-    """Whether a skipped row (a layer's :class:`bnswap.PlanRow` or a program's
-    ``NodeRow``) was left out by the patterns given (``--include`` / ``--exclude``, a
-    config callback's; a backward node whose forward node was): the row's ``excluded``;
-    not a layer bnswap cannot swap."""
-    return bool(row.excluded)
-
-
-def _exit_status(plan: bnswap.Plan | bnswap.ProgramPlan) -> int:
-    """:data:`EXIT_SOME_SKIPPED` when a row is skipped that was not left out on purpose
-    (:func:`_left_out_on_purpose`), the backend refuses the model as planned (ORT with a
-    layer left stock, even an excluded one: ``Plan.refused``), or ``--include`` matched
-    no layer at all (nothing would be swapped: a CI gate must not pass a typo), else
-    :data:`EXIT_ALL_SWAPPED`."""
-    refused = getattr(plan, "refused", False)  # (a program plan has no backend to refuse)
-    if refused or not all(_left_out_on_purpose(r) for r in plan.skipped):
-        return EXIT_SOME_SKIPPED
-    if not plan.swapped and any(
-        r.reason.startswith("not matched by include") for r in plan.skipped
-    ):
-        return EXIT_SOME_SKIPPED  # an include that chose nothing: a typo, not a choice
-    return EXIT_ALL_SWAPPED
-
-
 @contextlib.contextmanager
 def _prog(prog: str) -> Iterator[None]:
     """``sys.argv[0]`` as ``prog`` while parsing: jsonargparse's ``--model.help CLASS``
@@ -647,10 +483,10 @@ def _prog(prog: str) -> Iterator[None]:
 def main(argv: Sequence[str]) -> int:
     """Run ``bnswap plan`` with ``argv`` (the arguments after ``plan``); return the exit
     status (0 all swapped or left out on purpose, 3 some skipped that bnswap cannot swap,
-    2 usage errors: printed to stderr; :func:`_exit_status`)."""
+    2 usage errors: printed to stderr; :func:`exit_status`)."""
     argv = list(argv)
     if "-h" not in argv and "--help" not in argv and (error := _module_error(argv)):
-        return _usage_error(error)
+        return usage_error(error)
     factory = _plain_factory(argv)
     if factory is not None:  # its arguments: --model.NAME VALUE, as for a class
         argv = [
@@ -674,30 +510,30 @@ def main(argv: Sequence[str]) -> int:
         )
         text = (
             _class_option_error(str(e), argv)
-            or unrecognized_error(str(e), _options(parser))
+            or unrecognized_error(str(e), long_options(parser))
             or short_error(str(e))
         )
         text = text.replace("model_args.", "model.")
         if (untyped := _untyped_hint(text)) is not None:  # the help would not help
-            return _usage_error(untyped)
-        return _usage_error(f"{text}\n{hint}")
-    if (error := _pattern_error(cfg)) is not None:
-        return _usage_error(f"{error}\n(bnswap plan --help lists every option)")
+            return usage_error(untyped)
+        return usage_error(f"{text}\n{hint}")
+    if (error := pattern_error(cfg)) is not None:
+        return usage_error(f"{error}\n(bnswap plan --help lists every option)")
     if sum(v is not None for v in (cfg.model, cfg.config, cfg.program)) != 1:
-        return _usage_error(
+        return usage_error(
             "give exactly one of --model, --config or --program (see bnswap plan --help)"
         )
     if factory is not None and (error := _missing_factory_args(factory, argv, cfg)):
-        return _usage_error(error)
+        return usage_error(error)
     if cfg.program is not None and cfg.backend not in (None, "aten"):
-        return _usage_error(
+        return usage_error(
             f"--backend {cfg.backend} runs modules; a program converts to "
             "the aten backend's ops only"
         )
     if cfg.program is not None and cfg.sync_batchnorm:
-        return _usage_error(_NO_SYNC_FOR_PROGRAMS)
+        return usage_error(NO_SYNC_FOR_PROGRAMS)
     if cfg.device is not None and (error := _device_error(cfg.device)):
-        return _usage_error(error)  # (before the model is built)
+        return usage_error(error)  # (before the model is built)
     synced = False
     model: nn.Module | torch.export.ExportedProgram
     swap: dict[str, Any] | None
@@ -711,19 +547,19 @@ def main(argv: Sequence[str]) -> int:
         else:
             model, swap = _instantiate(parser, cfg).model, {}
     except ProgramFileError as e:
-        return _usage_error(str(e))
+        return usage_error(str(e))
     except ArgumentError as e:  # a config's model that jsonargparse refuses
-        return _usage_error(f"{cfg.config}: {short_error(str(e))}")
+        return usage_error(f"{cfg.config}: {short_error(str(e))}")
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] in ("lightning", "pytorch_lightning", "sklearn"):
-            return _usage_error(
+            return usage_error(
                 f"{cfg.config or cfg.model} needs {e.name.split('.')[0]}, "
                 "which is not installed: " + install_hint("lightning")
             )
-        return _usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
+        return usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
     except (OSError, ValueError, TypeError, ImportError) as e:
         # building --model raised: jsonargparse's Union report holds the reason
-        return _usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
+        return usage_error(f"{'' if cfg.config else 'model: '}{short_error(str(e))}")
     no_callback = swap is None
     swap = swap or {}
     backend = cfg.backend or swap.get("backend", "aten")
@@ -743,8 +579,8 @@ def main(argv: Sequence[str]) -> int:
                 model, backend, include=include, exclude=exclude, device=cfg.device, **sync
             )  # (a program: one row per node)
     except (RuntimeError, ValueError, TypeError) as e:
-        return _usage_error(_WARNING_PREFIX.sub("", str(e)))  # (one "bnswap" prefix)
-    _print_warnings(caught, "plan")  # a pattern that matches nothing: one line
+        return usage_error(WARNING_PREFIX.sub("", str(e)))  # (one "bnswap" prefix)
+    print_warnings(caught, "plan")  # a pattern that matches nothing: one line
     note = ""
     kernels = {r.kernel for r in plan.swapped}
     if any("(predicted)" in k for k in kernels):
@@ -774,159 +610,4 @@ def main(argv: Sequence[str]) -> int:
     except BrokenPipeError:  # `bnswap plan ... | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    return _exit_status(plan)
-
-
-#: torch.export.load's pointer to the warnings it logged (silenced here: the traceback of
-#: its zip reader), which the one-line error would point to in vain
-_NO_WARNINGS_ABOVE = re.compile(
-    r"\s*Please check the warnings above for possible errors\.?", re.IGNORECASE
-)
-
-
-class ProgramFileError(ValueError):
-    """A file that is no ``torch.export`` program (the message is one line)."""
-
-
-def load_program(path: str) -> torch.export.ExportedProgram:
-    """``torch.export.load(path)``; a missing file or one that is no program raises
-    :class:`ProgramFileError` with one line naming the file and the reason."""
-    if os.path.isdir(path):
-        raise ProgramFileError(f"{path}: is a folder, not a program file (.pt2)")
-    if not os.path.isfile(path):
-        raise ProgramFileError(f"{path}: no such file")
-    quiet = logging.getLogger("torch.export")  # it logs the traceback it then raises
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
-    try:
-        return torch.export.load(path)
-    except Exception as e:  # torch raises many kinds for a foreign file
-        first = _NO_WARNINGS_ABOVE.sub("", (str(e).strip().splitlines() or [""])[0])[:160]
-        raise ProgramFileError(
-            f"{path}: not a torch.export program (torch.export.load: "
-            f"{type(e).__name__}{': ' + first if first else ''})"
-        ) from None
-    finally:
-        quiet.setLevel(level)
-
-
-def _convert_parser() -> ArgumentParser:
-    p = ArgumentParser(
-        prog="bnswap convert",
-        exit_on_error=False,
-        description="Convert a torch.export program file so that its batch-norm nodes run "
-        "PyTorch's consolidated ops (cuDNN on CUDA); prints the plan. Exit "
-        "status 0: every node converted or excluded on purpose (--include / "
-        "--exclude); 3: some left as they were that bnswap cannot convert; 2: "
-        "usage error.",
-    )
-    p.add_argument("program", type=str, help="the program (torch.export.save, .pt2)")
-    p.add_argument(
-        "-o",
-        "--output",
-        type=str,
-        required=True,
-        help="where to write the converted program (.pt2)",
-    )
-    p.add_argument(
-        "--include",
-        type=str | list[str] | None,
-        default=None,
-        help="a glob pattern on node names to convert, or a list of them (default: all)",
-    )
-    p.add_argument(
-        "--exclude",
-        type=str | list[str] | None,
-        default=None,
-        help="a glob pattern on node names to leave as they are, or a list of them",
-    )
-    return p
-
-
-_REQUIRED = "the following arguments are required: "
-#: how argparse names convert's arguments -> how they are typed
-_CONVERT_SPELLING = {
-    "program": "the program to convert (a .pt2 file)",
-    "output": "-o/--output (where to write the converted program)",
-}
-_CONVERT_EXAMPLE = "bnswap convert model.pt2 -o model_bnswap.pt2"
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether paths ``a`` and ``b`` name one existing file, however spelled (``./m.pt2``,
-    a symbolic or hard link): :func:`os.path.samefile`. An ``output`` that does not exist
-    yet is never the input."""
-    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
-
-
-def convert_main(argv: Sequence[str]) -> int:
-    """Run ``bnswap convert PROGRAM -o OUTPUT`` with ``argv`` (the arguments after
-    ``convert``): load, :func:`bnswap.convert`, ``torch.export.save``, print the plan.
-    Returns the exit status (0 all converted or left out by the patterns, 3 some left
-    that bnswap cannot convert (:func:`_exit_status`), 2 usage errors on stderr: a
-    missing PROGRAM or ``-o/--output`` (named, with an example), an ``-o`` that is the
-    input file (refused before anything is read: never overwritten), a missing folder
-    for the output (refused before the program is loaded), a file that is no program)."""
-    try:
-        if "--sync_batchnorm" in argv or any(a.startswith("--sync_batchnorm=") for a in argv):
-            return _usage_error(_NO_SYNC_FOR_PROGRAMS, "convert")
-        cfg = _convert_parser().parse_args(list(argv))
-    except SystemExit as e:  # --help (0)
-        return int(e.code or 0)
-    except ArgumentError as e:
-        if str(e).startswith(_REQUIRED):  # name them as typed, with an example
-            missing = [
-                _CONVERT_SPELLING.get(n.strip(), n.strip())
-                for n in str(e)[len(_REQUIRED) :].split(",")
-            ]
-            return _usage_error(
-                f"missing {' and '.join(missing)}; e.g. {_CONVERT_EXAMPLE}", "convert"
-            )
-        text = unrecognized_error(str(e), _options(_convert_parser())) or short_error(str(e))
-        return _usage_error(f"{text}\n(bnswap convert --help lists every option)", "convert")
-    if (error := _pattern_error(cfg)) is not None:
-        return _usage_error(f"{error}\n(bnswap convert --help lists every option)", "convert")
-    if _same_file(cfg.program, cfg.output):
-        return _usage_error(
-            f"-o/--output {cfg.output} is the input program ({cfg.program}): "
-            "bnswap convert never overwrites its input; write to another "
-            "file, e.g. -o model_bnswap.pt2",
-            "convert",
-        )
-    if os.path.isdir(cfg.output):
-        return _usage_error(
-            f"-o/--output {cfg.output} is a folder; give a file name, e.g. "
-            f"-o {os.path.join(cfg.output, 'model_bnswap.pt2')}",
-            "convert",
-        )
-    parent = os.path.dirname(os.path.abspath(cfg.output))
-    if not os.path.isdir(parent):  # before the program is loaded (a large file: seconds);
-        # torch.export.save raised a RuntimeError with a traceback here
-        return _usage_error(
-            f"{cfg.output}: no such folder: {os.path.dirname(cfg.output)}", "convert"
-        )
-    try:
-        ep = load_program(cfg.program)
-    except ProgramFileError as e:
-        return _usage_error(str(e), "convert")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        plan = bnswap.plan(ep, include=cfg.include, exclude=cfg.exclude)
-        new = plan.apply()
-    assert isinstance(new, torch.export.ExportedProgram)  # as ep is
-    # bnswap's own (no batch-norm node, a pattern that matches none), each once: plan and
-    # apply (which plans again) both warn of a pattern that matches nothing
-    _print_warnings([w for w in caught if str(w.message).startswith("bnswap")], "convert")
-    try:
-        torch.export.save(new, cfg.output)
-    except OSError as e:
-        return _usage_error(f"{cfg.output}: {e.strerror or e}", "convert")
-    except RuntimeError as e:  # torch's zip writer: a place that cannot be written
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return _usage_error(f"{cfg.output}: cannot be written ({reason[:160]})", "convert")
-    note = f"wrote {cfg.output}"
-    if plan.swapped:  # its nodes are bnswap's: torchao's pt2e flow needs bnswap to see it
-        note += "\n" + TORCHAO_NOTE
-    table = render(plan, "table", note)  # named for the command that ran
-    print(re.sub(r"^bnswap:", "bnswap convert:", table, count=1))  # (an applied plan's)
-    return _exit_status(plan)
+    return exit_status(plan)
