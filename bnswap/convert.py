@@ -337,7 +337,6 @@ def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
     return "bnswap.convert: " + "; ".join(parts) + "; bnswap.plan(model) shows each layer and why"
 
 
-# a SyncBatchNorm that convert(..., sync_batchnorm=True) made gives back the layer it replaced
 @overload
 def plan(
     module: torch.export.ExportedProgram,
@@ -478,6 +477,7 @@ def plan(
     return todo
 
 
+# a SyncBatchNorm that convert(..., sync_batchnorm=True) made gives back the layer it replaced
 @overload
 def revert(module: nn.SyncBatchNorm) -> nn.Module: ...
 @overload

@@ -136,6 +136,21 @@ def train_then_eval(model: nn.Module, xs: list[torch.Tensor]) -> dict[str, torch
     }
 
 
+#: The first lines of a fresh interpreter's script where importing bnswap fails, as where
+#: it is not installed (a program or checkpoint bnswap wrote must need none of it).
+BLOCK_BNSWAP = textwrap.dedent(
+    """
+    import importlib.abc, sys
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "bnswap" or name.startswith("bnswap."):
+                raise ImportError("bnswap is blocked in this interpreter")
+    sys.meta_path.insert(0, Block())
+    sys.modules["bnswap"] = None
+    """
+)
+
+
 def run_where_bnswap_cannot_be_imported(
     model_file: Any, xs: list[torch.Tensor], tmp_path: Any
 ) -> dict[str, torch.Tensor]:
@@ -148,14 +163,8 @@ def run_where_bnswap_cannot_be_imported(
     torch.save(xs, os.path.join(tmp_path, "inputs.pt"))
     got_file = os.path.join(tmp_path, "got.pt")
     code = (
-        f"""
-        import importlib.abc, sys
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name == "bnswap" or name.startswith("bnswap."):
-                    raise ImportError("bnswap is blocked in this interpreter")
-        sys.meta_path.insert(0, Block())
-        sys.modules["bnswap"] = None
+        textwrap.indent(BLOCK_BNSWAP, " " * 8)
+        + f"""
         import torch
         from torch import nn
         model = torch.load({str(model_file)!r}, weights_only=False)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bnswap
-from tests._helpers import lazy_device, run_script
+from tests._helpers import BLOCK_BNSWAP, lazy_device, run_script
 
 lazy = pytest.importorskip("torch._lazy")
 
@@ -175,15 +175,8 @@ def test_compiled_graphs_of_a_swapped_model_run_off_the_cpu(device, train):
 
 
 #: The prologue of a fresh interpreter where importing bnswap fails, on the Lazy device.
-_NO_BNSWAP = textwrap.dedent(
+_NO_BNSWAP = BLOCK_BNSWAP + textwrap.dedent(
     """
-    import importlib.abc, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "bnswap" or name.startswith("bnswap."):
-                raise ImportError("bnswap is blocked in this interpreter")
-    sys.meta_path.insert(0, Block())
-    sys.modules["bnswap"] = None
     import torch, torch._lazy, torch._lazy.ts_backend
     torch._lazy.ts_backend.init()
     from torch.export.passes import move_to_device_pass
