@@ -208,63 +208,63 @@ def convert(
                 "batch-norm nodes have no process group (convert the model, "
                 "then export it)"
             )
-        if isinstance(module, torch.export.ExportedProgram):
-            # a class as a pattern: programs.convert raises its TypeError (node names only)
-            return programs.convert(module, backend, include=include, exclude=exclude)  # type: ignore[arg-type]  # see above
-        assert isinstance(module, GraphModule)  # _road: a graph of batch-norm nodes
-        todo: Plan | ProgramPlan = programs.plan(
-            module,
-            backend,
-            include=include,  # type: ignore[arg-type]  # see above
-            exclude=exclude,  # type: ignore[arg-type]
-        )
-        out = todo.apply()
-    else:
-        assert isinstance(module, nn.Module)  # _road: a module
-        be = check_backend(backend)
-        todo, unmatched = plan_layers(
-            module,
-            backend,
-            include=include,
-            exclude=exclude,
-            sync_batchnorm=sync_batchnorm,
-            process_group=process_group,
-        )
-        nodes = None
-        if road is BOTH:
-            # its BatchNorm layers and its batch-norm call_function nodes: a pattern may
-            # name either, so it warns only when it matches neither (once)
-            assert isinstance(module, GraphModule)  # _road: a graph with layers and nodes
-            nodes, no_node = programs.plan_nodes(module, include=include, exclude=exclude)
-            for kind, p in unmatched:
-                if (kind, p) in no_node:
-                    warn(
-                        EMPTY_INCLUDE
-                        if p is None
-                        else f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and "
-                        "no batch-norm node",
-                        UnmatchedPatternWarning,
-                    )
-        else:
-            warn_unmatched(unmatched)
-            if not todo.rows:
+        # a class as a pattern: programs.plan raises its TypeError (node names only)
+        nodes = programs.plan(module, backend, include=include, exclude=exclude)  # type: ignore[arg-type]  # see above
+        program = nodes.apply()
+        _log(nodes)
+        return program
+    assert isinstance(module, nn.Module)  # _road: a module
+    be = check_backend(backend)
+    todo, unmatched = plan_layers(
+        module,
+        backend,
+        include=include,
+        exclude=exclude,
+        sync_batchnorm=sync_batchnorm,
+        process_group=process_group,
+    )
+    graph_nodes = None
+    if road is BOTH:
+        # its BatchNorm layers and its batch-norm call_function nodes: a pattern may name
+        # either, so it warns only when it matches neither (once)
+        assert isinstance(module, GraphModule)  # _road: a graph with layers and nodes
+        graph_nodes, no_node = programs.plan_nodes(module, include=include, exclude=exclude)
+        for kind, p in unmatched:
+            if (kind, p) in no_node:
                 warn(
-                    "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
-                    + (
-                        f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
-                        f"{be.name!r}) leaves such modules eager)"
-                        if be.wraps and not be.is_wrapper(module)
-                        else ""
-                    ),
-                    UserWarning,
+                    EMPTY_INCLUDE
+                    if p is None
+                    else f"bnswap: {kind} pattern {p!r} matches no BatchNorm layer and "
+                    "no batch-norm node",
+                    UnmatchedPatternWarning,
                 )
-        out = todo.apply()
-        if nodes is not None:  # its batch-norm call_function nodes too, in place
-            nodes.apply()
-        left = _left_unasked(todo, sync_batchnorm)
-        if left:
-            warn(left, UserWarning)
-    # (str() computes the kernel column, a probe per layer: only when it is logged)
+    else:
+        warn_unmatched(unmatched)
+        if not todo.rows:
+            warn(
+                "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
+                + (
+                    f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
+                    f"{be.name!r}) leaves such modules eager)"
+                    if be.wraps and not be.is_wrapper(module)
+                    else ""
+                ),
+                UserWarning,
+            )
+    out = todo.apply()
+    if graph_nodes is not None:  # its batch-norm call_function nodes too, in place
+        graph_nodes.apply()
+    left = _left_unasked(todo, sync_batchnorm)
+    if left:
+        warn(left, UserWarning)
+    _log(todo)
+    return out
+
+
+def _log(todo: Plan | ProgramPlan) -> None:
+    """The applied plan's table to the ``bnswap`` logger at INFO, once per job (on rank
+    zero); where logging is not configured at all, its summary line to stderr, once per
+    process. (str() computes the kernel column, a probe per row: only when it is logged.)"""
     info(
         logger,
         "%s",
@@ -274,7 +274,6 @@ def convert(
             "table call logging.basicConfig(level=logging.INFO)"
         ),
     )
-    return out
 
 
 def _named(rows: list[PlanRow], limit: int = 5) -> str:
