@@ -17,7 +17,8 @@ docs/design.md, "The evaluation op"), so their kernels there are stock's. Sectio
   (cuDNN for both models in both modes);
 * ``compile_aot_eager``: the same under ``torch.compile`` with an ``aot_autograd`` backend
   that runs the captured graphs as they are (``aot_eager``'s graphs): training bnswap
-  cuDNN, stock native (pytorch issue 111384); evaluation native for both (the graphs'
+  cuDNN, stock native (its ``_native_batch_norm_legit_functional`` binds the native kernel:
+  ``bnswap.kernels.NATIVE_OPS``); evaluation native for both (the graphs'
   ``_native_batch_norm_legit_no_training``); ``compile_inductor``: inductor's kernels
   (its own, for both), graph breaks, and the compiled train step timed bnswap vs stock
   (interleaved pairs, median of ratios);
@@ -759,8 +760,9 @@ class Check:
     def compile_aot_eager(self) -> dict:
         """``torch.compile``'s AOT graphs, training and evaluation (:meth:`_modes`): on
         CUDA bnswap cuDNN in training (its consolidated op), stock native (its graph's
-        ``_native_batch_norm_legit_functional``: pytorch issue 111384); in evaluation
-        both native (``_native_batch_norm_legit_no_training``, the decomposition's)."""
+        ``_native_batch_norm_legit_functional``, bound to it: ``bnswap.kernels.NATIVE_OPS``);
+        in evaluation both native (``_native_batch_norm_legit_no_training``, the
+        decomposition's)."""
         res = self._modes("convnet4", self.compile_shape, compiled=True)
         torch._dynamo.reset()
         return res

@@ -343,8 +343,9 @@ def to_stock_ops(
     from the ops' schemas in ``native_functions.yaml``). bnswap calls it for torchao's
     pt2e calls (``prepare_pt2e`` / ``prepare_qat_pt2e``, ``move_exported_model_to_eval``
     / ``_train``, ``convert_pt2e``: their graphs stay stock's); call it yourself for
-    other graph tools that expect stock's op. The graph loses what bnswap's op gives
-    (cuDNN in a training graph on CUDA, pytorch issue 111384).
+    other graph tools that expect stock's op. Its kernel is then stock's
+    (:mod:`bnswap.kernels`: ``aten.batch_norm`` selects when it runs; with
+    ``core_aten`` the ``_native_batch_norm_legit*`` ops bind the native kernel).
 
     Args:
         module: a ``torch.fx.GraphModule`` (``exported_program.module()``, or a

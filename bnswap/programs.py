@@ -566,8 +566,11 @@ def to_stock_ops(module: Program, *, core_aten: bool = False) -> Program:
     arguments, outputs and statistics updates (the rule is ``bnswap._graph``'s, from the
     ops' schemas in ``native_functions.yaml``; bnswap's empty-batch assertions go with
     them). bnswap runs it for torchao's ``prepare_pt2e`` / ``prepare_qat_pt2e``; call it
-    yourself for other graph tools written against stock's op. The graph loses what
-    bnswap's op gives (cuDNN in a training graph on CUDA, pytorch issue 111384).
+    yourself for other graph tools written against stock's op. The kernel is then
+    stock's (:mod:`bnswap.kernels`): ``aten.batch_norm`` selects when it runs, cuDNN on
+    CUDA where torch's rule holds, as the consolidated op did, except for a layer
+    without affine parameters in training (its stand-ins go: native, as stock's); with
+    ``core_aten=True`` the ``_native_batch_norm_legit*`` ops bind the native kernel.
 
     Args:
         module: a ``torch.export.ExportedProgram``: not changed, a new program is returned

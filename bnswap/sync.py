@@ -48,8 +48,9 @@ sync_batchnorm=True)``'s two directions: a ``BatchNorm1d/2d/3d`` becomes an
 ``nn.SyncBatchNorm`` that shares its Parameter, buffer and hook objects, and
 ``bnswap.revert`` puts the original module object back.
 
-This is the only bnswap module that runs collectives (``bnswap._log`` imports
-``torch.distributed`` to read the rank only).
+This module and :mod:`bnswap._global_batch` (the per-rank steps, the slots and the
+collectives, which it re-exports) are the only bnswap modules that run collectives
+(``bnswap._log`` imports ``torch.distributed`` to read the rank only).
 """
 
 from __future__ import annotations

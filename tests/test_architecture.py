@@ -1,22 +1,29 @@
-"""docs/architecture.md's table against the code.
+"""docs/architecture.md's table against the code, and the code against the table.
 
 Each module of the package imports only what its row allows ("may import"): static
 imports anywhere in the file (module level or inside functions, absolute or relative)
 and dynamic ones (``importlib.import_module("bnswap...")``, the registry's lazy
 entries). No cycle; the Lightning callback and the demo application use public names
 only; ``bnswap/__init__.py`` loads the callback and the ORT backend on first use only.
+The page's table is :data:`ALLOWED`, row for row, each row's layer the length of its
+longest import chain; no module is over 800 lines, and the page names every one over 600.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
+import re
 
 import pytest
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "bnswap"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "bnswap"
+PAGE = ROOT / "docs" / "architecture.md"
 
-#: room -> the rooms it may import, as docs/architecture.md's table says.
+#: row -> the rows it may import, as docs/architecture.md's table says (a row is a
+#: module of the package, or a folder: ``ort``, ``app``, ``adapters``, ``_compat``).
 ALLOWED: dict[str, set[str]] = {
     "functional": set(),
     "kernels": set(),
@@ -56,7 +63,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "app": {"__init__", "lightning", "extras"},
 }
-PACKAGES = {"ort", "app", "adapters", "_compat"}  # rooms that are folders: their modules may import
+PACKAGES = {"ort", "app", "adapters", "_compat"}  # rows that are folders: their modules may import
 # each other (cycles are still checked)
 PUBLIC_ONLY = {"lightning", "app"}
 LAZY_ONLY = {"__init__": {"lightning", "ort"}, "backends": {"ort"}}  # inside functions only
@@ -69,7 +76,7 @@ def _name(path: pathlib.Path) -> str:
 MODULES = {_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
 
-def _room(dotted: str) -> str:
+def _row(dotted: str) -> str:
     parts = dotted.split(".")
     assert parts[0] == "bnswap", dotted
     return parts[1] if len(parts) > 1 else "__init__"
@@ -152,27 +159,27 @@ def _imports(name: str) -> list[tuple[str, str | None, bool]]:
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_imports_only_what_its_room_may(name):
-    room = _room(name)
-    assert room in ALLOWED, f"{name}: not a room of docs/architecture.md"
+def test_imports_only_what_its_row_allows(name):
+    row = _row(name)
+    assert row in ALLOWED, f"{name}: not a row of docs/architecture.md"
     for target, imported, lazy in _imports(name):
-        other = _room(target)
-        if other == room and room in PACKAGES:
+        other = _row(target)
+        if other == row and row in PACKAGES:
             continue
-        assert other in ALLOWED[room], (
-            f"{name} imports {target}: docs/architecture.md lets {room!r} import "
-            f"{sorted(ALLOWED[room])} only"
+        assert other in ALLOWED[row], (
+            f"{name} imports {target}: docs/architecture.md lets {row!r} import "
+            f"{sorted(ALLOWED[row])} only"
         )
-        if other in LAZY_ONLY.get(room, ()):
+        if other in LAZY_ONLY.get(row, ()):
             assert lazy, f"{name} imports {target} at module level (only on first use)"
-        if room in PUBLIC_ONLY and other != room:
+        if row in PUBLIC_ONLY and other != row:
             private = [p for p in target.split(".")[1:] if p.startswith("_")]
             assert not private and not (imported or "").startswith("_"), (
                 f"{name} imports a private name: {target} {imported or ''}"
             )
 
 
-def test_only_the_synchronized_room_and_the_log_import_torch_distributed():
+def test_only_the_synchronized_layers_and_the_log_import_torch_distributed():
     """docs/architecture.md: torch.distributed is imported in bnswap/sync.py and
     bnswap/_global_batch.py (the synchronized layers: groups and collectives) and
     bnswap/_log.py (the rank, to log once per job) only; in the app, bnswap/app/cli.py
@@ -239,3 +246,58 @@ def test_dir_of_the_package_lists_its_public_names_only():
     assert set(bnswap.__all__) | {"__version__", "ort", "programs", "layers"} <= set(names)
     assert not {"Any", "annotations", "importlib", "types"} & set(names)
     assert names == sorted(names)
+
+
+def _page_table() -> dict[str, tuple[int, set[str]]]:
+    """docs/architecture.md's table: row -> (its layer, the rows it may import). A row is
+    named by its first column (``functional.py``, ``_compat/``, ``adapters/timm.py``); what
+    it may import is every `name` of the last column outside parentheses (those hold
+    why or when)."""
+    rows: dict[str, tuple[int, set[str]]] = {}
+    for line in PAGE.read_text().splitlines():
+        m = re.match(r"^\| (\d+) \| `([^`]+)` \| .* \| (.*) \|$", line)
+        if not m:
+            continue
+        name = m.group(2).split("/")[0].removesuffix(".py")
+        may = m.group(3)
+        while re.search(r"\([^()]*\)", may):
+            may = re.sub(r"\([^()]*\)", "", may)
+        assert name not in rows, f"docs/architecture.md: two rows for {name}"
+        rows[name] = (int(m.group(1)), set(re.findall(r"`([^`]+)`", may)))
+    return rows
+
+
+@functools.cache
+def _layer(row: str) -> int:
+    return 1 + max((_layer(r) for r in ALLOWED[row]), default=-1)
+
+
+def test_the_page_holds_this_table():
+    """The page says what this test enforces: the same rows, each allowed the same
+    imports, on the layer its longest import chain puts it, the rows in layer order (a
+    row imports from rows above it only)."""
+    page = _page_table()
+    assert set(page) == set(ALLOWED), sorted(set(page) ^ set(ALLOWED))
+    for row, (layer, may) in page.items():
+        assert may == ALLOWED[row], (row, sorted(may ^ ALLOWED[row]))
+        assert layer == _layer(row), (row, layer, _layer(row))
+    assert [layer for layer, _ in page.values()] == sorted(layer for layer, _ in page.values())
+
+
+def test_the_table_reader_sees_what_it_must():
+    """The page's reader on a row it must read (names in parentheses are no imports)."""
+    line = "| 4 | `backends.py` | the seam | `_swap`; `ort` inside functions (`wrap`, when `x`) |"
+    m = re.match(r"^\| (\d+) \| `([^`]+)` \| .* \| (.*) \|$", line)
+    assert m and m.group(2) == "backends.py"
+    may = re.sub(r"\([^()]*\)", "", m.group(3))
+    assert set(re.findall(r"`([^`]+)`", may)) == {"_swap", "ort"}
+
+
+def test_no_module_is_over_800_lines_and_the_page_names_the_long_ones():
+    """Issue 47: no module of the package over 800 lines; docs/architecture.md says why
+    each one over 600 stays whole (its "Long modules" table names exactly those)."""
+    lengths = {str(p.relative_to(PKG)): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    assert max(lengths.values()) <= 800, {p: n for p, n in lengths.items() if n > 800}
+    section = PAGE.read_text().split("## Long modules", 1)[1]
+    named = set(re.findall(r"^\| `([^`]+\.py)` \|", section, flags=re.M))
+    assert named == {p for p, n in lengths.items() if n > 600}

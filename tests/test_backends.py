@@ -29,17 +29,17 @@ def test_backend_named_gives_the_objects_and_refuses_other_names_like_convert():
         bnswap.convert(nn.BatchNorm1d(2), "cudnn")
 
 
-@pytest.mark.parametrize("room", ["plan.py", "convert.py", "lightning.py"])
-def test_the_rooms_above_the_seam_compare_no_backend_name(room):
+@pytest.mark.parametrize("module", ["plan.py", "convert.py", "lightning.py"])
+def test_the_modules_above_the_seam_compare_no_backend_name(module):
     """Guards the seam: ``backend == "ort"`` branches (12 of them once) crept back into
     plan / convert / the callback instead of asking the Backend object."""
     names = set(BACKENDS)
     found = []
-    for node in ast.walk(ast.parse((PKG / room).read_text())):
+    for node in ast.walk(ast.parse((PKG / module).read_text())):
         if isinstance(node, ast.Compare):
             for side in [node.left, *node.comparators]:
                 if isinstance(side, ast.Constant) and side.value in names:
-                    found.append(f"{room}:{node.lineno}")
+                    found.append(f"{module}:{node.lineno}")
     assert not found
 
 

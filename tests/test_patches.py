@@ -173,6 +173,21 @@ def test_docs_list_every_patch():
     assert [r.split("|")[1].strip().strip("`") for r in rows] == [p.name for p in _compat.PATCHES]
 
 
+_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def test_the_design_page_counts_the_patches_of_the_table():
+    """docs/design.md says how many patches there are, and when they are applied (issue
+    46: it said three, applied at ``import bnswap``)."""
+    text = " ".join((ROOT / "docs" / "design.md").read_text().split())
+    names = {p.name for p in _compat.PATCHES}
+    count, named = _WORDS[len(_compat.PATCHES)], _WORDS[len(names)]
+    said = f"`bnswap._compat.PATCHES` ({count}, under {named} names"
+    assert said in text
+    assert "applied at the process's first swap" in text
+    assert "applied at `import bnswap`" not in text
+
+
 def test_torchao_is_patched_in_three_helpers_and_nothing_else():
     """bnswap's torchao patch is one rewrite before torchao reads a graph, in the helper
     each public call reads it with first: prepare's, convert_pt2e's and the train / eval

@@ -59,6 +59,28 @@ def test_every_layer_swapped_exits_0_in_each_format(capsys):
         "`BatchNorm2d`",
         "swap",
     ]
+    # docs/cli.md: the Markdown table has the JSON's columns, sync always; the plain
+    # table shows sync only when a layer synchronizes
+    assert [c.strip() for c in rows[0].strip("|").split("|")] == [
+        "layer",
+        "class",
+        "action",
+        "backend",
+        "kernel",
+        "adapter",
+        "sync",
+        "reason",
+    ]
+    code, out, _ = run(capsys, "--model", "tests.plan_models.plain_net")
+    assert code == 0 and out.splitlines()[1].split() == [
+        "layer",
+        "class",
+        "action",
+        "backend",
+        "kernel",
+        "adapter",
+        "reason",
+    ]
 
 
 def test_skipped_layers_exit_3_with_their_reasons(capsys):
@@ -450,6 +472,18 @@ def test_plan_of_a_program_file_one_row_per_node(capsys, tmp_path):
     )
     # (exit 0: a node left out on purpose; issue 26)
     assert code == 0 and "| `batch_norm_1` |" in out and "excluded by 'batch_norm_1'" in out
+    # docs/cli.md: a program's Markdown table has kernel_before beside kernel (the JSON's
+    # columns); the plain table shows kernel only
+    assert "| node | op | action | becomes | kernel_before | kernel | reason |" in out
+    code, out, _ = run(capsys, "--program", str(path))
+    assert code == 0 and out.splitlines()[1].split() == [
+        "node",
+        "op",
+        "action",
+        "becomes",
+        "kernel",
+        "reason",
+    ]
 
 
 def test_plan_and_convert_of_a_converted_program_say_nothing_would_change(tmp_path, capsys):

@@ -88,7 +88,9 @@ def _convert_parser() -> ArgumentParser:
         prog="bnswap convert",
         exit_on_error=False,
         description="Convert a torch.export program file so that its batch-norm nodes run "
-        "PyTorch's consolidated ops (cuDNN on CUDA); prints the plan. Exit "
+        "what a swapped layer runs (PyTorch's consolidated ops in training, stock's "
+        "aten.batch_norm in evaluation: kernels selected when they run); prints the "
+        "plan. Exit "
         "status 0: every node converted or excluded on purpose (--include / "
         "--exclude); 3: some left as they were that bnswap cannot convert; 2: "
         "usage error.",
