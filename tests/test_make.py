@@ -23,12 +23,23 @@ STRICT = "--config-settings editable_mode=strict"
 
 def _dry_run(target: str, tmp_path: Path) -> list[str]:
     """The commands ``make TARGET`` runs from a clean checkout (its venv not there yet)."""
+    # (under `make test` the suite runs inside make: a nested make would print its
+    # directory, and inherit the outer one's flags)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     proc = subprocess.run(
-        ["make", "-n", f"VENV={tmp_path / 'venv'}", f"ZOO={tmp_path / 'zoo'}", target],
+        [
+            "make",
+            "-n",
+            "--no-print-directory",
+            f"VENV={tmp_path / 'venv'}",
+            f"ZOO={tmp_path / 'zoo'}",
+            target,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
