@@ -61,7 +61,7 @@ _BATCH_NORM = _aten.batch_norm.default
 #: programs of earlier releases, which ran it in evaluation)
 _TARGETS = (_WITH_UPDATE, _WITH_UPDATE_FUNCTIONAL, _NO_UPDATE)
 #: the consolidated ops' nodes (forward and backward): a graph holding one needs
-#: bnswap's patches (:func:`bnswap._compat.install_for`)
+#: bnswap's patches (:func:`bnswap.programs.install_patches_for`)
 CONSOLIDATED_TARGETS = (*_TARGETS, _aten.batch_norm_backward.default)
 #: the consolidated nodes bnswap's layers record today, which ``convert`` keeps
 #: (``_batch_norm_no_update`` is not among them: it has no kernel off the CPU, and

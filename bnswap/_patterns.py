@@ -4,17 +4,13 @@ module names, classes (matched with ``isinstance``), or iterables of them; what
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable
-
-from torch import nn
 
 __all__ = [
     "EMPTY_INCLUDE",
     "Pattern",
     "Patterns",
     "check_patterns",
-    "matches",
     "pattern_list",
     "pattern_str",
 ]
@@ -27,7 +23,8 @@ def pattern_list(p: Patterns, arg: str) -> list[Pattern]:
     if p is None:
         return []
     try:
-        items = [p] if isinstance(p, (str, type)) else list(p)
+        # (bytes are one pattern, refused below: not the ints list() makes of them)
+        items = [p] if isinstance(p, (str, bytes, type)) else list(p)
     except TypeError:  # not iterable (exclude=42): bnswap's message, not list()'s
         items = [p]  # type: ignore[list-item]  # refused just below
     for item in items:
@@ -62,12 +59,6 @@ def check_patterns(include: Patterns = None, exclude: Patterns = None) -> None:
     """
     pattern_list(include, "include")
     pattern_list(exclude, "exclude")
-
-
-def matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
-    if isinstance(pattern, type):
-        return isinstance(module, pattern)
-    return fnmatch.fnmatchcase(name, pattern)
 
 
 def pattern_str(p: Pattern) -> str:

@@ -30,6 +30,7 @@ Examples::
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -85,6 +86,29 @@ class Backend:
         """The error for a model this backend cannot run as planned."""
         return TypeError(message)
 
+    def refusal(self, blocking: Sequence[str], skipped: bool) -> str:
+        """``convert``'s message when this backend refuses a model as planned:
+        ``blocking`` names the layers it cannot run, skipped ones (``skipped``) or
+        uninitialized lazy ones."""
+        fix = (
+            "convert them, wrap only submodules without them (BNSwap(backend='ort') "
+            "keeps such children eager), or use backend='aten'"
+            if skipped
+            else "run one forward of the model first (BNSwap(backend='ort') wraps such a "
+            "child once it has)"
+        )
+        what = (
+            "a BatchNorm layer that is not a bnswap layer"
+            if skipped
+            else "an uninitialized lazy layer"
+        )
+        return (
+            f"bnswap.convert: backend={self.name!r} refuses this model: "
+            f"{self.runtime} cannot run {what}: {', '.join(blocking)}. To use it, "
+            f"{fix}. Nothing was changed; bnswap.plan(model, backend={self.name!r}) "
+            "shows every layer."
+        )
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """``model`` (converted) made to run on this backend: ``model`` itself for aten."""
         return model
@@ -96,6 +120,35 @@ class Backend:
     def is_wrapper(self, module: object) -> bool:
         """Whether ``module`` is what :meth:`wrap` returned (not a plain model)."""
         return False
+
+    def model_of(self, module: nn.Module) -> nn.Module:
+        """The model a plan of ``module`` lists: ``module`` itself, or the model inside
+        ``module`` when it is what this backend's :meth:`wrap` returned.
+
+        Raises:
+            ValueError: ``module`` is another backend's wrapper (the aten backend given an
+                ONNX Runtime wrapper: the model would keep running ONNX Runtime).
+
+        Examples::
+
+            >>> from torch import nn
+            >>> from bnswap.backends import backend_named
+            >>> model = nn.Sequential(nn.BatchNorm1d(4))
+            >>> backend_named("aten").model_of(model) is model
+            True
+        """
+        inner = wrapped_model(module)
+        if inner is None:
+            return module
+        if not self.is_wrapper(module):
+            raise ValueError(
+                f"bnswap: backend={self.name!r} given an ONNX Runtime wrapper (what "
+                "backend='ort' returned); it would keep running ONNX Runtime. To run the "
+                "model on the aten backend, use the model it wraps: model = wrapper.module "
+                "(its layers stay swapped unless the wrapper was reverted), or "
+                "bnswap.revert(wrapper.module) for stock BatchNorm."
+            )
+        return inner
 
     def __repr__(self) -> str:
         return f"<bnswap backend {self.name!r}>"

@@ -25,19 +25,11 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bnswap import _compat, programs
+from bnswap import programs
 from bnswap._log import info, logger
 from bnswap._patterns import EMPTY_INCLUDE, Patterns
 from bnswap._warn import UnmatchedPatternWarning, warn
-from bnswap.plan import (
-    Plan,
-    PlanRow,
-    check_backend,
-    check_module,
-    plan_layers,
-    revert_layers,
-    warn_unmatched,
-)
+from bnswap.plan import Plan, plan_layers, revert_layers, warn_left, warn_unmatched
 from bnswap.programs import ProgramPlan
 
 __all__ = ["convert", "plan", "revert"]
@@ -54,20 +46,21 @@ def _road(obj: object, fn: str) -> str:
     or a GraphModule with batch-norm nodes (stock's or consolidated) and no BatchNorm
     layer; :data:`BOTH` for a GraphModule with both; :data:`MODULE` for any other
     ``nn.Module``. A program or graph holding consolidated nodes applies bnswap's patches
-    (:func:`bnswap._compat.install_for`: torchao's pt2e flow needs them for a loaded
-    ``.pt2`` even when nothing changes).
+    (:func:`bnswap.programs.install_patches_for`: torchao's pt2e flow needs them for a
+    loaded ``.pt2`` even when nothing changes).
 
     Raises:
         TypeError: ``obj`` is neither a program nor an ``nn.Module`` (``fn`` names the call).
     """
     if isinstance(obj, torch.export.ExportedProgram):
         road = PROGRAM
+    elif not isinstance(obj, nn.Module):
+        raise TypeError(f"bnswap.{fn}() expects a torch.nn.Module, got {type(obj).__name__}")
+    elif not isinstance(obj, GraphModule) or not programs.stock_nodes(obj, consolidated=True):
+        return MODULE
     else:
-        check_module(obj, fn)
-        if not isinstance(obj, GraphModule) or not programs.stock_nodes(obj, consolidated=True):
-            return MODULE
         road = BOTH if any(isinstance(m, _BatchNorm) for m in obj.modules()) else PROGRAM
-    _compat.install_for(obj)
+    programs.install_patches_for(obj)
     return road
 
 
@@ -214,7 +207,6 @@ def convert(
         _log(nodes)
         return program
     assert isinstance(module, nn.Module)  # _road: a module
-    be = check_backend(backend)
     todo, unmatched = plan_layers(
         module,
         backend,
@@ -240,23 +232,10 @@ def convert(
                 )
     else:
         warn_unmatched(unmatched)
-        if not todo.rows:
-            warn(
-                "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
-                + (
-                    f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
-                    f"{be.name!r}) leaves such modules eager)"
-                    if be.wraps and not be.is_wrapper(module)
-                    else ""
-                ),
-                UserWarning,
-            )
     out = todo.apply()
     if graph_nodes is not None:  # its batch-norm call_function nodes too, in place
         graph_nodes.apply()
-    left = _left_unasked(todo, sync_batchnorm)
-    if left:
-        warn(left, UserWarning)
+    warn_left(todo, sync_batchnorm)
     _log(todo)
     return out
 
@@ -274,66 +253,6 @@ def _log(todo: Plan | ProgramPlan) -> None:
             "table call logging.basicConfig(level=logging.INFO)"
         ),
     )
-
-
-def _named(rows: list[PlanRow], limit: int = 5) -> str:
-    """``'a', 'b' and 3 more`` of the rows' qualified names."""
-    names = ", ".join(repr(r.name) for r in rows[:limit])
-    return names + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
-
-
-def _reasons(rows: list[PlanRow], drop: str = "") -> str:
-    """``reason: 'a', 'b'; other reason: 'c'``, the rows grouped by their reason (its
-    first clause, without the prefix ``drop``)."""
-    by: dict[str, list[PlanRow]] = {}
-    for r in rows:
-        by.setdefault(r.reason.partition("; ")[0].removeprefix(drop), []).append(r)
-    return "; ".join(f"{text}: {_named(rs)}" for text, rs in by.items())
-
-
-def _left_unasked(todo: Plan, sync_batchnorm: bool = False) -> str:
-    """The warning for the layers ``todo`` leaves on their own forward although the user's
-    include / exclude did not leave them out, and with ``sync_batchnorm`` the swapped
-    layers that stay unsynchronized: how many, why, and which (qualified names), or
-    ``""``."""
-    left = [r for r in todo.skipped if not r.excluded]
-    unsynced = (
-        [r for r in todo.rows if sync_batchnorm and r.action != "skip" and not r.synchronized]
-        if sync_batchnorm
-        else []
-    )
-    if not left and not unsynced:
-        return ""
-    of = len(todo)
-    parts = []
-    if left:
-        n = len(left)
-        what = (
-            f"none of the model's {of} BatchNorm layers can be swapped"
-            if n == of
-            else f"{n} of the model's {of} BatchNorm layers {'was' if n == 1 else 'were'} "
-            f"not swapped (kept {'its' if n == 1 else 'their'} own forward)"
-        )
-        parts.append(f"{what}: {_reasons(left)}")
-        if any(".forward is not torch's (a class-level patch" in r.reason for r in left):
-            parts.append(
-                "a class whose forward a class-level patch replaced needs an adapter that "
-                "does what that function does (bnswap.register; the 'Adapters' guide of "
-                "bnswap's documentation)"
-            )
-        if any(r.reason.partition("; ")[0].endswith(" overrides forward") for r in left):
-            parts.append(
-                "a subclass that overrides forward needs an adapter "
-                "(bnswap.register; the 'Adapters' guide of bnswap's documentation)"
-            )
-    if unsynced:
-        n = len(unsynced)
-        parts.append(
-            f"{n} swapped layer{'s' if n > 1 else ''} stay{'' if n > 1 else 's'} "
-            f"unsynchronized with sync_batchnorm=True: "
-            f"{_reasons(unsynced, drop='not synchronized: ')}"
-        )
-    return "bnswap.convert: " + "; ".join(parts) + "; bnswap.plan(model) shows each layer and why"
 
 
 @overload
@@ -517,7 +436,6 @@ def revert(module: nn.Module) -> nn.Module:
             "bnswap.to_stock_ops(program), which returns a new program"
         )
     road = _road(module, "revert")
-    out = revert_layers(module) if road is not PROGRAM else module
     if road is not MODULE:  # its consolidated nodes, in place
         programs.to_stock_ops(module)  # type: ignore[call-overload]  # a GraphModule (_road)
-    return out
+    return revert_layers(module) if road is not PROGRAM else module

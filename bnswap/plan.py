@@ -9,8 +9,10 @@ kernel): :func:`plan_layers`; :meth:`Plan.apply` carries the plan out, atomicall
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -24,7 +26,6 @@ from bnswap._patterns import (
     Pattern,
     Patterns,
     check_patterns,
-    matches,
     pattern_list,
     pattern_str,
 )
@@ -37,14 +38,16 @@ from bnswap._swap import (
     type_before_parametrizations,
     undo_of,
     unswap,
-    wrapped_model,
 )
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.backends import BACKENDS, Backend, backend_named, place_children
 from bnswap.kernels import CUDNN_BN_MIN_EPSILON as CUDNN_BN_MIN_EPSILON  # (plan's name before)
 from bnswap.registry import qualified_name
 from bnswap.sync import (
+    NOT_SYNCED,
     ORIGINAL,
+    SYNC_REASON,
+    SYNC_REASONS,
     describe_group,
     original_of,
     sync_class,
@@ -66,6 +69,7 @@ __all__ = [
     "plan_layers",
     "revert_layers",
     "select_kernel",
+    "warn_left",
     "warn_unmatched",
 ]
 
@@ -75,10 +79,9 @@ __all__ = [
 WRAP_SCOPES = ("model", "children")
 
 
-def check_backend(backend: str | Backend) -> Backend:
-    """The :class:`bnswap.backends.Backend` named ``backend``; ValueError naming the
-    choices unless it is 'aten' or 'ort'."""
-    return backend_named(backend)
+#: The :class:`bnswap.backends.Backend` named ``backend`` (ValueError naming the choices
+#: unless it is 'aten' or 'ort').
+check_backend = backend_named
 
 
 def check_module(module: object, fn: str) -> None:
@@ -332,7 +335,11 @@ class Plan(Rows[PlanRow]):
         if not backend.synchronizes and self.wrap == "model":
             _refuse_sync(self.rows, backend)
         if self.refused:  # every layer it cannot run, named, before anything changes
-            raise backend.unsupported_error(self._refusal_message(backend))
+            blocking = [f"{r.name!r} ({r.reason.partition('; ')[0]})" for r in self.skipped]
+            blocking = blocking or [
+                f"{r.name!r} is an uninitialized {r.cls}" for r in self.swapped if r.lazy
+            ]
+            raise backend.unsupported_error(backend.refusal(blocking, skipped=bool(self.skipped)))
         undos: list[Callable[[], None]] = []
         model = self.model
         try:
@@ -342,7 +349,7 @@ class Plan(Rows[PlanRow]):
                     layer = to_sync_batch_norm(r.module, r.process_group, r.sync_class)
                     swap(layer, r.adapter)
                     for parent, key in self._parents.get(id(r.module), ()):
-                        undos.append(_put_back(parent, key, r.module))
+                        undos.append(functools.partial(parent._modules.__setitem__, key, r.module))
                         parent._modules[key] = layer
                     if r.module is model:
                         model = layer
@@ -363,10 +370,10 @@ class Plan(Rows[PlanRow]):
                     child = model._modules[key]
                     assert child is not None
                     wrapped = backend.wrap(child)
-                    undos.append(_put_back(model, key, child))
+                    undos.append(functools.partial(model._modules.__setitem__, key, child))
                     # not setattr: torch's module registration hooks would see a new child
                     model._modules[key] = wrapped
-            elif backend.wraps and self.rows and wrapped_model(self.model) is None:
+            elif backend.wraps and self.rows and not backend.is_wrapper(self.model):
                 model = backend.wrap(self.model)
         except BaseException:
             for undo in reversed(undos):
@@ -423,29 +430,6 @@ class Plan(Rows[PlanRow]):
             return "an uninitialized lazy layer: run one forward first"
         return ""
 
-    def _refusal_message(self, backend: Backend) -> str:
-        blocking = [f"{r.name!r} ({r.reason.partition('; ')[0]})" for r in self.skipped] or [
-            f"{r.name!r} is an uninitialized {r.cls}" for r in self.swapped if r.lazy
-        ]
-        fix = (
-            "run one forward of the model first (BNSwap(backend='ort') wraps such a "
-            "child once it has)"
-            if not self.skipped
-            else "convert them, wrap only submodules without them (BNSwap(backend='ort') "
-            "keeps such children eager), or use backend='aten'"
-        )
-        what = (
-            "a BatchNorm layer that is not a bnswap layer"
-            if self.skipped
-            else "an uninitialized lazy layer"
-        )
-        return (
-            f"bnswap.convert: backend={backend.name!r} refuses this model: "
-            f"{backend.runtime} cannot run {what}: {', '.join(blocking)}. To use it, "
-            f"{fix}. Nothing was changed; bnswap.plan(model, backend={backend.name!r}) "
-            "shows every layer."
-        )
-
     def summary(self) -> str:
         """``"bnswap plan: N of M BatchNorm layers would be swapped, K skipped"``
         (``"bnswap: N of M BatchNorm layers swapped, K skipped"`` once ``applied``;
@@ -469,13 +453,6 @@ class Plan(Rows[PlanRow]):
 _NONE: tuple[()] = ()
 
 
-def _put_back(parent: nn.Module, key: str, layer: nn.Module) -> Callable[[], None]:
-    def undo() -> None:
-        parent._modules[key] = layer
-
-    return undo
-
-
 def _refuse_sync(rows: Sequence[PlanRow], backend: Backend) -> None:
     """Raise the backend's error for a SyncBatchNorm it would run (ONNX Runtime's
     BatchNormInternal computes each process's own statistics)."""
@@ -484,10 +461,6 @@ def _refuse_sync(rows: Sequence[PlanRow], backend: Backend) -> None:
             ("excluded", "not matched")
         ):
             raise backend.sync_error(r.name)
-
-
-def _display(name: str) -> str:
-    return name or "(root)"
 
 
 def _bn_parent(name: str, rows: dict[str, PlanRow]) -> PlanRow | None:
@@ -523,7 +496,7 @@ def _row(
     fields_ = row.__dict__
     fields_.update(_ROW_DEFAULTS)
     fields_.update(
-        name=_display(name),
+        name=name or "(root)",
         cls=cls.__name__,
         action=action,
         reason=reason or "-",
@@ -539,6 +512,13 @@ def _row(
 _new_row = object.__new__
 #: PlanRow's fields that have a default, with it (_row sets the others).
 _ROW_DEFAULTS = {f.name: f.default for f in fields(PlanRow) if f.default is not MISSING}
+
+
+#: The reason of a layer whose forward is an instance attribute.
+_SET_ON_INSTANCE = (
+    "its forward is set on the instance (by a library's hook, e.g. accelerate's, or by "
+    "hand); swapping would drop it"
+)
 
 
 def plan_layers(
@@ -567,20 +547,12 @@ def plan_layers(
     if sync_batchnorm and not be.synchronizes:
         raise be.sync_error()
     kernels.check_device(device)  # an unknown device type fails here, not in the table
-    wrapper, inner = module, wrapped_model(module)
-    if inner is not None:
-        if not be.is_wrapper(module):
-            raise ValueError(
-                f"bnswap: backend={backend!r} given an ONNX Runtime wrapper (what "
-                "backend='ort' returned); it would keep running ONNX Runtime. To run the "
-                "model on the aten backend, use the model it wraps: model = wrapper.module "
-                "(its layers stay swapped unless the wrapper was reverted), or "
-                "bnswap.revert(wrapper.module) for stock BatchNorm."
-            )
-        module = inner
+    wrapper, module = module, be.model_of(module)  # (an ORT wrapper: the model inside)
     inc = pattern_list(include, "include")
     exc = pattern_list(exclude, "exclude")
-    used: dict[str, set[int]] = {"include": set(), "exclude": set()}
+    patterns = [("exclude", i, p) for i, p in enumerate(exc)]
+    patterns += [("include", i, p) for i, p in enumerate(inc)]
+    used: set[tuple[str, int]] = set()
     rows: list[PlanRow] = []
     # the rows of BatchNorm layers that hold submodules (qualified name as named_modules
     # gives it): the only ones another layer can be part of (_bn_parent)
@@ -588,19 +560,24 @@ def plan_layers(
     for name, m in module.named_modules(remove_duplicate=True):
         if not isinstance(m, _BatchNorm):
             continue
-        cls = type_before_parametrizations(m)
+        cls, current = type_before_parametrizations(m), adapter_of(m)
+        # a pattern: a glob on the qualified name, or a class the layer is an instance of
         # (no list per layer without patterns: on 10,000-layer models the garbage
         # collector's passes over the model, not this loop, set convert's time)
-        hit_exc = [i for i, p in enumerate(exc) if matches(p, name, m)] if exc else _NONE
-        hit_inc = [i for i, p in enumerate(inc) if matches(p, name, m)] if inc else _NONE
-        # (include=[] includes nothing: an empty list of the layers to swap)
-        if hit_exc:
-            used["exclude"].update(hit_exc)
-        if hit_inc:
-            used["include"].update(hit_inc)
+        hits = (
+            [
+                (kind, i)
+                for kind, i, p in patterns
+                if (isinstance(m, p) if isinstance(p, type) else fnmatchcase(name, p))
+            ]
+            if patterns
+            else _NONE
+        )
+        used.update(hits)
+        hit_exc = [i for kind, i in hits if kind == "exclude"] if hits else _NONE
+        hit_inc = [i for kind, i in hits if kind == "include"] if hits else _NONE
         lazy = isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
         uninit = f"uninitialized {cls.__name__}: keeps the swap when it initializes" if lazy else ""
-        current = adapter_of(m)
         # a BatchNorm layer inside another (timm's SplitBatchNorm2d and its aux_bn, which
         # its adapter calls) follows it: left out with it, chosen with it, synchronized
         # only with it (a half-converted layer otherwise)
@@ -623,16 +600,12 @@ def plan_layers(
             and (parent is None or parent.synchronized)
             else None
         )
+        row = functools.partial(_row, name, m, cls, be, device)
         if to_sync is not None and (current is not None or "forward" not in vars(m)):
             rows.append(
-                _row(
-                    name,
-                    m,
-                    cls,
-                    be,
-                    device,
+                row(
                     "swap",
-                    _sync_reason(to_sync),
+                    SYNC_REASONS.get(to_sync.__name__, SYNC_REASON).format(to_sync.__name__),
                     registry.lookup(to_sync),
                     sync_class=to_sync,
                     process_group=process_group,
@@ -640,56 +613,28 @@ def plan_layers(
             )
         elif current is not None:
             reason = "already swapped" + ("; " + uninit if lazy else "")
-            rows.append(
-                _row(name, m, cls, be, device, "keep", reason, current, lazy=lazy, already=True)
-            )
+            rows.append(row("keep", reason, current, lazy=lazy, already=True))
         elif left_out is not None:
-            rows.append(_row(name, m, cls, be, device, "skip", left_out, excluded=True))
+            rows.append(row("skip", left_out, excluded=True))
         elif isinstance(m, nn.SyncBatchNorm) and not be.synchronizes and wrap == "model":
-            rows.append(
-                _row(
-                    name,
-                    m,
-                    cls,
-                    be,
-                    device,
-                    "skip",
-                    be.cannot_sync + " (convert refuses the model: "
-                    f"{type(be.sync_error(name)).__name__})",
-                )
-            )
+            refused = type(be.sync_error(name)).__name__
+            rows.append(row("skip", f"{be.cannot_sync} (convert refuses the model: {refused})"))
         elif "forward" in vars(m):
-            rows.append(
-                _row(
-                    name,
-                    m,
-                    cls,
-                    be,
-                    device,
-                    "skip",
-                    "its forward is set on the instance (by a library's hook, e.g. "
-                    "accelerate's, or by hand); swapping would drop it",
-                )
-            )
+            rows.append(row("skip", _SET_ON_INSTANCE))
         elif (adapter := registry.lookup(cls)) is not None:
             note = uninit.replace("keeps", "swapped now, keeps")
             if sync_batchnorm and not isinstance(m, nn.SyncBatchNorm):
                 why = (
-                    _NOT_SYNCED
+                    NOT_SYNCED
                     if parent is None or parent.synchronized
                     else f"not synchronized: part of {parent.name!r}, which is not"
                 )
                 note = "; ".join(filter(None, [note, why]))
-            rows.append(_row(name, m, cls, be, device, "swap", note, adapter, lazy=lazy))
+            rows.append(row("swap", note, adapter, lazy=lazy))
         else:
             replaced = registry.replaced_forward(cls)
             rows.append(
-                _row(
-                    name,
-                    m,
-                    cls,
-                    be,
-                    device,
+                row(
                     "skip",
                     (
                         f"{replaced[0].__name__}.forward is not torch's (a class-level patch "
@@ -713,7 +658,7 @@ def plan_layers(
         (kind, p)
         for kind, pats in (("include", inc), ("exclude", exc))
         for i, p in enumerate(pats)
-        if i not in used[kind]
+        if (kind, i) not in used
     ]
     if include is not None and not inc:
         unmatched.append(("include", None))  # include=[]: EMPTY_INCLUDE
@@ -729,25 +674,6 @@ def plan_layers(
     return Plan(rows, wrapper, be.name, parents, wrap, to_wrap), unmatched
 
 
-_NOT_SYNCED = (
-    "not synchronized: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact "
-    "class, not parametrized) and timm's BatchNormAct2d"
-)
-
-
-def _sync_reason(to: type) -> str:
-    if to.__name__ == "SyncBatchNormAct":
-        return (
-            "sync_batchnorm=True: becomes timm's SyncBatchNormAct (timm's own synchronized "
-            "class, as timm.layers.convert_sync_batchnorm makes; drop and act kept), same "
-            "Parameter and buffer objects; bnswap.revert puts the original back"
-        )
-    return (
-        f"sync_batchnorm=True: becomes {to.__name__}, same Parameter and buffer objects; "
-        "bnswap.revert puts the original back"
-    )
-
-
 def warn_unmatched(unmatched: Sequence[tuple[str, Pattern | None]]) -> None:
     """Warn (:class:`UnmatchedPatternWarning`) about each include / exclude pattern that
     :func:`plan_layers` found matching no BatchNorm layer, and an empty ``include``."""
@@ -757,6 +683,88 @@ def warn_unmatched(unmatched: Sequence[tuple[str, Pattern | None]]) -> None:
             if p is None
             else f"bnswap: {kind} pattern {pattern_str(p)} matches no BatchNorm layer",
             UnmatchedPatternWarning,
+        )
+
+
+def _named(rows: list[PlanRow], limit: int = 5) -> str:
+    """``'a', 'b' and 3 more`` of the rows' qualified names."""
+    names = ", ".join(repr(r.name) for r in rows[:limit])
+    return names + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
+
+
+def _reasons(rows: list[PlanRow], drop: str = "") -> str:
+    """``reason: 'a', 'b'; other reason: 'c'``, the rows grouped by their reason (its
+    first clause, without the prefix ``drop``)."""
+    by: dict[str, list[PlanRow]] = {}
+    for r in rows:
+        by.setdefault(r.reason.partition("; ")[0].removeprefix(drop), []).append(r)
+    return "; ".join(f"{text}: {_named(rs)}" for text, rs in by.items())
+
+
+def _left_unasked(todo: Plan, sync_batchnorm: bool) -> str:
+    """The warning for the layers ``todo`` leaves on their own forward although the user's
+    include / exclude did not leave them out, and with ``sync_batchnorm`` the swapped
+    layers that stay unsynchronized: how many, why, and which (qualified names), or
+    ``""``."""
+    left = [r for r in todo.skipped if not r.excluded]
+    unsynced = (
+        [r for r in todo.rows if sync_batchnorm and r.action != "skip" and not r.synchronized]
+        if sync_batchnorm
+        else []
+    )
+    if not left and not unsynced:
+        return ""
+    of = len(todo)
+    parts = []
+    if left:
+        n = len(left)
+        what = (
+            f"none of the model's {of} BatchNorm layers can be swapped"
+            if n == of
+            else f"{n} of the model's {of} BatchNorm layers {'was' if n == 1 else 'were'} "
+            f"not swapped (kept {'its' if n == 1 else 'their'} own forward)"
+        )
+        parts.append(f"{what}: {_reasons(left)}")
+        if any(".forward is not torch's (a class-level patch" in r.reason for r in left):
+            parts.append(
+                "a class whose forward a class-level patch replaced needs an adapter that "
+                "does what that function does (bnswap.register; the 'Adapters' guide of "
+                "bnswap's documentation)"
+            )
+        if any(r.reason.partition("; ")[0].endswith(" overrides forward") for r in left):
+            parts.append(
+                "a subclass that overrides forward needs an adapter "
+                "(bnswap.register; the 'Adapters' guide of bnswap's documentation)"
+            )
+    if unsynced:
+        n = len(unsynced)
+        parts.append(
+            f"{n} swapped layer{'s' if n > 1 else ''} stay{'' if n > 1 else 's'} "
+            f"unsynchronized with sync_batchnorm=True: "
+            f"{_reasons(unsynced, drop='not synchronized: ')}"
+        )
+    return "bnswap.convert: " + "; ".join(parts) + "; bnswap.plan(model) shows each layer and why"
+
+
+def warn_left(todo: Plan, sync_batchnorm: bool = False) -> None:
+    """``bnswap.convert``'s warnings about a plan it applied: the layers it left on their
+    own forward although include / exclude did not leave them out, and with
+    ``sync_batchnorm`` the swapped layers that stay unsynchronized (how many, why, which);
+    or that the model has no BatchNorm layer at all (UserWarning)."""
+    left = _left_unasked(todo, sync_batchnorm)
+    if left:
+        warn(left, UserWarning)
+    elif not todo.rows:
+        be = backend_named(todo.backend)
+        warn(
+            "bnswap.convert: the model has no BatchNorm layer; nothing was swapped"
+            + (
+                f"; it is not wrapped in {be.runtime} (as BNSwap(backend="
+                f"{be.name!r}) leaves such modules eager)"
+                if be.wraps and not be.is_wrapper(todo.model)
+                else ""
+            ),
+            UserWarning,
         )
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "ProgramPlan",
     "check_device",
     "convert",
+    "install_patches_for",
     "is_program",
     "plan",
     "plan_nodes",
@@ -96,18 +97,20 @@ def _check_backend(backend: str) -> None:
 
 
 def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
-    out = []
+    out: list[list[str]] = []
     for arg, p in (("include", include), ("exclude", exclude)):
         try:
-            items = [] if p is None else [p] if isinstance(p, str) else list(p)  # type: ignore[call-overload]  # not iterable: below
+            # (bytes: one pattern, refused below, not the ints list() makes of them)
+            items = [] if p is None else [p] if isinstance(p, (str, bytes)) else list(p)  # type: ignore[call-overload]  # not iterable: below
         except TypeError:  # (exclude=42: bnswap's message, not list()'s)
             items = [p]
-        for item in items:
-            if not isinstance(item, str):
-                raise TypeError(
-                    f"{arg} takes glob patterns (str) on node names for a program, got {item!r}"
-                )
-        out.append(items)
+        names = [item for item in items if isinstance(item, str)]
+        if len(names) < len(items):
+            bad = next(item for item in items if not isinstance(item, str))
+            raise TypeError(
+                f"{arg} takes glob patterns (str) on node names for a program, got {bad!r}"
+            )
+        out.append(names)
     return out[0], out[1]
 
 
@@ -318,7 +321,7 @@ def plan(
         >>> print(bnswap.plan(ep, device="cuda").summary())
         bnswap plan: 1 of 1 batch-norm nodes would be swapped, 0 skipped
     """
-    _compat.install_for(program)  # a program on bnswap's ops: torchao's flow needs the patches
+    install_patches_for(program)  # a program on bnswap's ops: torchao's flow needs the patches
     todo, unmatched = plan_nodes(program, backend, include=include, exclude=exclude, device=device)
     for kind, p in unmatched:  # as plan() does for layers
         warn(
@@ -664,9 +667,41 @@ def stock_nodes(gm: GraphModule, consolidated: bool = False) -> int:
     """How many stock batch-norm nodes ``gm`` holds (its own graph and nested ones);
     with ``consolidated``, the consolidated ones too (every node :func:`plan` lists)."""
     targets = (*STOCK_TARGETS, *CONSOLIDATED_TARGETS) if consolidated else STOCK_TARGETS
+    return _count(gm, targets)
+
+
+def _count(gm: GraphModule, targets: Iterable[object]) -> int:
+    targets = frozenset(targets)
     return sum(
         1
         for sub in gm.modules()
         for n in getattr(sub, "graph", torch.fx.Graph()).nodes
         if n.op == "call_function" and n.target in targets
     )
+
+
+def install_patches_for(program: Program) -> None:
+    """bnswap's patches (:func:`bnswap._compat.install`) when ``program`` (nested graphs
+    included) holds a node on a consolidated batch-norm op
+    (:data:`bnswap._graph.CONSOLIDATED_TARGETS`). Every entry point that takes a program
+    calls it (``bnswap.convert`` / ``plan`` / ``revert`` of an ``ExportedProgram`` or a
+    ``GraphModule``): a program that ``bnswap convert`` wrote, loaded with
+    ``torch.export.load``, swaps no layer when it loads, yet torchao's pt2e flow needs the
+    patches for it (:func:`bnswap._compat.torchao.patch_torchao_pt2e`); ``bnswap.convert``
+    of it changes nothing in the graph and applies them. A no-op once installed, and for
+    a program on stock's ops only.
+
+    Examples::
+
+        >>> import torch, bnswap
+        >>> from bnswap import _compat
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        >>> ep = bnswap.convert(torch.export.export(model, (torch.randn(2, 3, 8, 8),)))
+        >>> bnswap.programs.install_patches_for(ep)  # it holds _batch_norm_with_update
+        >>> len(_compat.applied()) > 0  # the patches' targets, applied
+        True
+    """
+    gm = program.graph_module if is_program(program) else program
+    if isinstance(gm, GraphModule) and _count(gm, CONSOLIDATED_TARGETS):
+        _compat.install()

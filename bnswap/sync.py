@@ -89,11 +89,14 @@ from bnswap.functional import (
 __all__ = [
     "DEVICE_KERNELS",
     "FLAGS",
+    "NOT_SYNCED",
     "NO_GROUP_YET",
     "ONE_VALUE_MESSAGE",
     "ORIGINAL",
     "SYNC_CLASSES",
     "SYNC_KERNEL",
+    "SYNC_REASON",
+    "SYNC_REASONS",
     "GlobalStats",
     "RankStats",
     "Slots",
@@ -147,6 +150,25 @@ def sync_class(cls: type) -> type | None:
     mod, _, name = target.partition(":")
     return getattr(importlib.import_module(mod), name, None)
 
+
+#: The plan's reason for a swapped layer that ``sync_batchnorm=True`` leaves unsynchronized.
+NOT_SYNCED = (
+    "not synchronized: sync_batchnorm=True converts BatchNorm1d/2d/3d (exact "
+    "class, not parametrized) and timm's BatchNormAct2d"
+)
+
+
+#: The plan's reason for a layer that ``sync_batchnorm=True`` turns into the class
+#: :func:`sync_class` names (``str.format`` with its name), by that name.
+SYNC_REASON = (
+    "sync_batchnorm=True: becomes {}, same Parameter and buffer objects; bnswap.revert "
+    "puts the original back"
+)
+SYNC_REASONS = {
+    "SyncBatchNormAct": "sync_batchnorm=True: becomes timm's SyncBatchNormAct (timm's own "
+    "synchronized class, as timm.layers.convert_sync_batchnorm makes; drop and act kept), "
+    "same Parameter and buffer objects; bnswap.revert puts the original back"
+}
 
 #: The ``sync`` column of a synchronized layer over WORLD before
 #: ``torch.distributed.init_process_group``: training then normalizes with this process's

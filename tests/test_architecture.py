@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import ast
 import functools
+import itertools
 import pathlib
 import re
+import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "bnswap"
@@ -45,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "ort": {"functional", "_swap", "_log", "extras"},
     "backends": {"_swap", "ort"},
     "plan": {"_swap", "_warn", "_rows", "_patterns", "registry", "sync", "backends", "kernels"},
-    "convert": {"_warn", "_log", "_patterns", "_compat", "plan", "programs"},
+    "convert": {"_warn", "_log", "_patterns", "plan", "programs"},
     "lightning": {"backends", "convert", "extras", "layers", "plan", "sync"},
     "__init__": {
         "functional",
@@ -301,3 +304,88 @@ def test_no_module_is_over_800_lines_and_the_page_names_the_long_ones():
     section = PAGE.read_text().split("## Long modules", 1)[1]
     named = set(re.findall(r"^\| `([^`]+\.py)` \|", section, flags=re.M))
     assert named == {p for p, n in lengths.items() if n > 600}
+
+
+# ------------------------------------------------------------ the path through the door
+def _path(call, *parts: object) -> list[str]:
+    """The rows (:data:`ALLOWED`) whose functions ``call()`` hands one of ``parts`` (the
+    model and its modules, or the program, its graph modules and nodes) as an argument,
+    in the order called, each function at its first such call (a loop over layers or nodes
+    walks its body once), a row called again straight away counted once: the path of the
+    object through the package, as it runs."""
+    ids = {id(p) for p in parts}
+    path: list[str] = []
+    seen: set[object] = set()
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        try:
+            rel = pathlib.Path(code.co_filename).resolve().relative_to(PKG)
+        except ValueError:
+            return
+        args = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        if code not in seen and any(id(frame.f_locals.get(a)) in ids for a in args):
+            seen.add(code)
+            row = _row(_name(PKG / rel))
+            if not path or path[-1] != row:
+                path.append(row)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return path
+
+
+def _climbs(path: list[str]) -> int:
+    return sum(_layer(b) > _layer(a) for a, b in itertools.pairwise(path))
+
+
+def _one_layer_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+
+
+def _program(model: torch.nn.Module) -> torch.export.ExportedProgram:
+    return torch.export.export(model.eval(), (torch.randn(2, 3, 8, 8),))
+
+
+def _program_parts(program: object) -> list[object]:
+    """The program (an ExportedProgram or a GraphModule), its graph modules and nodes."""
+    gm = getattr(program, "graph_module", program)
+    graphs = [g for g in (getattr(m, "graph", None) for m in gm.modules()) if g is not None]
+    return [program, *gm.modules(), *(n for g in graphs for n in g.nodes)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("fn", ["convert", "plan", "revert"])
+def test_a_module_crosses_at_most_four_modules_and_climbs_at_most_twice(fn):
+    """Issue 47: the path of a model's objects through ``bnswap.convert`` / ``plan`` /
+    ``revert`` (a model of one BatchNorm layer: each step once): the door hands it to the
+    module road, which asks the backend and the swap primitive; it crosses at most 4 of
+    the package's modules and goes back up a layer at most twice."""
+    import bnswap
+
+    model = _one_layer_model()
+    if fn == "revert":
+        bnswap.convert(model)
+    path = _path(lambda: getattr(bnswap, fn)(model), *model.modules())
+    assert path[:2] == ["convert", "plan"], path
+    assert "programs" not in path, path
+    assert len(set(path)) <= 4 and _climbs(path) <= 2, path
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("fn", ["convert", "plan"])
+def test_a_program_crosses_at_most_four_modules_and_climbs_at_most_twice(fn):
+    """Issue 47: the same for an exported program of one batch-norm node: the door hands
+    it to the program road, which reads and rewrites its nodes below it."""
+    import bnswap
+
+    ep = _program(_one_layer_model())
+    path = _path(lambda: getattr(bnswap, fn)(ep), *_program_parts(ep))
+    assert path[:2] == ["convert", "programs"], path
+    assert "plan" not in path, path
+    assert len(set(path)) <= 4 and _climbs(path) <= 2, path

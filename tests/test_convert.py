@@ -397,6 +397,10 @@ def test_a_layer_without_tensors_is_planned_for_the_cpu():
             dict(include=3.5),
             "include takes glob patterns (str) on qualified module names and/or classes, got 3.5",
         ),
+        (  # one pattern, not the ints list() makes of bytes ("got 49")
+            dict(exclude=b"1"),
+            "exclude takes glob patterns (str) on qualified module names and/or classes, got b'1'",
+        ),
     ],
 )
 def test_bad_patterns_name_the_argument_and_the_item(kwargs, message):

@@ -5,6 +5,7 @@ program (or stock torch) on identical inputs and weights, bitwise on CPU."""
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 import warnings
@@ -426,17 +427,19 @@ def test_a_program_pattern_that_matches_no_node_warns():
         bnswap.plan(ep, include=["batch_norm*"])  # matches: no warning
 
 
-@pytest.mark.parametrize("patterns", [{"include": []}, {"exclude": 42}], ids=["empty", "int"])
+@pytest.mark.parametrize(
+    "patterns", [{"include": []}, {"exclude": 42}, {"exclude": b"1"}], ids=["empty", "int", "bytes"]
+)
 def test_a_programs_empty_include_includes_nothing_and_a_bad_pattern_is_bnswaps_error(patterns):
     """Issue 46: as for a module, include=[] includes no node (it converted every one) and
     says so; exclude=42 gets bnswap's TypeError (it was list()'s "'int' object is not
-    iterable"), before anything changes."""
+    iterable"), before anything changes; bytes are one pattern (not list()'s ints)."""
     ep = torch.export.export(model().train(), (X,))
     if "exclude" in patterns:
         with pytest.raises(
             TypeError,
             match=r"^exclude takes glob patterns \(str\) on node "
-            r"names for a program, got 42$",
+            rf"names for a program, got {re.escape(repr(patterns['exclude']))}$",
         ):
             bnswap.convert(ep, **patterns)
         return

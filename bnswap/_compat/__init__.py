@@ -1,15 +1,15 @@
-"""Every patch bnswap applies to torch and torchao, in one folder (a backend's own live
-in its package, e.g. :mod:`bnswap.ort._compat`). ``import bnswap`` applies none of them: they are
-applied once, by :func:`install`, when the process first holds a swapped layer (the
-first swap, or a swapped layer unpickled: :func:`bnswap._swap.on_first_swap`) or a bnswap
-entry point first meets a program holding the consolidated ops (:func:`install_for`:
-``bnswap.convert`` / ``plan`` / ``revert`` of a loaded ``.pt2`` program); a module
-not imported by then is patched when it is, by an import hook, so bnswap imports none of
-them. Each is version-gated, listed in :data:`PATCHES` (and ``docs/patches.md``), can be
-turned off with ``BNSWAP_DISABLE_PATCHES`` (``all`` or names, comma-separated), and
-changes nothing for a model that holds no swapped layer. Each is what a consumer that
-hands the model to a runtime of its own needs to see stock's BatchNorm (the guide "After
-training", docs/after-training.md).
+"""Every patch bnswap applies to torch and torchao, in one folder (a backend's own live in its
+package, e.g. :mod:`bnswap.ort._compat`). ``import bnswap`` applies none of them: they are
+applied once, by :func:`install`, when the process first holds a swapped layer (the first
+swap, or a swapped layer unpickled: :func:`bnswap._swap.on_first_swap`) or a bnswap entry
+point first meets a program holding the consolidated ops
+(:func:`bnswap.programs.install_patches_for`: ``bnswap.convert`` / ``plan`` / ``revert`` of
+a loaded ``.pt2`` program); a module not imported by then is patched when it is, by an
+import hook, so bnswap imports none of them. Each is version-gated, listed in
+:data:`PATCHES` (and ``docs/patches.md``), can be turned off with ``BNSWAP_DISABLE_PATCHES``
+(``all`` or names, comma-separated), and changes nothing for a model that holds no swapped
+layer. Each is what a consumer that hands the model to a runtime of its own needs to see
+stock's BatchNorm (the guide "After training", docs/after-training.md).
 
 One module per patch, each with its target, version gate and the function that applies
 it: :mod:`~bnswap._compat.torchscript`, :mod:`~bnswap._compat.dynamo`,
@@ -18,7 +18,7 @@ it: :mod:`~bnswap._compat.torchscript`, :mod:`~bnswap._compat.dynamo`,
 :mod:`~bnswap._compat.checkpoints`, :mod:`~bnswap._compat.core_aten`; the import hook in
 :mod:`~bnswap._compat._hooks`, what they share in :mod:`~bnswap._compat._shared`. This
 module is the folder's face: the table (:data:`PATCHES`), :func:`install`,
-:func:`applied`, :func:`install_for` and ``BNSWAP_DISABLE_PATCHES``.
+:func:`applied` and ``BNSWAP_DISABLE_PATCHES``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import torch
-
 from bnswap._compat._hooks import patch_when_imported
 from bnswap._compat._shared import lock
 from bnswap._compat.checkpoints import patch_checkpoints
@@ -42,7 +40,6 @@ from bnswap._compat.inductor import patch_inductor_conv_bn_eval
 from bnswap._compat.onnx import patch_onnx_exporter
 from bnswap._compat.torchao import MIN_TORCHAO, patch_torchao_export_utils, patch_torchao_pt2e
 from bnswap._compat.torchscript import patch_torchscript, stock_view
-from bnswap._graph import CONSOLIDATED_TARGETS
 from bnswap._swap import on_first_swap
 
 __all__ = [
@@ -52,9 +49,7 @@ __all__ = [
     "PATCHES",
     "Patch",
     "applied",
-    "holds_consolidated",
     "install",
-    "install_for",
     "patch_core_aten_decompositions",
     "stock_view",
 ]
@@ -211,7 +206,7 @@ def install() -> None:
     """Apply the patches of :data:`PATCHES` but those ``BNSWAP_DISABLE_PATCHES`` names
     (idempotent, thread-safe; a no-op after the first call). Called when the process
     first holds a swapped layer, or when a bnswap entry point first meets a program
-    holding the consolidated batch-norm ops (:func:`install_for`); never by
+    holding the consolidated batch-norm ops (:func:`bnswap.programs.install_patches_for`); never by
     ``import bnswap``."""
     global _installed
     with lock:
@@ -230,37 +225,6 @@ def install() -> None:
             else:
                 later[p.module] = functools.partial(_apply, p)
         patch_when_imported(later)
-
-
-def holds_consolidated(program: object) -> bool:
-    """Whether ``program`` (a ``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule``,
-    nested graphs included) has a node on a consolidated batch-norm op
-    (:data:`bnswap._graph.CONSOLIDATED_TARGETS`); False for anything else."""
-    gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
-    if not isinstance(gm, torch.fx.GraphModule):
-        return False
-    graphs = [
-        g
-        for g in (getattr(m, "graph", None) for m in gm.modules())
-        if isinstance(g, torch.fx.Graph)
-    ]
-    return any(
-        n.op == "call_function" and n.target in CONSOLIDATED_TARGETS
-        for g in graphs
-        for n in g.nodes
-    )
-
-
-def install_for(program: object) -> None:
-    """:func:`install` when ``program`` holds a consolidated batch-norm node
-    (:func:`holds_consolidated`). Every bnswap entry point that takes a program calls it
-    (``bnswap.convert`` / ``plan`` / ``revert`` of an ``ExportedProgram`` or a
-    ``GraphModule``): a program that ``bnswap convert`` wrote, loaded with
-    ``torch.export.load``, swaps no layer when it loads, yet torchao's pt2e flow needs the
-    patches for it (:func:`bnswap._compat.torchao.patch_torchao_pt2e`); ``bnswap.convert``
-    of it changes nothing in the graph and applies them. A no-op once installed."""
-    if not _installed and holds_consolidated(program):
-        install()
 
 
 on_first_swap(install)
