@@ -24,7 +24,7 @@ def pattern_list(p: Patterns, arg: str) -> list[Pattern]:
         return []
     try:
         # (bytes are one pattern, refused below: not the ints list() makes of them)
-        items = [p] if isinstance(p, (str, bytes, type)) else list(p)
+        items = [p] if isinstance(p, (str, bytes, bytearray, type)) else list(p)
     except TypeError:  # not iterable (exclude=42): bnswap's message, not list()'s
         items = [p]  # type: ignore[list-item]  # refused just below
     for item in items:

@@ -27,7 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from bnswap import programs
 from bnswap._log import info, logger
-from bnswap._patterns import EMPTY_INCLUDE, Patterns
+from bnswap._patterns import EMPTY_INCLUDE, Patterns, pattern_list
 from bnswap._warn import UnmatchedPatternWarning, warn
 from bnswap.plan import Plan, plan_layers, revert_layers, warn_left, warn_unmatched
 from bnswap.programs import ProgramPlan
@@ -207,6 +207,9 @@ def convert(
         _log(nodes)
         return program
     assert isinstance(module, nn.Module)  # _road: a module
+    if road is BOTH:  # both roads read the patterns: listed once (a generator is read once)
+        include = None if include is None else pattern_list(include, "include")
+        exclude = pattern_list(exclude, "exclude")
     todo, unmatched = plan_layers(
         module,
         backend,
@@ -220,6 +223,7 @@ def convert(
         # its BatchNorm layers and its batch-norm call_function nodes: a pattern may name
         # either, so it warns only when it matches neither (once)
         assert isinstance(module, GraphModule)  # _road: a graph with layers and nodes
+        # (a class pattern: the program road's TypeError, nodes have names only)
         graph_nodes, no_node = programs.plan_nodes(module, include=include, exclude=exclude)
         for kind, p in unmatched:
             if (kind, p) in no_node:

@@ -71,8 +71,8 @@ def _has_batchnorm(module: nn.Module) -> bool:
 def _listed(patterns: Patterns) -> Patterns:
     """``patterns`` with an iterable made a list: the callback plans at every stage, and a
     generator would be empty from the second plan on (an empty ``include`` swaps nothing)."""
-    if patterns is None or isinstance(patterns, (str, type)):
-        return patterns
+    if patterns is None or isinstance(patterns, (str, bytes, bytearray, type)):
+        return patterns  # (bytes: one pattern, refused by check_patterns)
     try:
         return list(patterns)
     except TypeError:  # not iterable: check_patterns says so

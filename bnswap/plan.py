@@ -669,7 +669,7 @@ def plan_layers(
                 if child is not None:
                     parents.setdefault(id(child), []).append((holder, key))
     to_wrap: list[str] = []
-    if be.wraps and wrap == "children":
+    if be.wraps and wrap == "children" and wrapper is module:  # (a wrapper: wrapped whole)
         rows, to_wrap = place_children(rows, module, be)
     return Plan(rows, wrapper, be.name, parents, wrap, to_wrap), unmatched
 

@@ -101,7 +101,7 @@ def _names(include: object, exclude: object) -> tuple[list[str], list[str]]:
     for arg, p in (("include", include), ("exclude", exclude)):
         try:
             # (bytes: one pattern, refused below, not the ints list() makes of them)
-            items = [] if p is None else [p] if isinstance(p, (str, bytes)) else list(p)  # type: ignore[call-overload]  # not iterable: below
+            items = [] if p is None else [p] if isinstance(p, (str, bytes, bytearray)) else list(p)  # type: ignore[call-overload]  # not iterable: below
         except TypeError:  # (exclude=42: bnswap's message, not list()'s)
             items = [p]
         names = [item for item in items if isinstance(item, str)]
@@ -702,6 +702,8 @@ def install_patches_for(program: Program) -> None:
         >>> len(_compat.applied()) > 0  # the patches' targets, applied
         True
     """
+    if _compat.installed():
+        return
     gm = program.graph_module if is_program(program) else program
     if isinstance(gm, GraphModule) and _count(gm, CONSOLIDATED_TARGETS):
         _compat.install()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -615,6 +616,11 @@ def test_bad_arguments_are_refused_at_construction():
         BNSwap(include=[3])
     with pytest.raises(TypeError, match=r"^exclude takes glob patterns .*, got 42$"):
         BNSwap(exclude=42)
+    for one in (b"1", bytearray(b"1")):  # one bad pattern, not the ints list() makes
+        with pytest.raises(
+            TypeError, match=rf"^include takes glob patterns .*, got {re.escape(repr(one))}$"
+        ):
+            BNSwap(include=one)
     # issue 46: the TypeError named the private _BNSwapBase.__init__()
     with pytest.raises(TypeError, match=r"^BNSwap\.__init__\(\) got an unexpected keyword "):
         BNSwap(exclud="head.*")

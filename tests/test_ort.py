@@ -414,6 +414,21 @@ def test_convert_of_a_wrapper_returns_it_or_says_how_to_switch():
     assert bnswap.ort.executed_ops(wrapped)["BatchNormInternal"] == 2
 
 
+def test_a_wrappers_children_are_not_wrapped_again():
+    """Guards (a reviewer's find): plan(wrapper, backend="ort", wrap="children") of what
+    convert(..., backend="ort") returned listed the model's children to wrap, and apply()
+    put an ORT wrapper inside the ORT wrapper. The whole model runs in ONNX Runtime
+    already: nothing more is wrapped, and apply returns the wrapper."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm2d(4)))
+    wrapped = bnswap.convert(model, backend="ort")
+    p = bnswap.plan(wrapped, backend="ort", wrap="children")
+    assert p.to_wrap == () and [r.backend for r in p] == ["ort", "ort"]
+    children = list(model.children())
+    assert p.apply() is wrapped and list(model.children()) == children
+    ort = bnswap.backends.backend_named("ort")
+    assert not any(ort.is_wrapper(c) for c in model.modules())
+
+
 def test_convert_of_a_model_without_batchnorm_warns_and_does_not_wrap():
     """As BNSwap(backend="ort") leaves a child without BatchNorm eager, convert leaves such a
     model unwrapped (it wrapped it in ORTModule silently), and says so."""

@@ -571,6 +571,19 @@ def test_convert_of_a_graph_with_layers_and_nodes_warns_once_for_a_pattern_match
         assert torch.equal(s, t)
 
 
+def test_convert_of_a_graph_with_layers_and_nodes_reads_a_generator_of_patterns_once():
+    """Guards (a reviewer's find): both roads read the patterns; a generator was used up
+    by the layers' plan, so the nodes' plan saw none: the node the pattern excluded was
+    converted, and nothing warned. Both are left out now, without a warning."""
+    gm, _ = _layer_and_node_graph()
+    seen, out = _unmatched_warnings(
+        lambda: bnswap.convert(gm, exclude=(p for p in ["bn", "native_batch_norm"]))
+    )
+    assert out is gm and seen == []
+    assert not bnswap.is_swapped(gm.bn)
+    assert bn_ops(gm) == ["aten.native_batch_norm.default"]
+
+
 def test_convert_of_a_graph_with_layers_and_nodes_refuses_a_class_pattern_before_any_swap():
     """A node pattern is a name: a class (which layers take) is refused for the graph's
     nodes, now before any layer is swapped (the layers were swapped first, then the error

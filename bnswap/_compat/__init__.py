@@ -50,6 +50,7 @@ __all__ = [
     "Patch",
     "applied",
     "install",
+    "installed",
     "patch_core_aten_decompositions",
     "stock_view",
 ]
@@ -200,6 +201,11 @@ def _apply(p: Patch, mod: Any) -> bool:
     if done:
         _applied.add(p.target)
     return done
+
+
+def installed() -> bool:
+    """Whether :func:`install` has run in this process."""
+    return _installed
 
 
 def install() -> None:
