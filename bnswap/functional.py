@@ -48,6 +48,16 @@ StandIns = Callable[["_BatchNorm"], "tuple[Tensor | None, Tensor | None]"]
 
 # torch.compiler.is_exporting: torch >= 2.5; older releases never run the assertion.
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _faked(t: Tensor) -> bool:
+    """Whether ``t`` is a fake tensor, or one traced under a fake mode (AOT's functional
+    wrappers): it has no value to read."""
+    return torch._C._get_dispatch_mode(_FAKE_MODE) is not None or _is_fake(t)
+
+
+_is_fake = torch._subclasses.fake_tensor.is_fake
 
 _tracing = threading.local()
 
@@ -487,6 +497,10 @@ def module_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if momentum is not None and type(momentum) is not float:
         check_momentum(momentum)
     compiling = torch.compiler.is_compiling()  # dynamo / export tracing: constant per graph
+    if momentum is None and not compiling and nbt is not None and _faked(nbt):
+        # torch 2.4's export and AOT trace torch.nn's modules with fake tensors outside
+        # dynamo (is_compiling() is False there): traced too, the counter has no value
+        compiling = True
     if (
         use_batch_stats
         and compiling
