@@ -211,3 +211,29 @@ def test_inductor_matches_eager_with_train_eval_switches():
     assert m[1].num_batches_tracked.item() == 3
     for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_momentum_none_traced_with_fake_tensors_outside_dynamo():
+    """Guards the path torch 2.4's export and AOT take (they trace torch.nn's modules with
+    fake tensors outside dynamo, where ``torch.compiler.is_compiling()`` is False): a
+    momentum=None layer read its counter as a float there ("data-dependent expression").
+    ``make_fx(tracing_mode="fake")`` takes that path on every release: the graph keeps
+    1 / num_batches_tracked and runs like stock eager (outputs bitwise, statistics within
+    float32's tolerance: the ulp of momentum=None in graphs, docs/reliability.md)."""
+    from torch.func import functional_call
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None))
+    m = bnswap.convert(copy.deepcopy(ref))
+    state = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+    gm = make_fx(lambda s, x: functional_call(m, s, (x,)), tracing_mode="fake")(
+        state, torch.randn(2, 3, 8, 8)
+    )
+    assert "aten.div_.Tensor" in {str(n.target) for n in gm.graph.nodes}  # 1 / n, traced
+    for _ in range(3):
+        x = torch.randn(2, 3, 8, 8)
+        assert torch.equal(gm(state, x), ref(x))
+        assert torch.equal(m[1].num_batches_tracked, ref[1].num_batches_tracked)
+        torch.testing.assert_close(m[1].running_mean, ref[1].running_mean)
+        torch.testing.assert_close(m[1].running_var, ref[1].running_var)
