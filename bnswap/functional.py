@@ -49,6 +49,7 @@ StandIns = Callable[["_BatchNorm"], "tuple[Tensor | None, Tensor | None]"]
 # torch.compiler.is_exporting: torch >= 2.5; older releases never run the assertion.
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+_is_fake = torch._subclasses.fake_tensor.is_fake
 
 
 def _faked(t: Tensor) -> bool:
@@ -56,8 +57,6 @@ def _faked(t: Tensor) -> bool:
     wrappers): it has no value to read."""
     return torch._C._get_dispatch_mode(_FAKE_MODE) is not None or _is_fake(t)
 
-
-_is_fake = torch._subclasses.fake_tensor.is_fake
 
 _tracing = threading.local()
 
